@@ -1,0 +1,68 @@
+"""
+Crash-safe files and the RNG state that exact resume needs.
+
+A checkpoint is a dict of state_dicts, tensors and primitives, written atomically (temp file in
+the same folder, flush, fsync, os.replace, fsync of the folder), so a kill at any moment leaves
+either the old file or the new one, never half of one. It is read with weights_only=True, so a
+checkpoint file cannot run code.
+"""
+import os
+import random
+
+import numpy as np
+import torch
+
+
+class CheckpointError(Exception):
+    pass
+
+
+def atomic_write(path, write):
+    """write(f) fills a binary file object; path appears complete or not at all."""
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = path + '.tmp'  # same folder: os.replace is atomic only within one filesystem
+    with open(tmp, 'wb') as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(folder, os.O_RDONLY)  # make the rename itself durable
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(obj, path):
+    atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def load(path):
+    try:
+        return torch.load(path, map_location='cpu', weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} does not exist: check out_dir / resume_from, or use init_from=scratch")
+    except Exception as e:
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupt: {first_line}): "
+                              f"resume from another file with resume_from=PATH, or start a new out_dir")
+
+
+def rng_state():
+    """Every RNG in play on this process, in types torch.load(weights_only=True) accepts."""
+    np_state = np.random.get_state()
+    return {
+        'python': random.getstate(),
+        'numpy': (np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]),
+        'torch': torch.get_rng_state(),
+        'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state):
+    random.setstate(state['python'])
+    name, key, *rest = state['numpy']
+    np.random.set_state((name, key.numpy(), *rest))
+    torch.set_rng_state(state['torch'])
+    if state['cuda']:
+        torch.cuda.set_rng_state_all(state['cuda'])

@@ -1,0 +1,81 @@
+"""
+nanoGPT-style configuration: start from the defaults that train.py (or bench.py, sample.py)
+declares at module level, run each config file named on the command line (plain Python that
+assigns some of those names), then apply --key=value overrides:
+
+    python train.py config/tiny.py --batch_size=8 --compile=False
+
+Every value is type-checked against its default, and unknown names fail with the closest known
+ones, so a typo never trains the wrong model silently. Returns the resolved config and where each
+value came from ('default', the config file's path, or 'command line').
+"""
+import ast
+import difflib
+
+
+class ConfigError(Exception):
+    pass
+
+
+def _unknown(key, defaults):
+    close = difflib.get_close_matches(key, list(defaults), n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(close)}?" if close else "see the defaults at the top of the script"
+    return ConfigError(f"unknown config key '{key}': {hint}")
+
+
+def _checked(key, value, default, origin):
+    # ints are accepted where a float is expected (learning_rate=1 is fine); bools are not ints here
+    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if type(value) is not type(default):
+        raise ConfigError(f"{origin}: {key}={value!r} has type {type(value).__name__}, "
+                          f"expected {type(default).__name__} (like the default {default!r})")
+    return value
+
+
+def _parse(key, text, default):
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        if isinstance(default, str):
+            return text  # --device=cpu: a bare word is a string
+        raise ConfigError(f"command line: cannot parse --{key}={text}: expected a {type(default).__name__} "
+                          f"like the default {default!r}")
+    if isinstance(default, str) and not isinstance(value, str):
+        return text  # --out_dir=2024 stays the string '2024'
+    return value
+
+
+def configure(defaults, argv):
+    """defaults: {name: value} of int/float/bool/str; argv: sys.argv[1:].
+    Returns (config, sources), both dicts over the same keys."""
+    config, sources = dict(defaults), {k: 'default' for k in defaults}
+    for arg in argv:
+        if not arg.startswith('--'):
+            if not arg.endswith('.py'):
+                raise ConfigError(f"'{arg}' is neither a config file (*.py) nor a --key=value override")
+            try:
+                with open(arg) as f:
+                    code = f.read()
+            except OSError as e:
+                raise ConfigError(f"cannot read config file {arg}: {e.strerror}")
+            namespace = {}
+            try:
+                exec(compile(code, arg, 'exec'), namespace)
+            except Exception as e:
+                raise ConfigError(f"config file {arg} failed: {type(e).__name__}: {e}")
+            for key, value in namespace.items():
+                if key.startswith('_') or type(value).__name__ in ('module', 'function', 'type'):
+                    continue  # imports and helpers a config file may use
+                if key not in defaults:
+                    raise ConfigError(f"{arg}: " + str(_unknown(key, defaults)))
+                config[key], sources[key] = _checked(key, value, defaults[key], arg), arg
+        else:
+            key, eq, text = arg[2:].partition('=')
+            if not eq:
+                raise ConfigError(f"'{arg}' has no value: write --{key}=VALUE")
+            if key not in defaults:
+                raise _unknown(key, defaults)
+            value = _parse(key, text, defaults[key])
+            config[key], sources[key] = _checked(key, value, defaults[key], 'command line'), 'command line'
+    return config, sources

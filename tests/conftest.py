@@ -1,0 +1,49 @@
+"""Shared fixtures: a small generated corpus, prepared once, and a way to run train.py as users do."""
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+RUN_CONFIG = os.path.join(REPO, 'tests', 'run_config.py')
+
+
+def make_corpus(folder, num_docs=40, seed=0):
+    """Documents of structured pseudo-English: learnable, so val loss must fall within a few dozen steps."""
+    rng = random.Random(seed)
+    subjects = ['the cat', 'a dog', 'my friend', 'the king', 'our ship', 'her song']
+    verbs = ['sees', 'loves', 'finds', 'keeps', 'sends', 'hears']
+    objects = ['the moon.', 'a small bird.', 'the old road.', 'two red apples.', 'the sea.', 'his letter.']
+    os.makedirs(folder, exist_ok=True)
+    for d in range(num_docs):
+        lines = [f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}" for _ in range(rng.randint(30, 60))]
+        with open(os.path.join(folder, f'doc{d:03d}.txt'), 'w') as f:
+            f.write('\n'.join(lines) + '\n')
+    return folder
+
+
+@pytest.fixture(scope='session')
+def data_dir(tmp_path_factory):
+    import prepare
+    root = tmp_path_factory.mktemp('data')
+    prepare.prepare('toy', data_dir=str(root), input_path=make_corpus(str(root / 'toy_src')))
+    return str(root)
+
+
+def run_train(out_dir, data_dir, *overrides, check=True, env=None, timeout=300):
+    """python train.py tests/run_config.py --data_dir=... --out_dir=... OVERRIDES, from the repo root."""
+    cmd = [sys.executable, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    if check and result.returncode != 0:
+        raise AssertionError(f"train.py failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def read_metrics(out_dir, kind=None):
+    with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
+        records = [json.loads(line) for line in f]
+    return [r for r in records if kind is None or r['kind'] == kind]

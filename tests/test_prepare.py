@@ -1,0 +1,272 @@
+import base64
+import hashlib
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import prepare
+
+PREPARE_PY = os.path.abspath(prepare.__file__)
+
+
+def read_meta(out_dir):
+    with open(os.path.join(out_dir, 'meta.json'), encoding='utf-8') as f:
+        return json.load(f)
+
+
+def read_split(out_dir, split):
+    return np.fromfile(os.path.join(out_dir, f'{split}.bin'), dtype=read_meta(out_dir)['dtype'])
+
+
+def folder_snapshot(folder):
+    return {name: open(os.path.join(folder, name), 'rb').read() for name in sorted(os.listdir(folder))}
+
+
+def run_cli(*args, cwd, env=None):
+    return subprocess.run([sys.executable, PREPARE_PY, *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def write_docs(folder, n=30):
+    """n distinct documents, each tagged [doc NN], plus two exact copies of doc 03 (one nested)."""
+    rng = random.Random(0)
+    texts = {}
+    for i in range(n):
+        body = ' '.join(rng.choice(['alpha', 'beta', 'gamma', 'delta']) for _ in range(20))
+        texts[f'doc{i:02d}.txt'] = f'[doc {i:02d}] 0123456789 {body}\n'
+    texts['zz_copy_of_03.txt'] = texts['doc03.txt']
+    texts['sub/copy_of_03.txt'] = texts['doc03.txt']
+    for rel, text in texts.items():
+        path = folder / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding='utf-8')
+    return texts
+
+
+def doc_tags(out_dir, split):
+    _, decode = prepare.load_tokenizer(read_meta(out_dir))
+    return re.findall(r'\[doc (\d\d)\]', decode(read_split(out_dir, split).tolist()))
+
+
+def test_folder_splits_are_disjoint_and_duplicates_dropped(tmp_path):
+    write_docs(tmp_path / 'docs')
+    out_dir = prepare.prepare('docs', data_dir=tmp_path / 'data', input_path=tmp_path / 'docs')
+    meta = read_meta(out_dir)
+    assert meta['duplicates_dropped'] == 2
+    assert {s: meta['splits'][s]['documents'] for s in prepare.SPLITS} == {'train': 25, 'val': 3, 'test': 2}
+    tags = {s: doc_tags(out_dir, s) for s in prepare.SPLITS}
+    all_tags = tags['train'] + tags['val'] + tags['test']
+    assert sorted(all_tags) == [f'{i:02d}' for i in range(30)]  # each document exactly once, copies of 03 included
+    for split, docs in tags.items():
+        assert docs == sorted(docs), 'documents within a split are in sorted-id order'
+        assert len(docs) == meta['splits'][split]['documents']
+    assert meta['splits']['train']['unknown_chars'] == 0
+    assert meta['source'] == str(tmp_path / 'docs')
+    assert meta['split_rule'].startswith('documents: seeded shuffle (seed 1337)')
+    splits, _ = prepare.split_documents(prepare.read_source('docs', tmp_path / 'docs')[1], seed=1337)
+    kept_ids = {doc_id for docs in splits.values() for doc_id, _ in docs}
+    assert 'doc03.txt' in kept_ids and len(kept_ids) == 30, 'the first copy by sorted id is kept'
+
+
+def test_folder_split_is_deterministic_and_seeded(tmp_path):
+    write_docs(tmp_path / 'docs')
+    runs = [prepare.prepare('docs', data_dir=tmp_path / d, input_path=tmp_path / 'docs', seed=seed)
+            for d, seed in [('a', 1), ('b', 1), ('c', 2)]]
+    assert folder_snapshot(runs[0]) == folder_snapshot(runs[1])
+    assert doc_tags(runs[0], 'val') != doc_tags(runs[2], 'val')
+    assert read_meta(runs[0])['source_sha256'] == read_meta(runs[2])['source_sha256']
+
+
+def test_leak_check_raises_even_without_assert():
+    splits = {'train': [('a', 'x'), ('b', 'y')], 'val': [('c', 'y')], 'test': [('d', 'z')]}
+    with pytest.raises(RuntimeError, match='train and val'):
+        prepare.check_no_leak(splits)
+
+
+def test_char_vocab_is_fit_on_train_only(tmp_path):
+    text = list('abc abc\n' * 125)  # n = 1000: train [0, 850), test [850, 900), val [900, 1000)
+    text[860:863] = 'WWW'  # only in test
+    text[950:954] = 'VVVV'  # only in val
+    text = ''.join(text)
+    (tmp_path / 'in.txt').write_text(text, encoding='utf-8')
+    out_dir = prepare.prepare('t', data_dir=tmp_path / 'data', input_path=tmp_path / 'in.txt')
+    meta = read_meta(out_dir)
+    assert meta['tokenizer']['chars'] == ['\n', ' ', 'a', 'b', 'c']
+    assert meta['tokenizer']['unk_id'] == 0 and meta['vocab_size'] == 6
+    assert [meta['splits'][s]['unknown_chars'] for s in prepare.SPLITS] == [0, 4, 3]
+    test_ids, val_ids = read_split(out_dir, 'test'), read_split(out_dir, 'val')
+    assert np.flatnonzero(test_ids == 0).tolist() == [10, 11, 12]
+    assert np.flatnonzero(val_ids == 0).tolist() == [50, 51, 52, 53]
+    encode, decode = prepare.load_tokenizer(meta)
+    assert encode('abW') == [3, 4, 0]
+    assert decode(val_ids.tolist()) == text[900:].replace('V', '\ufffd')
+
+
+def test_single_file_contiguous_split(tmp_path):
+    rng = random.Random(0)
+    text = ''.join(rng.choice('abcdefghij \n') for _ in range(1003))
+    (tmp_path / 'in.txt').write_text(text, encoding='utf-8')
+    out_dir = prepare.prepare('t', data_dir=tmp_path / 'data', input_path=tmp_path / 'in.txt')
+    meta = read_meta(out_dir)
+    _, decode = prepare.load_tokenizer(meta)
+    expected = {'train': (0, 852), 'test': (852, 902), 'val': (902, 1003)}
+    for split, (a, b) in expected.items():
+        assert decode(read_split(out_dir, split).tolist()) == text[a:b]
+        assert meta['splits'][split] == {'tokens': b - a, 'documents': 1, 'unknown_chars': 0, 'char_range': [a, b]}
+    assert meta['source_sha256'] == hashlib.sha256(text.encode()).hexdigest()
+    assert meta['split_rule'].startswith('contiguous')
+    assert meta['dtype'] == 'uint16' and meta['duplicates_dropped'] == 0
+
+
+def write_ranks(path, merges):
+    lines = [f'{base64.b64encode(bytes([i])).decode()} {i}' for i in range(256)]
+    lines += [f'{base64.b64encode(m).decode()} {256 + k}' for k, m in enumerate(merges)]
+    path.write_text('\n'.join(lines) + '\n')
+
+
+def test_bpe_from_local_tiktoken_file(tmp_path, monkeypatch):
+    monkeypatch.setenv('TIKTOKEN_CACHE_DIR', str(tmp_path / 'cache'))  # tiktoken caches even local files
+    ranks = tmp_path / 'tiny.tiktoken'
+    write_ranks(ranks, [b'th', b'he', b'the'])
+    docs = {f'd{i}.txt': f'the theme of the other {i} ' * (i + 1) for i in range(5)}
+    (tmp_path / 'docs').mkdir()
+    for name, text in docs.items():
+        (tmp_path / 'docs' / name).write_text(text)
+    out_dir = prepare.prepare('b', data_dir=tmp_path / 'data', input_path=tmp_path / 'docs', tokenizer=str(ranks))
+    meta = read_meta(out_dir)
+    assert meta['tokenizer'] == {'kind': 'tiktoken', 'encoding': str(ranks),
+                                 'ranks_sha256': hashlib.sha256(ranks.read_bytes()).hexdigest(),
+                                 'pat_str': prepare.GPT2_PAT_STR, 'eot_id': 259}
+    assert meta['vocab_size'] == 260 and 'unknown_chars' not in meta['splits']['train']
+    encode, decode = prepare.load_tokenizer(meta)
+    assert encode('the') == [258]
+    id_of = {text: name for name, text in docs.items()}
+    seen, n_text_tokens = [], 0
+    for split in prepare.SPLITS:
+        ids = read_split(out_dir, split).tolist()
+        assert len(ids) == meta['splits'][split]['tokens'] and ids[-1] == 259, 'each document ends with eot'
+        ends = [k for k, t in enumerate(ids) if t == 259]
+        split_docs = [decode(ids[a + 1:b]) for a, b in zip([-1] + ends, ends)]
+        assert len(split_docs) == meta['splits'][split]['documents']
+        names = [id_of[t] for t in split_docs]
+        assert names == sorted(names)
+        seen += names
+        n_text_tokens += len(ids) - len(ends)
+    assert sorted(seen) == sorted(docs)
+    assert 258 in read_split(out_dir, 'train')
+    assert n_text_tokens < sum(len(t.encode()) for t in docs.values()), 'merges were used'
+
+    write_ranks(ranks, [b'th', b'he'])  # same path, different merges: neither meta nor the cache may go stale
+    with pytest.raises(prepare.PrepareError, match='changed since'):
+        prepare.load_tokenizer(meta)
+    out_dir = prepare.prepare('b', data_dir=tmp_path / 'data', input_path=tmp_path / 'docs', tokenizer=str(ranks))
+    encode, _ = prepare.load_tokenizer(read_meta(out_dir))
+    assert encode('the') == [256, ord('e')]
+    assert read_meta(out_dir)['tokenizer']['eot_id'] == 258
+
+
+def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
+    (tmp_path / 'f.txt').write_text('hello world ' * 100)
+    (tmp_path / 'cache').mkdir()
+    proxy = 'http://127.0.0.1:9'
+    env = dict(os.environ, TIKTOKEN_CACHE_DIR=str(tmp_path / 'cache'),
+               HTTPS_PROXY=proxy, HTTP_PROXY=proxy, https_proxy=proxy, http_proxy=proxy)
+    result = run_cli('x', '--input', 'f.txt', '--tokenizer', 'gpt2', cwd=tmp_path, env=env)
+    assert result.returncode == 2
+    assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith('error: ')
+    assert 'TIKTOKEN_CACHE_DIR' in result.stderr and '--tokenizer char' in result.stderr
+    assert not (tmp_path / 'data').exists()
+
+
+@pytest.mark.parametrize('args, expected', [
+    (['x', '--input', 'missing.txt'], 'does not exist'),
+    (['x', '--input', 'empty.txt'], 'empty'),
+    (['x', '--input', 'blank.txt'], 'only whitespace'),
+    (['x', '--input', 'empty_dir'], 'has no files'),
+    (['x', '--input', 'latin1.txt'], r'latin1.txt is not UTF-8 \(invalid byte at offset 3\).*iconv'),
+    (['x', '--input', 'tiny.txt'], 'split has no tokens'),
+    (['x', '--input', 'two_docs'], 'only 2 distinct documents'),
+    (['x', '--input', 'good.txt', '--tokenizer', 'bpe'], "tokenizer 'bpe' not understood"),
+    (['x', '--input', 'good.txt', '--tokenizer', 'nope.tiktoken'], 'not found'),
+    (['unknown_name'], 'pystdlib_char.*--input'),
+])
+def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
+    (tmp_path / 'empty.txt').write_bytes(b'')
+    (tmp_path / 'blank.txt').write_text(' \n\t\n')
+    (tmp_path / 'empty_dir').mkdir()
+    (tmp_path / 'latin1.txt').write_bytes('caf\u00e9 au lait'.encode('latin-1'))
+    (tmp_path / 'tiny.txt').write_text('abc')
+    (tmp_path / 'two_docs').mkdir()
+    (tmp_path / 'two_docs' / 'a').write_text('one')
+    (tmp_path / 'two_docs' / 'b').write_text('two')
+    (tmp_path / 'two_docs' / 'c').write_text('one')
+    (tmp_path / 'good.txt').write_text('some good text\n' * 20)
+    result = run_cli(*args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith('error: ')
+    assert re.search(expected, result.stderr)
+    assert not (tmp_path / 'data').exists()
+
+
+def test_failing_rerun_leaves_existing_dataset_untouched(tmp_path, monkeypatch):
+    (tmp_path / 'good.txt').write_text('some good text\n' * 20)
+    (tmp_path / 'bad.txt').write_bytes(b'\xff\xfe bad')
+    assert run_cli('x', '--input', 'good.txt', cwd=tmp_path).returncode == 0
+    before = folder_snapshot(tmp_path / 'data' / 'x')
+    result = run_cli('x', '--input', 'bad.txt', cwd=tmp_path)
+    assert result.returncode == 2 and 'Traceback' not in result.stderr
+    assert folder_snapshot(tmp_path / 'data' / 'x') == before
+
+    def fail_while_writing(*args, **kwargs):  # a crash in the middle of writing the new dataset
+        raise OSError('disk full')
+    monkeypatch.setattr(prepare.json, 'dump', fail_while_writing)
+    (tmp_path / 'other.txt').write_text('other text entirely\n' * 20)
+    with pytest.raises(OSError, match='disk full'):
+        prepare.prepare('x', data_dir=tmp_path / 'data', input_path=tmp_path / 'other.txt')
+    assert folder_snapshot(tmp_path / 'data' / 'x') == before
+    assert os.listdir(tmp_path / 'data') == ['x'], 'no temp folders left behind'
+
+
+def test_successful_rerun_replaces_dataset(tmp_path):
+    (tmp_path / 'a.txt').write_text('first text\n' * 20)
+    (tmp_path / 'b.txt').write_text('second text\n' * 30)
+    prepare.prepare('x', data_dir=tmp_path / 'data', input_path=tmp_path / 'a.txt')
+    out_dir = prepare.prepare('x', data_dir=tmp_path / 'data', input_path=tmp_path / 'b.txt')
+    assert read_meta(out_dir)['source'] == str(tmp_path / 'b.txt')
+    assert os.listdir(tmp_path / 'data') == ['x']
+
+
+def test_cli_prints_summary(tmp_path):
+    (tmp_path / 'good.txt').write_text('some good text\n' * 20)
+    result = run_cli('x', '--input', 'good.txt', '--data_dir', 'out', cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert 'out/x' in result.stdout and 'vocab_size' in result.stdout and 'train' in result.stdout
+    assert sorted(os.listdir(tmp_path / 'out' / 'x')) == ['meta.json', 'test.bin', 'train.bin', 'val.bin']
+
+
+def test_pystdlib_char(tmp_path):
+    start = time.time()
+    out_dir = prepare.prepare('pystdlib_char', data_dir=tmp_path)
+    assert time.time() - start < 10
+    meta = read_meta(out_dir)
+    assert meta['source'].startswith('python stdlib at ')
+    assert meta['tokenizer']['kind'] == 'char' and meta['dtype'] == 'uint16'
+    for split in prepare.SPLITS:
+        assert meta['splits'][split]['tokens'] == len(read_split(out_dir, split)) > 0
+    assert meta['splits']['train']['documents'] > 10 * meta['splits']['test']['documents'] > 0
+    # the same documents as prepare saw, checked independently for overlap
+    _, docs = prepare.read_source('pystdlib_char', None)
+    dirs = {name for doc_id, _ in docs for name in doc_id.split('/')[:-1]}
+    assert dirs and not any(d in ('site-packages', '__pycache__', 'idle_test') or d.startswith('test') for d in dirs)
+    splits, dropped = prepare.split_documents(docs, meta['seed'])
+    assert dropped == meta['duplicates_dropped']
+    ids = [{d for d, _ in splits[s]} for s in prepare.SPLITS]
+    assert not (ids[0] & ids[1] or ids[0] & ids[2] or ids[1] & ids[2])
+    assert [len(i) for i in ids] == [meta['splits'][s]['documents'] for s in prepare.SPLITS]

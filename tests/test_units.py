@@ -1,0 +1,146 @@
+"""Unit tests: the model's contract, the samplers' coverage and sharding, the configurator's errors."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import data
+from configurator import ConfigError, configure
+from model import GPT, GPTConfig
+
+
+def tiny_gpt(**kw):
+    return GPT(GPTConfig(**{**dict(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32), **kw}))
+
+
+def test_forward_contract():
+    model = tiny_gpt()
+    logits = model(torch.randint(0, 50, (3, 16)))
+    assert logits.shape == (3, 16, 50) and logits.dtype == torch.float32
+    assert model(torch.randint(0, 50, (2, 5))).shape == (2, 5, 50)  # shorter than block_size is fine
+    with pytest.raises(ValueError, match='block_size'):
+        model(torch.randint(0, 50, (1, 17)))
+
+
+def test_causal_and_tied():
+    model = tiny_gpt().eval()
+    idx = torch.randint(0, 50, (1, 16))
+    changed = idx.clone()
+    changed[0, 10] = (idx[0, 10] + 1) % 50
+    a, b = model(idx), model(changed)
+    assert torch.equal(a[0, :10], b[0, :10])  # positions before 10 cannot see token 10
+    assert not torch.equal(a[0, 10:], b[0, 10:])
+    assert model.lm_head.weight is model.wte.weight
+
+
+def test_init_and_param_groups():
+    model = tiny_gpt(bias=True)
+    proj = model.blocks[0].mlp.c_proj.weight.std().item()
+    assert abs(proj - 0.02 / math.sqrt(2 * 2)) < 0.004  # residual projections scaled down
+    assert torch.all(model.blocks[0].attn.c_attn.bias == 0)
+    decay, no_decay = model.optim_groups(0.1)
+    decay_ids = {id(p) for p in decay['params']}
+    assert id(model.blocks[0].attn.c_attn.weight) in decay_ids
+    assert id(model.wte.weight) not in decay_ids and id(model.wpe.weight) not in decay_ids
+    assert id(model.blocks[0].ln_1.weight) not in decay_ids and id(model.blocks[0].attn.c_attn.bias) not in decay_ids
+    n_all = sum(p.numel() for p in model.parameters())
+    assert len(decay['params']) + len(no_decay['params']) == len(list(model.parameters()))
+    assert model.num_params() == n_all - model.wpe.weight.numel()
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    tokens = np.arange(1000, dtype=np.uint16) % 7
+    path = tmp_path / 'split.bin'
+    tokens.tofile(path)
+    return str(path), tokens
+
+
+@pytest.mark.parametrize('world_size', [1, 2, 3])
+def test_eval_covers_every_token_once(token_file, world_size):
+    path, tokens = token_file
+    ds = data.TokenWindows(path, 'uint16', 64)
+    seen = []  # (position of the predicted token, its value)
+    for rank in range(world_size):
+        for batch in data.EvalSampler(ds.num_tokens, 64, 4, 0, rank, world_size):
+            for start in batch:
+                x, y, _ = ds[start]
+                for i, target in enumerate(y.tolist()):
+                    if target != data.IGNORE_INDEX:
+                        seen.append(start + 1 + i)
+                        assert target == tokens[start + 1 + i] and x[i] == tokens[start + i]
+    assert sorted(seen) == list(range(1, 1000))  # every token but the first is a target exactly once
+
+
+def test_eval_cap_is_fixed_and_spread(token_file):
+    path, _ = token_file
+    first = [s for b in data.EvalSampler(1000, 10, 4, max_windows=8) for s in b]
+    again = [s for b in data.EvalSampler(1000, 10, 4, max_windows=8) for s in b]
+    assert first == again and len(first) == 8 and first[0] == 0 and first[-1] == 990
+
+
+def test_train_shards_union_equals_one_process():
+    one = data.TrainSampler(5000, 16, batch_size=8, global_batch=32, seed=3)
+    ranks = [data.TrainSampler(5000, 16, batch_size=8, global_batch=32, seed=3, rank=r, world_size=2) for r in range(2)]
+    one_batches, rank_batches = one.epoch_batches(0), [s.epoch_batches(0) for s in ranks]
+    steps = len(one_batches) // 4
+    assert steps > 0 and all(len(b) == 2 * steps for b in rank_batches)
+    for step in range(steps):  # an optimizer step = 4 micro-batches on 1 process, 2 on each of 2 ranks
+        single = sorted(s for b in one_batches[4 * step:4 * step + 4] for s in b)
+        sharded = sorted(s for r in range(2) for b in rank_batches[r][2 * step:2 * step + 2] for s in b)
+        assert single == sharded
+    assert not set(sum(rank_batches[0], [])) & set(sum(rank_batches[1], []))
+    assert one.epoch_batches(0) != one.epoch_batches(1)  # reshuffled each epoch
+
+
+def test_train_sampler_resumes_at_next_unseen_batch():
+    straight = data.TrainSampler(3000, 16, batch_size=4, global_batch=4, seed=1)
+    it = iter(straight)
+    consumed = []
+    for _ in range(100):  # crosses epoch boundaries (about 46 batches an epoch)
+        consumed.append(next(it))
+        straight.mark_consumed()
+    state = straight.state_dict()
+    expected = [next(it) for _ in range(30)]
+    resumed = data.TrainSampler(3000, 16, batch_size=4, global_batch=4, seed=1)
+    resumed.load_state_dict(state)
+    assert state['epoch'] == 2 and [b for _, b in zip(range(30), resumed)] == expected
+
+
+def test_train_sampler_rejects_tiny_split():
+    with pytest.raises(data.DataError, match='fewer than one optimizer step'):
+        data.TrainSampler(100, 32, batch_size=8, global_batch=8, seed=0)
+
+
+DEFAULTS = {'batch_size': 12, 'learning_rate': 6e-4, 'compile': False, 'device': 'auto', 'out_dir': 'out'}
+
+
+def test_configure_file_then_overrides(tmp_path):
+    cfg = tmp_path / 'c.py'
+    cfg.write_text("import math\nbatch_size = 4\nlearning_rate = 1\n")
+    config, sources = configure(DEFAULTS, [str(cfg), '--batch_size=8', '--device=cuda:1', '--out_dir=2024'])
+    assert config == {'batch_size': 8, 'learning_rate': 1.0, 'compile': False, 'device': 'cuda:1', 'out_dir': '2024'}
+    assert sources == {'batch_size': 'command line', 'learning_rate': str(cfg), 'compile': 'default',
+                       'device': 'command line', 'out_dir': 'command line'}
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--batch_sise=8'], "unknown config key 'batch_sise': did you mean batch_size"),
+    (['--batch_size=8.5'], "batch_size=8.5 has type float, expected int"),
+    (['--compile=yes'], "cannot parse --compile=yes"),
+    (['--compile=1'], "compile=1 has type int, expected bool"),
+    (['--batch_size'], "has no value"),
+    (['nonsense'], "neither a config file"),
+    (['missing.py'], "cannot read config file missing.py"),
+])
+def test_configure_errors(argv, message):
+    with pytest.raises(ConfigError, match=message.replace('.', r'\.')):
+        configure(DEFAULTS, argv)
+
+
+def test_configure_file_unknown_key(tmp_path):
+    cfg = tmp_path / 'c.py'
+    cfg.write_text("learnig_rate = 1e-3\n")
+    with pytest.raises(ConfigError, match="unknown config key 'learnig_rate': did you mean learning_rate"):
+        configure(DEFAULTS, [str(cfg)])

@@ -1,0 +1,467 @@
+"""
+Train a GPT. One process:
+
+    python train.py config/tiny.py --batch_size=8
+
+Data parallel on several processes or machines (gloo on CPU, nccl on GPUs):
+
+    torchrun --standalone --nproc_per_node=4 train.py config/tiny.py
+
+The defaults below keep nanoGPT's names and meanings; config files and --key=value override them
+(configurator.py). Everything a run writes goes to out_dir: config.json, meta.json, train.log,
+metrics.jsonl, best.pt (lowest val loss) and last.pt (the latest state, for resuming).
+"""
+import atexit
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import checkpoint
+import data
+import prepare
+from configurator import ConfigError, configure
+from model import GPT, GPTConfig
+
+# -----------------------------------------------------------------------------
+# I/O
+out_dir = 'out'
+eval_interval = 2000
+log_interval = 1
+eval_iters = 200  # eval batches per split and evaluation (evenly spread windows); 0 = the whole split
+always_save_checkpoint = True  # write last.pt at every evaluation, not only at the end
+init_from = 'scratch'  # 'scratch', 'resume' (out_dir/last.pt or resume_from) or 'auto' (resume if last.pt exists)
+resume_from = ''  # a checkpoint to resume from instead of out_dir/last.pt, e.g. out/best.pt
+# logging services (off by default)
+wandb_log = False
+wandb_project = 'honestgpt'
+wandb_run_name = 'run'
+# data
+dataset = 'pystdlib_char'  # a folder under data_dir written by prepare.py
+data_dir = 'data'
+gradient_accumulation_steps = 40  # global: divided by the number of processes
+batch_size = 12  # micro-batch per process
+block_size = 1024
+num_workers = 1  # loader worker processes per rank; 0 loads in the training process
+# model
+n_layer = 12
+n_head = 12
+n_embd = 768
+dropout = 0.0
+bias = False
+# AdamW
+learning_rate = 6e-4
+max_iters = 600000  # iterations (optimizer steps attempted, each of gradient_accumulation_steps micro-batches)
+weight_decay = 1e-1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0  # 0 disables clipping (the norm is still measured and logged)
+# learning rate schedule: linear warmup, cosine decay to min_lr at lr_decay_iters, then flat
+decay_lr = True
+warmup_iters = 2000
+lr_decay_iters = 600000
+min_lr = 6e-5
+# early stopping and smoke test
+patience = 0  # stop after this many evaluations without a new best val loss; 0 never stops early
+overfit_one_batch = False  # train on one fixed batch: loss must approach zero if model, loss and optimizer are wired
+# system
+device = 'auto'  # 'auto', 'cpu', 'cuda', 'cuda:1', ...
+dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 uses a GradScaler)
+compile = False  # torch.compile the model
+backend = 'auto'  # distributed backend: 'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'
+init_scale = 65536.0  # float16 GradScaler's first loss scale (tests set it huge to force overflows)
+max_consecutive_skips = 20  # abort when float16 overflow skips this many optimizer steps in a row
+seed = 1337
+deterministic = False  # torch.use_deterministic_algorithms: bitwise repeatable runs where kernels allow
+# -----------------------------------------------------------------------------
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+try:
+    config, config_sources = configure({k: globals()[k] for k in config_keys}, sys.argv[1:])
+except ConfigError as e:
+    sys.exit(f"error: {e}")
+globals().update(config)
+
+
+def check(ok, message):
+    """A user mistake: one line with the fix, exit code 1, nothing written."""
+    if not ok:
+        sys.exit(f"error: {message}")
+
+
+check(init_from in ('scratch', 'resume', 'auto'), f"init_from='{init_from}': use 'scratch', 'resume' or 'auto'")
+check(dtype in ('auto', 'float32', 'bfloat16', 'float16'), f"dtype='{dtype}': use 'auto', 'float32', 'bfloat16' or 'float16'")
+check(backend in ('auto', 'nccl', 'gloo'), f"backend='{backend}': use 'auto', 'nccl' or 'gloo'")
+for key in ('eval_interval', 'log_interval', 'gradient_accumulation_steps', 'batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'max_iters'):
+    check(config[key] > 0, f"{key}={config[key]} must be positive")
+check(n_embd % n_head == 0, f"n_embd={n_embd} is not a multiple of n_head={n_head}: change one of them")
+check(0 <= dropout < 1, f"dropout={dropout} must be in [0, 1)")
+check(not decay_lr or lr_decay_iters > warmup_iters, f"lr_decay_iters={lr_decay_iters} must exceed warmup_iters={warmup_iters}")
+if deterministic:
+    os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')  # must be set before cuBLAS starts
+
+# -----------------------------------------------------------------------------
+# processes and devices: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
+ddp = 'RANK' in os.environ
+rank, local_rank, world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if ddp else (0, 0, 1)
+master = rank == 0
+if device == 'auto':
+    device = 'cuda' if torch.cuda.is_available() else 'cpu'
+if ddp and device.startswith('cuda'):
+    device = f'cuda:{local_rank}'
+device_type = 'cuda' if device.startswith('cuda') else 'cpu'
+check(device_type == 'cpu' or torch.cuda.is_available(), f"device='{device}' but CUDA is not available: use device=cpu")
+if device_type == 'cuda':
+    torch.cuda.set_device(device)
+check(gradient_accumulation_steps % world_size == 0,
+      f"gradient_accumulation_steps={gradient_accumulation_steps} is not divisible by the {world_size} processes: "
+      f"make it a multiple of {world_size} so the global batch stays the same")
+accum_steps = gradient_accumulation_steps // world_size  # micro-batches per optimizer step on this rank
+if ddp:
+    dist.init_process_group(backend=(('nccl' if device_type == 'cuda' else 'gloo') if backend == 'auto' else backend))
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())  # on every exit path
+
+if dtype == 'auto':
+    if device_type == 'cuda':
+        dtype = 'bfloat16' if torch.cuda.is_bf16_supported() else 'float16'
+    else:  # bf16 pays off only where the CPU has bf16 matmul units; elsewhere it is emulated and slow
+        dtype = 'bfloat16' if torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported() else 'float32'
+ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
+if device_type == 'cuda':
+    torch.set_float32_matmul_precision('high')  # TF32 tensor cores for what autocast leaves in float32
+if deterministic:
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
+def seed_everything(s):
+    import random
+    random.seed(s)
+    np.random.seed(s)
+    torch.manual_seed(s)  # every device, CUDA included
+
+
+# -----------------------------------------------------------------------------
+# data
+dataset_dir = os.path.join(data_dir, dataset)
+if dataset == 'pystdlib_char' and not os.path.exists(os.path.join(dataset_dir, 'meta.json')):
+    if master:
+        print(f"preparing the default dataset {dataset} from this Python's standard library into {dataset_dir}")
+        prepare.prepare(dataset, data_dir=data_dir)
+    if ddp:
+        dist.barrier()
+check(os.path.exists(os.path.join(dataset_dir, 'meta.json')),
+      f"dataset '{dataset}' is not prepared in {dataset_dir}: run python prepare.py {dataset} --input PATH (or set data_dir)")
+with open(os.path.join(dataset_dir, 'meta.json')) as f:
+    data_meta = json.load(f)
+splits = {s: data.TokenWindows(os.path.join(dataset_dir, f'{s}.bin'), data_meta['dtype'], block_size) for s in ('train', 'val', 'test')}
+pin_memory = device_type == 'cuda'
+try:
+    train_sampler = data.TrainSampler(splits['train'].num_tokens, block_size, batch_size, batch_size * gradient_accumulation_steps,
+                                      seed, rank, world_size)
+    eval_loaders = {s: data.make_loader(splits[s], data.EvalSampler(splits[s].num_tokens, block_size, batch_size,
+                                                                    eval_iters * batch_size, rank, world_size),
+                                        0, seed, pin_memory) for s in ('train', 'val', 'test')}
+except data.DataError as e:
+    sys.exit(f"error: {e}")
+
+# -----------------------------------------------------------------------------
+# model, optimizer, schedule, scaler
+model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
+                  vocab_size=data_meta['vocab_size'], dropout=dropout)
+torch.manual_seed(seed)  # the same initial weights on every rank
+model = GPT(GPTConfig(**model_args)).to(device)
+optimizer = torch.optim.AdamW(model.optim_groups(weight_decay), lr=learning_rate, betas=(beta1, beta2), fused=True)
+
+
+def lr_factor(opt_step):
+    """nanoGPT's schedule as a multiple of learning_rate, a function of real optimizer steps only."""
+    if not decay_lr:
+        return 1.0
+    if opt_step < warmup_iters:
+        return (opt_step + 1) / (warmup_iters + 1)
+    if opt_step > lr_decay_iters:
+        return min_lr / learning_rate
+    coeff = 0.5 * (1.0 + math.cos(math.pi * (opt_step - warmup_iters) / (lr_decay_iters - warmup_iters)))
+    return (min_lr + coeff * (learning_rate - min_lr)) / learning_rate
+
+
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=dtype == 'float16')
+
+# -----------------------------------------------------------------------------
+# resume: everything that decides the rest of the run comes from the checkpoint
+# except what may change on resume: how long, how often to evaluate/log, where to write, speed knobs, and
+# the LR schedule and clipping from here on (how a user recovers from a blow-up; past steps keep their LR)
+RESUMABLE = {'out_dir', 'init_from', 'resume_from', 'max_iters', 'eval_interval', 'log_interval', 'eval_iters',
+             'always_save_checkpoint', 'patience', 'num_workers', 'compile', 'device', 'backend', 'max_consecutive_skips',
+             'learning_rate', 'decay_lr', 'warmup_iters', 'lr_decay_iters', 'min_lr', 'grad_clip',
+             'wandb_log', 'wandb_project', 'wandb_run_name'}
+dataset_id = {k: data_meta[k] for k in ('name', 'source_sha256', 'vocab_size', 'tokenizer')}
+ckpt_path = resume_from or os.path.join(out_dir, 'last.pt')
+resuming = init_from == 'resume' or (init_from == 'auto' and os.path.exists(ckpt_path))
+iter_num, best_val_loss, best_iter, evals_since_best, skipped_steps, consecutive_skips = 0, float('inf'), 0, 0, 0, 0
+if resuming:
+    try:
+        ckpt = checkpoint.load(ckpt_path)
+    except checkpoint.CheckpointError as e:
+        sys.exit(f"error: {e}")
+    changed = [f"{k}={ckpt['config'][k]!r} there, {config[k]!r} here" for k in config
+               if k not in RESUMABLE and ckpt['config'].get(k) != config[k]]
+    check(not changed, f"{ckpt_path} was trained with other settings ({'; '.join(changed)}): "
+                       f"use the checkpoint's values or start a new out_dir")
+    check(ckpt['dataset'] == dataset_id, f"{ckpt_path} was trained on other data ({ckpt['dataset']['source_sha256'][:12]} "
+                                         f"vs {dataset_id['source_sha256'][:12]}): prepare the same dataset or start a new out_dir")
+    model.load_state_dict(ckpt['model'])
+    optimizer.load_state_dict(ckpt['optimizer'])
+    scheduler.load_state_dict(ckpt['scheduler'])
+    scheduler.base_lrs = [learning_rate] * len(optimizer.param_groups)  # the schedule of this config, not the saved one
+    for group in optimizer.param_groups:
+        group['lr'] = learning_rate * lr_factor(scheduler.last_epoch)
+    scaler.load_state_dict(ckpt['scaler'])
+    train_sampler.load_state_dict(ckpt['sampler'])
+    iter_num, best_val_loss, best_iter, evals_since_best = ckpt['iter_num'], ckpt['best_val_loss'], ckpt['best_iter'], ckpt['evals_since_best']
+    skipped_steps, consecutive_skips = ckpt['skipped_steps'], ckpt['consecutive_skips']
+    check(iter_num < max_iters or init_from == 'auto',
+          f"{ckpt_path} is at iteration {iter_num}: max_iters={max_iters} leaves nothing to do, raise it")
+else:  # a fresh start must not overwrite a run; under 'auto', logs without a checkpoint are redone from scratch
+    run_files = ('last.pt', 'best.pt') if init_from == 'auto' else ('last.pt', 'best.pt', 'metrics.jsonl')
+    check(not any(os.path.exists(os.path.join(out_dir, f)) for f in run_files),
+          f"out_dir '{out_dir}' already holds a run: resume it with init_from=resume (or auto), or pick a new out_dir")
+
+raw_model = model  # the plain GPT whose state_dict is saved: no '_orig_mod.' or 'module.' prefixes
+if compile:
+    model = torch.compile(model)
+eval_model = model  # evaluation needs no gradient sync: the compiled model without the DDP wrapper
+if ddp:
+    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
+seed_everything(seed + rank)  # dropout masks differ per rank
+if resuming and len(ckpt['rng']) == world_size:
+    checkpoint.set_rng_state(ckpt['rng'][rank])
+train_loader = data.make_loader(splits['train'], train_sampler, num_workers, seed + rank, pin_memory)
+
+# -----------------------------------------------------------------------------
+# the run directory: created only now that the config, data and checkpoint are known to be good
+log_file = metrics_file = None
+
+
+def log(message, stream=sys.stdout):
+    if master:
+        print(message, file=stream, flush=True)
+        if log_file:
+            log_file.write(message + '\n')
+            log_file.flush()
+
+
+def record(entry):
+    if master:
+        metrics_file.write(json.dumps(entry) + '\n')
+        metrics_file.flush()
+
+
+def abort(step, message):
+    """Stop the run now: every rank got here on the same reduced values; checkpoints stay as they were."""
+    record({'kind': 'abort', 'step': step, 'message': message})
+    log(f"error: {message}", sys.stderr)
+    sys.exit(1)
+
+
+def git_state():
+    repo = os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = bool(subprocess.run(['git', 'status', '--porcelain'], cwd=repo, capture_output=True, text=True).stdout.strip())
+        return sha, dirty
+    except (OSError, subprocess.CalledProcessError):
+        return 'unknown', None
+
+
+def json_bytes(obj):
+    return (json.dumps(obj, indent=2) + '\n').encode()
+
+
+if master:
+    os.makedirs(out_dir, exist_ok=True)
+    same_run = resuming and os.path.realpath(ckpt['out_dir']) == os.path.realpath(out_dir)
+    for name in ('metrics.jsonl', 'train.log'):  # drop what was logged after the checkpoint: those steps are redone
+        path = os.path.join(out_dir, name)
+        if os.path.exists(path) and (not resuming or same_run):
+            os.truncate(path, min(os.path.getsize(path), ckpt['log_bytes'][name] if resuming else 0))
+    log_file = open(os.path.join(out_dir, 'train.log'), 'a')
+    metrics_file = open(os.path.join(out_dir, 'metrics.jsonl'), 'a')
+    sha, dirty = git_state()
+    run_meta = {
+        'command': sys.argv, 'start_time': time.strftime('%Y-%m-%dT%H:%M:%S%z'), 'git_sha': sha, 'git_dirty': dirty,
+        'seed': seed, 'dtype': dtype, 'device': device, 'world_size': world_size,
+        'resumed_from': f"{ckpt_path} at iteration {iter_num}" if resuming else None,
+        'versions': {'python': platform.python_version(), 'torch': torch.__version__, 'numpy': np.__version__,
+                     'tiktoken': importlib.metadata.version('tiktoken')},
+        'hardware': {'platform': platform.platform(), 'processor': platform.processor(), 'cpu_count': os.cpu_count(),
+                     'torch_threads': torch.get_num_threads(),
+                     'cuda_devices': [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]},
+        'dataset': {**dataset_id, 'tokenizer': dataset_id['tokenizer']['kind'], 'dir': dataset_dir},
+    }
+    checkpoint.atomic_write(os.path.join(out_dir, 'meta.json'), lambda f: f.write(json_bytes(run_meta)))
+    checkpoint.atomic_write(os.path.join(out_dir, 'config.json'), lambda f: f.write(json_bytes(
+        {k: {'value': config[k], 'source': config_sources[k]} for k in config} | {'resolved': {'device': device, 'dtype': dtype}})))
+
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
+log(f"{'resuming from ' + ckpt_path + ' at iteration ' + str(iter_num) if resuming else 'starting from scratch'}: "
+    f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, {world_size} process(es), "
+    f"{tokens_per_iter:,} tokens per iteration ({gradient_accumulation_steps} x {batch_size} x {block_size})")
+
+# -----------------------------------------------------------------------------
+# evaluation and checkpoints
+
+
+def reduce_sum(t):
+    if ddp:
+        dist.all_reduce(t)  # every rank calls this the same number of times: all take the same branches
+    return t
+
+
+def evaluate(split):
+    """Mean loss over the split's evaluation windows, every target token counted once across ranks."""
+    eval_model.eval()
+    with torch.inference_mode():
+        sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
+        for x, y, _ in eval_loaders[split]:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with autocast:
+                logits = eval_model(x)
+            sums[0] += F.cross_entropy(logits.view(-1, logits.size(-1)).float(), y.view(-1), reduction='sum')
+            sums[1] += (y != data.IGNORE_INDEX).sum()
+        loss_sum, count = reduce_sum(sums).tolist()
+    eval_model.train()
+    return loss_sum / count
+
+
+def save_checkpoint(name, rng):
+    start = time.time()
+    path = os.path.join(out_dir, name)
+    checkpoint.save({
+        'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'scheduler': scheduler.state_dict(),
+        'scaler': scaler.state_dict(), 'sampler': train_sampler.state_dict(), 'rng': rng,
+        'iter_num': iter_num, 'best_val_loss': best_val_loss, 'best_iter': best_iter, 'evals_since_best': evals_since_best,
+        'skipped_steps': skipped_steps, 'consecutive_skips': consecutive_skips,
+        'config': config, 'model_args': model_args, 'dataset': dataset_id, 'seed': seed, 'out_dir': out_dir,
+        'log_bytes': {'metrics.jsonl': metrics_file.tell(), 'train.log': log_file.tell()},
+    }, path)
+    return time.time() - start
+
+
+def gather_rng():
+    """Each rank's RNG state, in rank order: a DDP resume restores every rank's dropout stream."""
+    if not ddp:
+        return [checkpoint.rng_state()]
+    states = [None] * world_size
+    dist.all_gather_object(states, checkpoint.rng_state())
+    return states
+
+
+# -----------------------------------------------------------------------------
+# training loop
+train_batches = iter(train_loader)
+fixed_batch = next(train_batches) if overfit_one_batch else None
+t_last, iters_since_log = time.time(), 0
+first_loss = None
+while iter_num < max_iters:
+    lr = optimizer.param_groups[0]['lr']
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), device=device)
+    batch_starts = []
+    for micro_step in range(accum_steps):
+        x, y, starts = fixed_batch if overfit_one_batch else next(train_batches)
+        if not overfit_one_batch:
+            train_sampler.mark_consumed()
+        batch_starts += starts.tolist()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if ddp:  # all-reduce gradients on the last micro-batch only; set before the forward, where DDP reads it
+            model.require_backward_grad_sync = micro_step == accum_steps - 1
+        with autocast:
+            logits = model(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        loss_sum += loss.detach()
+        scaler.scale(loss / accum_steps).backward()
+    scaler.unscale_(optimizer)  # clip true gradients, not scaled ones
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float('inf'))
+    loss_mean, grad_norm_value = (torch.stack([reduce_sum(loss_sum) / gradient_accumulation_steps, grad_norm.float()])).tolist()
+    if not math.isfinite(loss_mean) or not (math.isfinite(grad_norm_value) or scaler.is_enabled()):
+        message = (f"non-finite {'loss' if not math.isfinite(loss_mean) else 'gradient norm'} at iteration {iter_num + 1}: "
+                   f"loss {loss_mean}, lr {lr:.3e}, grad norm {grad_norm_value}, batch windows (start positions in the "
+                   f"train split) {batch_starts[:16]}{' ...' if len(batch_starts) > 16 else ''}; the last checkpoints are "
+                   f"untouched: lower learning_rate or raise warmup_iters, then resume")
+        abort(iter_num + 1, message)
+    scale = scaler.get_scale() if scaler.is_enabled() else 1.0
+    scaler.step(optimizer)  # skipped by the scaler when float16 gradients overflowed
+    scaler.update()
+    skipped = scaler.is_enabled() and scaler.get_scale() < scale
+    if not skipped:
+        scheduler.step()  # the schedule counts optimizer steps that really happened
+    skipped_steps, consecutive_skips = skipped_steps + skipped, (consecutive_skips + 1) * skipped
+    iter_num += 1
+    if consecutive_skips >= max_consecutive_skips:
+        message = (f"float16 gradients overflowed {consecutive_skips} optimizer steps in a row (up to iteration {iter_num}, "
+                   f"loss scale now {scaler.get_scale():g}): the model diverged or float16's range is too small for it; "
+                   f"use dtype=bfloat16 or float32, or lower learning_rate, then resume")
+        abort(iter_num, message)
+    iters_since_log += 1
+    first_loss = first_loss if first_loss is not None else loss_mean
+    rng_after_step = gather_rng() if (iter_num % eval_interval == 0 or iter_num == max_iters) else None
+
+    if iter_num % log_interval == 0 or iter_num == max_iters:
+        elapsed = time.time() - t_last
+        tokens_per_sec = iters_since_log * tokens_per_iter / elapsed
+        record({'kind': 'train', 'step': iter_num, 'loss': loss_mean, 'lr': lr, 'grad_norm': grad_norm_value,
+                'tokens_per_sec': tokens_per_sec, 'skipped': skipped, 'skipped_total': skipped_steps, 'scale': scale,
+                'epoch': train_sampler.epoch})
+        log(f"iter {iter_num}/{max_iters}: loss {loss_mean:.4f}, lr {lr:.3e}, grad norm {grad_norm_value:.3f}, "
+            f"{tokens_per_sec:,.0f} tok/s{', step skipped (float16 overflow)' if skipped else ''}")
+        t_last, iters_since_log = time.time(), 0
+
+    if rng_after_step is not None:
+        train_loss, val_loss = evaluate('train'), evaluate('val')
+        improved = val_loss < best_val_loss
+        if improved:
+            best_val_loss, best_iter, evals_since_best = val_loss, iter_num, 0
+        else:
+            evals_since_best += 1
+        record({'kind': 'eval', 'step': iter_num, 'train_loss': train_loss, 'val_loss': val_loss,
+                'best_val_loss': best_val_loss, 'val_bits_per_token': val_loss / math.log(2)})
+        log(f"eval {iter_num}: train {train_loss:.4f}, val {val_loss:.4f} (gap {val_loss - train_loss:+.4f}), "
+            f"best {best_val_loss:.4f} at {best_iter}{' *saved best.pt' if improved else ''}")
+        stopping = patience > 0 and evals_since_best >= patience
+        if master:  # best.pt before last.pt: a kill in between leaves last.pt older, never ahead of best.pt
+            saves = ['best.pt'] * improved + ['last.pt'] * (always_save_checkpoint or iter_num == max_iters or stopping)
+            save_seconds = sum(save_checkpoint(name, rng_after_step) for name in saves)
+            if saves:
+                log(f"saved {' and '.join(saves)} in {save_seconds:.2f} s")
+        if ddp:
+            dist.barrier()
+        if stopping:
+            log(f"early stop: no better val loss in {patience} evaluations since iteration {best_iter}")
+            break
+        t_last = time.time()  # evaluation time is not training throughput
+
+if overfit_one_batch:
+    log(f"overfit one batch: loss {first_loss:.4f} -> {loss_mean:.4f}")
+# last.pt holds the trained weights (written above); only now load the best ones for the test split
+if best_iter > 0:
+    raw_model.load_state_dict(checkpoint.load(os.path.join(out_dir, 'best.pt'))['model'])
+test_loss = evaluate('test')
+record({'kind': 'test', 'step': iter_num, 'best_iter': best_iter, 'best_val_loss': best_val_loss, 'test_loss': test_loss})
+log(f"done: {iter_num} iterations, best val loss {best_val_loss:.4f} at iteration {best_iter}, "
+    f"test loss {test_loss:.4f} ({test_loss / math.log(2):.3f} bits/token) with the best weights; "
+    f"checkpoints in {out_dir}")
