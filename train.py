@@ -205,7 +205,7 @@ scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=dtype 
 # resume: everything that decides the rest of the run comes from the checkpoint
 # except what may change on resume: how long, how often to evaluate/log, where to write, speed knobs, and
 # the LR schedule and clipping from here on (how a user recovers from a blow-up; past steps keep their LR)
-RESUMABLE = {'out_dir', 'init_from', 'resume_from', 'max_iters', 'eval_interval', 'log_interval', 'eval_iters',
+RESUMABLE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'max_iters', 'eval_interval', 'log_interval', 'eval_iters',
              'always_save_checkpoint', 'patience', 'num_workers', 'compile', 'device', 'backend', 'max_consecutive_skips',
              'learning_rate', 'decay_lr', 'warmup_iters', 'lr_decay_iters', 'min_lr', 'grad_clip',
              'wandb_log', 'wandb_project', 'wandb_run_name'}
@@ -236,9 +236,8 @@ if resuming:
     skipped_steps, consecutive_skips = ckpt['skipped_steps'], ckpt['consecutive_skips']
     check(iter_num < max_iters or init_from == 'auto',
           f"{ckpt_path} is at iteration {iter_num}: max_iters={max_iters} leaves nothing to do, raise it")
-else:  # a fresh start must not overwrite a run; under 'auto', logs without a checkpoint are redone from scratch
-    run_files = ('last.pt', 'best.pt') if init_from == 'auto' else ('last.pt', 'best.pt', 'metrics.jsonl')
-    check(not any(os.path.exists(os.path.join(out_dir, f)) for f in run_files),
+elif init_from == 'scratch':  # must not overwrite a run ('auto' redoes a run killed before its first last.pt)
+    check(not any(os.path.exists(os.path.join(out_dir, f)) for f in ('last.pt', 'best.pt', 'metrics.jsonl')),
           f"out_dir '{out_dir}' already holds a run: resume it with init_from=resume (or auto), or pick a new out_dir")
 
 raw_model = model  # the plain GPT whose state_dict is saved: no '_orig_mod.' or 'module.' prefixes
@@ -299,6 +298,9 @@ if master:
         path = os.path.join(out_dir, name)
         if os.path.exists(path) and (not resuming or same_run):
             os.truncate(path, min(os.path.getsize(path), ckpt['log_bytes'][name] if resuming else 0))
+    for name in ('best.pt.tmp', 'last.pt.tmp'):  # half-written by a killed run: never read, safe to drop
+        if os.path.exists(os.path.join(out_dir, name)):
+            os.remove(os.path.join(out_dir, name))
     log_file = open(os.path.join(out_dir, 'train.log'), 'a')
     metrics_file = open(os.path.join(out_dir, 'metrics.jsonl'), 'a')
     sha, dirty = git_state()

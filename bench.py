@@ -1,0 +1,178 @@
+"""
+Measure training speed: train.py's optimizer step on the same data, model and settings, timed after a
+warm-up, with model FLOPs utilization (MFU) and a profiler breakdown of one step. One process.
+
+    python bench.py config/tiny.py --batch_size=8
+    python bench.py config/tiny.py --compare='--dtype=bfloat16 --compile=True'
+
+Takes every train.py key, so any training config works unchanged, plus the bench keys below. With
+compare, a second setting B (the same config plus those overrides) is built next to A and both are
+timed in alternating rounds, A B A B ..., so that other load on the machine hits both alike.
+"""
+import ast
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from contextlib import contextmanager, nullcontext
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, record_function
+
+import data
+import perf
+from configurator import ConfigError, configure
+from model import GPT, GPTConfig
+
+bench_iters = 20  # timed optimizer steps per setting
+bench_warmup = 5  # untimed optimizer steps first, the first included: compilation, allocator, loader workers
+profile = True  # break one more optimizer step down with torch.profiler
+trace = ''  # write that step's chrome trace (chrome://tracing, ui.perfetto.dev) here; with compare, NAME_A.json and NAME_B.json
+compare = ''  # overrides for a second setting B, e.g. '--compile=True': timed interleaved with A
+bench_keys = ['bench_iters', 'bench_warmup', 'profile', 'trace', 'compare']
+ROUNDS = 5  # A B alternations: slow spells of other load are spread over both settings
+PHASES = ('data', 'forward', 'backward', 'optimizer')
+
+
+def train_defaults():
+    """train.py's defaults, read from its source (importing it would start a run): the constants above config_keys."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')) as f:
+        assigns = [(node.targets[0].id, node.value) for node in ast.parse(f.read()).body
+                   if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)]
+    names = [name for name, _ in assigns]
+    return {name: ast.literal_eval(value) for name, value in assigns[:names.index('config_keys')]}
+
+
+def build(c):
+    """One setting as train.py builds it: returns (step, info); step() runs one optimizer step and returns its loss."""
+    device = c.device if c.device != 'auto' else 'cuda' if torch.cuda.is_available() else 'cpu'
+    device_type = 'cuda' if device.startswith('cuda') else 'cpu'
+    dtype = perf.auto_dtype(device_type) if c.dtype == 'auto' else c.dtype
+    autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
+    if device_type == 'cuda':
+        torch.set_float32_matmul_precision('high')  # as train.py: TF32 for what autocast leaves in float32
+    dataset_dir = os.path.join(c.data_dir, c.dataset)
+    if not os.path.exists(os.path.join(dataset_dir, 'meta.json')):
+        sys.exit(f"error: dataset '{c.dataset}' is not prepared in {dataset_dir}: run python prepare.py {c.dataset} (or set data_dir)")
+    with open(os.path.join(dataset_dir, 'meta.json')) as f:
+        meta = json.load(f)
+    windows = data.TokenWindows(os.path.join(dataset_dir, 'train.bin'), meta['dtype'], c.block_size)
+    try:
+        sampler = data.TrainSampler(windows.num_tokens, c.block_size, c.batch_size, c.batch_size * c.gradient_accumulation_steps, c.seed)
+    except data.DataError as e:
+        sys.exit(f"error: {e}")
+    batches = iter(data.make_loader(windows, sampler, c.num_workers, c.seed, device_type == 'cuda'))
+    torch.manual_seed(c.seed)
+    raw_model = GPT(GPTConfig(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, block_size=c.block_size, bias=c.bias,
+                              vocab_size=meta['vocab_size'], dropout=c.dropout)).to(device)
+    model = torch.compile(raw_model) if c.compile else raw_model
+    optimizer = torch.optim.AdamW(raw_model.optim_groups(c.weight_decay), lr=c.learning_rate, betas=(c.beta1, c.beta2), fused=True)
+    scaler = torch.amp.GradScaler(device_type, init_scale=c.init_scale, enabled=dtype == 'float16')
+
+    @contextmanager
+    def phase(name, sync):
+        with record_function(name):
+            yield
+            if sync:  # CUDA kernels run behind the host: wait, so the range holds the device's work
+                torch.cuda.synchronize(device)
+
+    def step(sync_phases=False):
+        sync = sync_phases and device_type == 'cuda'
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=device)
+        for _ in range(c.gradient_accumulation_steps):
+            with phase('data', sync):
+                x, y, _ = next(batches)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with phase('forward', sync), autocast:
+                logits = model(x)
+                loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+                loss_sum += loss.detach()
+            with phase('backward', sync):
+                scaler.scale(loss / c.gradient_accumulation_steps).backward()
+        with phase('optimizer', sync):
+            scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip if c.grad_clip > 0 else float('inf'))
+            loss_mean, _ = torch.stack([loss_sum / c.gradient_accumulation_steps, grad_norm.float()]).tolist()  # train.py's sync
+            scaler.step(optimizer)
+            scaler.update()
+        if device_type == 'cuda':  # the clock must see the finished step, not its launch
+            torch.cuda.synchronize(device)
+        return loss_mean
+
+    info = SimpleNamespace(device=device, dtype=dtype, flops_per_token=raw_model.flops_per_token(), params=raw_model.num_params(),
+                           tokens_per_step=c.batch_size * c.block_size * c.gradient_accumulation_steps)
+    return step, info
+
+
+def timed(step, n):
+    """(seconds, loss) of each of n optimizer steps."""
+    results = []
+    for _ in range(n):
+        start = time.perf_counter()
+        loss = step()
+        results.append((time.perf_counter() - start, loss))
+    return results
+
+
+def breakdown(step, device, trace_path):
+    """Milliseconds of one optimizer step per phase, and 'other' (zero_grad, the profiler, idle): what the step's wall time leaves."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith('cuda') else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        with record_function('step'):
+            step(sync_phases=True)
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+    ms = {e.key: e.cpu_time_total / 1e3 for e in prof.key_averages() if e.key in PHASES + ('step',)}
+    return {**{p: ms[p] for p in PHASES}, 'other': ms['step'] - sum(ms[p] for p in PHASES)}, ms['step']
+
+
+defaults = train_defaults() | {k: globals()[k] for k in bench_keys}
+try:
+    config, _ = configure(defaults, sys.argv[1:])
+    configs = {'A': config}
+    if config['compare']:
+        configs['B'] = configure(defaults, sys.argv[1:] + shlex.split(config['compare']))[0]
+except ConfigError as e:
+    sys.exit(f"error: {e}")
+globals().update({k: config[k] for k in bench_keys})
+
+print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; A: {' '.join(sys.argv[1:])}" + (f"; B: A {compare}" if compare else ''))
+runs = {}
+for name, c in configs.items():  # all built before any is timed: every setting is in memory at once
+    c = SimpleNamespace(**c)
+    step, info = build(c)
+    peak, how = perf.peak_flops(info.device, getattr(torch, info.dtype))
+    first = timed(step, 1)[0][0]
+    timed(step, bench_warmup - 1)
+    runs[name] = SimpleNamespace(c=c, step=step, info=info, peak=peak, how=how, first=first, steps=[])
+chunk = max(1, bench_iters // ROUNDS)
+while len(runs['A'].steps) < bench_iters:
+    for run in runs.values():
+        run.steps += timed(run.step, min(chunk, bench_iters - len(run.steps)))
+
+for name, run in runs.items():
+    c, info = run.c, run.info
+    seconds = [s for s, _ in run.steps]
+    run.tokens_per_sec = info.tokens_per_step / statistics.median(seconds)
+    achieved = info.flops_per_token * run.tokens_per_sec
+    print(f"\n{name}: {info.device} {info.dtype}, {'compiled' if c.compile else 'eager'}, {info.params / 1e6:.2f}M parameters, "
+          f"{info.tokens_per_step:,} tokens per step ({c.gradient_accumulation_steps} x {c.batch_size} x {c.block_size}), "
+          f"num_workers={c.num_workers}; loss {run.steps[-1][1]:.4f} after {bench_warmup + len(seconds)} steps")
+    print(f"  first step: {run.first:.2f} s{' (includes compilation)' if c.compile else ''}")
+    print(f"  ms/step: median {statistics.median(seconds) * 1e3:.1f}, min {min(seconds) * 1e3:.1f} over {len(seconds)} steps")
+    print(f"  tokens/s: {run.tokens_per_sec:,.0f}")
+    print(f"  model FLOPs/token: {info.flops_per_token / 1e6:.2f}M; achieved {achieved / 1e9:.2f} GFLOP/s")
+    print(f"  MFU: {achieved / run.peak:.1%} of {run.peak / 1e9:.1f} GFLOP/s peak ({run.how})")
+    if profile:
+        trace_path = f"{os.path.splitext(trace)[0]}_{name}.json" if trace and compare else trace
+        phase_ms, step_ms = breakdown(run.step, info.device, trace_path)
+        print(f"  profile of one step ({step_ms:.1f} ms): " + ', '.join(f"{p} {ms / step_ms:.1%}" for p, ms in phase_ms.items()))
+print(f"\npeak memory: {perf.peak_memory_mb(runs['A'].info.device):,.0f} MB" + (" (this process: both settings)" if compare else ''))
+if compare:
+    ratio = runs['B'].tokens_per_sec / runs['A'].tokens_per_sec
+    print(f"tokens/s B/A: {ratio:.3f} (B is {abs(ratio - 1):.1%} {'faster' if ratio > 1 else 'slower'})")

@@ -1,0 +1,215 @@
+"""
+A run's report, rebuilt from its out_dir alone (metrics.jsonl, config.json, meta.json), so it works
+for finished, early-stopped, aborted and killed runs alike:
+
+    python report.py out/tiny    # writes out/tiny/report.md and out/tiny/curves.png
+
+train.py calls write_report(out_dir) when a run ends on its own.
+"""
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+
+import matplotlib
+matplotlib.use('Agg')  # files only, no display
+import matplotlib.pyplot as plt
+
+RUN_FILES = ('metrics.jsonl', 'config.json', 'meta.json')
+SPIKE_FACTOR, SPIKE_WINDOW, SPIKE_MIN_HISTORY = 5, 100, 10  # grad norm > 5x the median of up to 100 previous steps
+LEAK_BELOW = 0.05  # val this far (relative) below train at the last eval: suspicious
+LEAK_TRACKS = 0.002  # val this close (relative) to train at every eval: suspicious too
+
+
+def read_run(out_dir):
+    with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
+        # a kill mid-write leaves a last line without its newline: that record never happened
+        records = [json.loads(line) for line in f if line.endswith('\n')]
+    with open(os.path.join(out_dir, 'config.json')) as f:
+        config = json.load(f)
+    with open(os.path.join(out_dir, 'meta.json')) as f:
+        meta = json.load(f)
+    return records, config, meta
+
+
+def loss_text(loss):
+    return f"{loss:.4f} ({loss / math.log(2):.3f} bits/token)"
+
+
+def status(records, max_iters):
+    """(one word, the rest of the sentence)."""
+    # a test or abort record ends the run only if no training record follows it (a later resume)
+    end = next((r for r in reversed(records) if r['kind'] in ('train', 'eval', 'test', 'abort')), None)
+    if end is None or end['kind'] in ('train', 'eval'):
+        last_step = max((r['step'] for r in records if 'step' in r), default=0)
+        return 'incomplete', f"the run did not finish (killed or still running?) at iteration {last_step}"
+    if end['kind'] == 'abort':
+        return 'aborted', f"at iteration {end['step']}: {end['message']}"
+    return 'early-stopped' if end['step'] < max_iters else 'finished', f"at iteration {end['step']} of {max_iters}"
+
+
+def fit_read(evals):
+    """One line on under- or overfitting, from the train and val losses at the evaluations."""
+    if len(evals) < 2:
+        return "too few evaluations to tell under- from overfitting"
+    best = min(range(len(evals)), key=lambda i: evals[i]['val_loss'])
+    since_best = len(evals) - 1 - best
+    if since_best >= 2 and evals[-1]['train_loss'] < evals[best]['train_loss']:
+        return (f"overfitting from iteration {evals[best]['step']}: val loss was lowest there and stayed above it for the "
+                f"{since_best} evaluations since, while train loss kept falling")
+    if since_best == 0 and evals[-1]['train_loss'] < evals[-2]['train_loss']:
+        return "underfitting: train and val loss are both still falling at the last evaluation: train longer"
+    return f"fitting: val loss stopped improving at iteration {evals[best]['step']} without a sustained rise"
+
+
+def leakage(evals):
+    last = evals[-1]
+    if last['val_loss'] < (1 - LEAK_BELOW) * last['train_loss']:
+        return (f"val loss sits {last['train_loss'] - last['val_loss']:.4f} below train loss at the last evaluation: "
+                f"check that val text does not also occur in train")
+    if len(evals) >= 3 and all(abs(e['val_loss'] - e['train_loss']) < LEAK_TRACKS * e['train_loss'] for e in evals):
+        return (f"val loss tracks train loss within {LEAK_TRACKS:.1%} at every evaluation: "
+                f"check that val text does not also occur in train")
+    return None
+
+
+def wall_seconds(records):
+    """Sum over (re)starts of the time from each start record to the last timed record before the next
+    start: the time between a kill and its resume is not counted. None without timestamps."""
+    segments = [[]]
+    for r in records:
+        if r['kind'] == 'start':
+            segments.append([])
+        if r.get('time') is not None:
+            segments[-1].append(r['time'])
+    return sum(max(s) - min(s) for s in segments if s) if any(segments) else None
+
+
+def grad_spikes(train):
+    """Steps whose grad norm exceeds SPIKE_FACTOR x the median of the previous logged steps; float16-skipped
+    steps are left out (their norm is inf by design and they are counted on their own)."""
+    norms, spikes = [], []
+    for r in train:
+        if r.get('skipped'):
+            continue
+        if len(norms) >= SPIKE_MIN_HISTORY and r['grad_norm'] > SPIKE_FACTOR * statistics.median(norms[-SPIKE_WINDOW:]):
+            spikes.append(r['step'])
+        norms.append(r['grad_norm'])
+    return spikes
+
+
+def resume_command(meta, has_last):
+    """train.py's command to continue the run: from out_dir's last.pt if there is one (whatever the run itself
+    started from), else init_from=auto, which redoes the run from scratch or from its resume_from."""
+    dropped = ('--init_from=', '--resume_from=') if has_last else ('--init_from=',)
+    args = [a for a in meta['command'][1:] if not a.startswith(dropped)]
+    world_size = meta.get('world_size', 1)
+    launcher = ['python'] if world_size == 1 else ['torchrun', '--standalone', f'--nproc_per_node={world_size}']
+    return shlex.join(launcher + [meta['command'][0], *args, f"--init_from={'resume' if has_last else 'auto'}"])
+
+
+def plot_curves(train, evals, path, title):
+    fig, (ax_loss, ax_lr) = plt.subplots(2, 1, sharex=True, figsize=(8, 6), height_ratios=[3, 1])
+    ax_loss.plot([r['step'] for r in train], [r['loss'] for r in train], lw=0.8, alpha=0.5, label='train (each step)')
+    for key, label in (('train_loss', 'train (eval)'), ('val_loss', 'val (eval)')):
+        ax_loss.plot([e['step'] for e in evals], [e[key] for e in evals], 'o-', label=label)
+    ax_loss.set(ylabel='loss (nats/token)', title=title)
+    ax_loss.legend()
+    ax_lr.plot([r['step'] for r in train], [r['lr'] for r in train])
+    ax_lr.set(xlabel='iteration', ylabel='learning rate')
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(out_dir):
+    """Write out_dir/report.md and out_dir/curves.png from the run's files."""
+    records, config, meta = read_run(out_dir)
+    train, evals = [r for r in records if r['kind'] == 'train'], [r for r in records if r['kind'] == 'eval']
+    test = next((r for r in reversed(records) if r['kind'] == 'test'), None)
+    abort = next((r for r in reversed(records) if r['kind'] == 'abort'), None)
+    smoke = next((r for r in reversed(records) if r['kind'] == 'smoke_test'), None)
+    settings = {k: v for k, v in config.items() if k != 'resolved'}
+    word, detail = status(records, settings['max_iters']['value'])
+    lines = [f"# {out_dir}", "", f"Status: **{word}**: {detail}", ""]
+
+    lines += ["## Config", "", "Values set by a config file or the command line are in bold. "
+              f"Resolved: device {config['resolved']['device']}, dtype {config['resolved']['dtype']}.", "",
+              "| key | value | source |", "|---|---|---|"]
+    for key, entry in settings.items():
+        value = repr(entry['value']).replace('|', '\\|')
+        lines.append(f"| {key} | {value if entry['source'] == 'default' else f'**{value}**'} | {entry['source']} |")
+
+    if smoke:
+        lines += ["", f"Smoke test: {'passed' if smoke['passed'] else '**FAILED**'}: loss {smoke['first_loss']:.4f} -> "
+                      f"{smoke['final_loss']:.4f} in {smoke['steps']} steps"]
+
+    lines += ["", "## Loss", ""]
+    if evals:
+        best_val = min(evals, key=lambda e: e['val_loss'])
+        best_train = min(evals, key=lambda e: e['train_loss'])
+        last = evals[-1]
+        lines += [f"- last evaluation (iteration {last['step']}): train {loss_text(last['train_loss'])}, "
+                  f"val {loss_text(last['val_loss'])}, gap (val - train) {last['val_loss'] - last['train_loss']:+.4f}",
+                  f"- best val loss {loss_text(best_val['val_loss'])} at iteration {best_val['step']}; "
+                  f"best train loss {loss_text(best_train['train_loss'])} at iteration {best_train['step']}",
+                  f"- read: {fit_read(evals)}"]
+        leak = leakage(evals)
+        if leak:
+            lines.append(f"- **possible leakage**: {leak}")
+    else:
+        lines.append("- no evaluation yet")
+    if test:
+        lines.append(f"- test loss {loss_text(test['test_loss'])} with the best weights (iteration {test['best_iter']})")
+
+    lines += ["", "## Throughput", ""]
+    if train:
+        lines.append(f"- median {statistics.median(r['tokens_per_sec'] for r in train):,.0f} tokens/s")
+    mfus = [r['mfu'] for r in train if r.get('mfu') is not None]
+    if mfus:
+        lines.append(f"- median MFU {statistics.median(mfus):.1%}")
+    mems = [r['peak_mem_mb'] for r in train if r.get('peak_mem_mb') is not None]
+    if mems:
+        lines.append(f"- peak memory {max(mems):,.0f} MB")
+    seconds = wall_seconds(records)
+    if seconds is None:
+        lines.append("- wall time unknown: metrics.jsonl has no timestamps")
+    else:
+        compute_hours = seconds / 3600 * meta.get('world_size', 1)
+        lines.append(f"- wall time {seconds / 3600:.2f} h ({seconds:,.0f} s), {compute_hours:.2f} compute hours "
+                     f"({meta.get('world_size', 1)} process(es))")
+        cost_per_hour = config.get('cost_per_hour', {}).get('value')
+        if cost_per_hour:
+            lines.append(f"- estimated cost {compute_hours * cost_per_hour:,.2f} ({cost_per_hour} per compute hour)")
+
+    spikes = grad_spikes(train)
+    listed = f", at iterations {', '.join(map(str, spikes[:5]))}{', ...' if len(spikes) > 5 else ''}" if spikes else ""
+    lines += ["", "## Instabilities", "",
+              f"- float16 steps skipped: {train[-1].get('skipped_total', 0) if train else 0}",
+              f"- gradient-norm spikes (> {SPIKE_FACTOR}x the running median): {len(spikes)}{listed}"]
+    if abort:
+        lines.append(f"- aborted at iteration {abort['step']}: the message is in the status line")
+
+    has_last = os.path.exists(os.path.join(out_dir, 'last.pt'))
+    lines += ["", "## Files", ""]
+    lines += [f"- {name}: {os.path.join(out_dir, name)}" for name in ('best.pt', 'last.pt')
+              if os.path.exists(os.path.join(out_dir, name))]
+    lines += ["- curves: curves.png", "", f"{'Resume' if has_last else 'No last.pt yet: redo'} the run "
+              f"(from the directory it was started in{'; raise --max_iters to train further' if test else ''}):", "",
+              f"    {resume_command(meta, has_last)}", ""]
+    with open(os.path.join(out_dir, 'report.md'), 'w') as f:
+        f.write('\n'.join(lines))
+    plot_curves(train, evals, os.path.join(out_dir, 'curves.png'), f"{os.path.basename(os.path.normpath(out_dir))}: {word}")
+
+
+if __name__ == '__main__':
+    if len(sys.argv) != 2:
+        sys.exit("error: usage: python report.py OUT_DIR")
+    run_dir = sys.argv[1]
+    missing = [name for name in RUN_FILES if not os.path.isfile(os.path.join(run_dir, name))]
+    if missing:
+        sys.exit(f"error: {run_dir} has no {missing[0]}: pass the out_dir of a train.py run")
+    write_report(run_dir)
+    print(f"wrote {os.path.join(run_dir, 'report.md')} and {os.path.join(run_dir, 'curves.png')}")

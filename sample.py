@@ -1,0 +1,111 @@
+"""
+Sample from a trained model with the run's own tokenizer:
+
+    python sample.py --out_dir=out/tiny --start="def " --num_samples=3
+    python sample.py --out_dir=out/tiny --start=FILE:prompt.txt --top_k=1   # greedy
+
+Samples go to stdout, each followed by a line of dashes; what was loaded goes to stderr. The same
+--seed gives the same samples. An empty prompt starts where documents start: a newline for a
+character tokenizer, end-of-text for a BPE one.
+"""
+import os
+import re
+import sys
+from contextlib import nullcontext
+
+import torch
+
+import checkpoint
+import prepare
+from configurator import ConfigError, configure
+from model import GPT, GPTConfig
+
+# -----------------------------------------------------------------------------
+out_dir = 'out'
+ckpt = ''  # a checkpoint file instead of out_dir/best.pt, e.g. out/tiny/last.pt
+start = ''  # the prompt, or FILE:path to read it from a file
+num_samples = 3
+max_new_tokens = 200
+temperature = 0.8  # below 1 sharpens the distribution, above 1 flattens it
+top_k = 200  # sample among the k likeliest tokens only; 1 is greedy decoding
+seed = 1337  # sample i uses seed + i, so it does not depend on num_samples
+device = 'auto'  # 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...
+dtype = 'auto'  # 'auto' (bfloat16 on CUDA where supported, else float16; float32 on CPU), 'float32', 'bfloat16', 'float16'
+# -----------------------------------------------------------------------------
+
+
+def load_model(path, device):
+    """(GPT in eval mode on device, encode, decode, the checkpoint dict) from a checkpoint file.
+    Raises checkpoint.CheckpointError, or prepare.PrepareError when the tokenizer cannot be loaded."""
+    saved = checkpoint.load(path)
+    try:
+        model = GPT(GPTConfig(**saved['model_args']))
+        # checkpoints saved from a torch.compile or DDP wrapper elsewhere carry these prefixes
+        model.load_state_dict({re.sub(r'^((_orig_mod|module)\.)+', '', k): v for k, v in saved['model'].items()})
+        tokenizer = saved['dataset']['tokenizer']
+    except (KeyError, TypeError, RuntimeError) as e:
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise checkpoint.CheckpointError(f"{path} is not a train.py checkpoint ({first_line}): "
+                                         f"pass the best.pt or last.pt of a run")
+    encode, decode = prepare.load_tokenizer({'tokenizer': tokenizer})
+    return model.to(device).eval(), encode, decode, saved
+
+
+def default_start(tokenizer):
+    """Where documents start, given a dataset's meta['tokenizer']."""
+    return '\n' if tokenizer['kind'] == 'char' else prepare.EOT
+
+
+def sample_text(model, encode, decode, start, max_new_tokens, temperature, top_k, seed, device):
+    """The non-empty text start and its continuation. Draws from its own generator, so the global
+    RNG (and with it a training run's random stream) is left as it was."""
+    was_training = model.training
+    model.eval()
+    generator = torch.Generator(device=device).manual_seed(seed)
+    idx = torch.tensor([encode(start)], dtype=torch.long, device=device)  # (1, T)
+    idx = model.generate(idx, max_new_tokens, temperature, top_k, generator)  # (1, T + max_new_tokens)
+    model.train(was_training)
+    return decode(idx[0].tolist())
+
+
+if __name__ == '__main__':
+    config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+    try:
+        globals().update(configure({k: globals()[k] for k in config_keys}, sys.argv[1:])[0])
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+    for key in ('num_samples', 'max_new_tokens', 'top_k'):
+        if globals()[key] < 1:
+            sys.exit(f"error: {key}={globals()[key]} must be at least 1")
+    if temperature <= 0:
+        sys.exit(f"error: temperature={temperature} must be positive: for greedy decoding use top_k=1")
+    if dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
+        sys.exit(f"error: dtype='{dtype}': use 'auto', 'float32', 'bfloat16' or 'float16'")
+    if device == 'auto':
+        device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    device_type = 'cuda' if device.startswith('cuda') else 'cpu'
+    if device_type == 'cuda' and not torch.cuda.is_available():
+        sys.exit(f"error: device='{device}' but CUDA is not available: use device=cpu")
+    if dtype == 'auto':
+        dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if device_type == 'cuda' else 'float32'
+    autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
+
+    ckpt_path = ckpt or os.path.join(out_dir, 'best.pt')
+    if not os.path.isfile(ckpt_path):
+        sys.exit(f"error: checkpoint {ckpt_path} does not exist: set out_dir to a run's folder, or ckpt to a .pt file")
+    try:
+        model, encode, decode, saved = load_model(ckpt_path, device)
+    except (checkpoint.CheckpointError, prepare.PrepareError) as e:
+        sys.exit(f"error: {e}")
+    if start.startswith('FILE:'):
+        try:
+            with open(start[len('FILE:'):], encoding='utf-8') as f:
+                start = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            sys.exit(f"error: cannot read the prompt file ({e}): fix the path after FILE: or save it as UTF-8")
+    start = start or default_start(saved['dataset']['tokenizer'])
+    print(f"sampling {ckpt_path} (iteration {saved.get('iter_num', '?')}) on {device} {dtype}", file=sys.stderr)
+    for i in range(num_samples):
+        with autocast:
+            print(sample_text(model, encode, decode, start, max_new_tokens, temperature, top_k, seed + i, device))
+        print('-' * 40)

@@ -1,0 +1,83 @@
+"""bench.py run as users run it on the toy dataset, its printed figures checked against each other; perf's peaks."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import perf
+from conftest import REPO, RUN_CONFIG
+from model import GPT, GPTConfig
+
+
+def run_bench(data_dir, *overrides):
+    cmd = [sys.executable, 'bench.py', RUN_CONFIG, f'--data_dir={data_dir}', '--bench_iters=5', '--bench_warmup=2', *overrides]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"bench.py failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+def sections(stdout):
+    """{'A': text, 'B': text}: each setting's block of lines."""
+    return dict(re.findall(r'^(A|B): (.*?)(?=^\n|\Z)', stdout, re.M | re.S))
+
+
+def number(pattern, text):
+    return float(re.search(pattern, text).group(1).replace(',', ''))
+
+
+def check_setting(text, flops_per_token):
+    median, fastest = number(r'median ([\d.]+)', text), number(r'min ([\d.]+) over 5 steps', text)
+    assert 0 < fastest <= median
+    tokens_per_step, tokens_per_sec = number(r'([\d,]+) tokens per step', text), number(r'tokens/s: ([\d,]+)', text)
+    # tokens/s comes from the median step, printed rounded to 0.1 ms
+    assert tokens_per_step / (median + 0.05) * 1e3 - 1 <= tokens_per_sec <= tokens_per_step / (median - 0.05) * 1e3 + 1
+    assert number(r'model FLOPs/token: ([\d.]+)M', text) == pytest.approx(flops_per_token / 1e6, abs=0.01)
+    achieved = number(r'achieved ([\d.]+) GFLOP/s', text)
+    assert achieved == pytest.approx(flops_per_token * tokens_per_sec / 1e9, rel=0.02, abs=0.01)
+    mfu, peak = number(r'MFU: ([\d.]+)%', text), number(r'of ([\d.]+) GFLOP/s peak \(measured: \d+x\d+ float32 matmul\)', text)
+    assert mfu == pytest.approx(100 * achieved / peak, rel=0.05, abs=0.1)
+    shares = re.search(r'profile of one step \(([\d.]+) ms\): data ([\d.]+)%, forward ([\d.]+)%, backward ([\d.]+)%, '
+                       r'optimizer ([\d.]+)%, other (-?[\d.]+)%', text).groups()
+    shares = [float(s) for s in shares[1:]]
+    assert all(s >= 0 for s in shares) and shares[1] > 0 and shares[2] > 0
+    assert sum(shares) == pytest.approx(100, abs=0.3)
+    return tokens_per_sec, number(r'loss ([\d.]+) after 7 steps', text)
+
+
+def toy_flops_per_token(data_dir):
+    vocab_size = json.load(open(os.path.join(data_dir, 'toy', 'meta.json')))['vocab_size']
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, bias=False, vocab_size=vocab_size)).flops_per_token()
+
+
+def test_bench_compares_two_settings_with_speed_mfu_and_profile(tmp_path, data_dir):
+    # B trains the same model on the same batches, loaded in a worker process: the same losses, another speed
+    stdout = run_bench(data_dir, '--compare=--num_workers=1', f"--trace={tmp_path / 'step.json'}")
+    a, b = sections(stdout)['A'], sections(stdout)['B']
+    assert 'num_workers=0' in a and 'num_workers=1' in b
+    (a_tokens_per_sec, a_loss), (b_tokens_per_sec, b_loss) = (check_setting(s, toy_flops_per_token(data_dir)) for s in (a, b))
+    assert a_loss == b_loss
+    assert number(r'tokens/s B/A: ([\d.]+)', stdout) == pytest.approx(b_tokens_per_sec / a_tokens_per_sec, rel=0.01)
+    assert number(r'peak memory: ([\d,]+) MB', stdout) > 0
+    for name in ('step_A.json', 'step_B.json'):
+        events = {e.get('name') for e in json.load(open(tmp_path / name))['traceEvents']}
+        assert {'data', 'forward', 'backward', 'optimizer'} <= events
+
+
+def test_peak_flops_is_measured_on_cpu():
+    flops, how = perf.peak_flops('cpu', torch.float32)
+    assert flops > 1e9 and re.fullmatch(r'measured: (\d+)x\1 float32 matmul', how)
+    assert perf.peak_flops('cpu', torch.float32) == (flops, how)  # once per process: one peak for every setting
+
+
+def test_peak_flops_table_takes_the_gpu_whose_name_matches_first(monkeypatch):
+    # substrings nest ('A10' in 'A100', 'L4' in 'L40S', 'H100' in 'H100 PCIe'): each GPU must get its own row
+    expected = {'NVIDIA A100-SXM4-80GB': 312e12, 'NVIDIA A10': 125e12, 'NVIDIA L40S': 362e12, 'NVIDIA L4': 121e12,
+                'NVIDIA H100 PCIe': 756e12, 'NVIDIA H100 80GB HBM3': 989e12}
+    for name, peak in expected.items():
+        monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device: name)
+        assert perf.peak_flops.__wrapped__('cuda', torch.bfloat16) == (peak, f"table: {name}")
+    assert perf.peak_flops.__wrapped__('cuda', torch.float32)[0] == pytest.approx(989e12 / 2, rel=0.01)  # TF32, dense

@@ -1,0 +1,130 @@
+"""Exact resume and crash safety: an interrupted run, resumed, is the run that was never interrupted."""
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, RUN_CONFIG, read_metrics, run_train
+
+# dropout, loader workers and gradient accumulation all on: each one has broken someone's resume
+HARD = ['--dropout=0.1', '--num_workers=2', '--gradient_accumulation_steps=2', '--max_iters=30',
+        '--lr_decay_iters=30', '--eval_interval=10']
+
+
+def trajectory(out_dir):
+    """Per-step (step, loss, lr, grad_norm): what must match bitwise."""
+    return [(r['step'], r['loss'], r['lr'], r['grad_norm']) for r in read_metrics(out_dir, 'train')]
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_resume_is_bitwise_identical(tmp_path, data_dir, dtype):
+    straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
+    run_train(straight, data_dir, *HARD, f'--dtype={dtype}')
+    # stop at 14: in the middle of an epoch, between evaluations, after an extra final evaluation
+    run_train(split, data_dir, *HARD, f'--dtype={dtype}', '--max_iters=14')
+    run_train(split, data_dir, *HARD, f'--dtype={dtype}', '--init_from=resume')
+    assert trajectory(split) == trajectory(straight)
+    evals = lambda d: [(r['step'], r['val_loss']) for r in read_metrics(d, 'eval') if r['step'] % 10 == 0]
+    assert evals(split) == evals(straight)
+    a = torch.load(os.path.join(straight, 'last.pt'), weights_only=True)['model']
+    b = torch.load(os.path.join(split, 'last.pt'), weights_only=True)['model']
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_right_after_evaluation_and_from_best(tmp_path, data_dir):
+    straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
+    run_train(straight, data_dir, *HARD)
+    run_train(split, data_dir, *HARD, '--max_iters=20')  # stops right after the evaluation at 20
+    best_at_20 = str(tmp_path / 'best_at_20.pt')
+    shutil.copy(os.path.join(split, 'best.pt'), best_at_20)
+    run_train(split, data_dir, *HARD, '--init_from=resume')
+    assert trajectory(split) == trajectory(straight)
+    # any checkpoint resumes, here a best.pt into a new out_dir
+    other = str(tmp_path / 'from_best')
+    run_train(other, data_dir, *HARD, '--init_from=resume', f'--resume_from={best_at_20}')
+    assert trajectory(other) == [t for t in trajectory(straight) if t[0] > 20]
+
+
+def start_train(out_dir, data_dir, *overrides):
+    cmd = [sys.executable, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def fresh_file(path, since):
+    try:
+        return os.stat(path).st_mtime >= since
+    except FileNotFoundError:
+        return False
+
+
+def test_sigkill_at_random_moments_then_auto_resume(tmp_path, data_dir):
+    args = ['--max_iters=60', '--lr_decay_iters=60', '--eval_interval=3', '--dropout=0.1', '--n_embd=64',
+            '--init_from=auto']
+    straight, killed = str(tmp_path / 'straight'), str(tmp_path / 'killed')
+    run_train(straight, data_dir, *args)
+    rng = random.Random(0)
+    kills_in_save = 0
+    for attempt in range(4):  # kill, resume with init_from=auto, kill again...
+        proc = start_train(killed, data_dir, *args)
+        if attempt % 2 == 0:  # wait for a checkpoint write to be under way, then kill inside it
+            started, deadline = time.time(), time.time() + 60
+            while proc.poll() is None and time.time() < deadline and not fresh_file(os.path.join(killed, 'last.pt.tmp'), started):
+                time.sleep(0.0005)
+            kills_in_save += fresh_file(os.path.join(killed, 'last.pt.tmp'), started)
+        else:  # anywhere: start-up, a step, an evaluation, a save
+            time.sleep(rng.uniform(1.0, 6.0))
+        assert proc.poll() is None, 'the run ended before it could be killed'
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        for name in ('best.pt', 'last.pt'):  # whatever is on disk after a kill loads
+            path = os.path.join(killed, name)
+            if os.path.exists(path):
+                torch.load(path, weights_only=True)
+    assert kills_in_save >= 1
+    run_train(killed, data_dir, *args)  # the last resume runs to the end
+    assert trajectory(killed) == trajectory(straight)  # every step once, same numbers
+    log_steps = [int(line.split()[1].split('/')[0]) for line in open(os.path.join(killed, 'train.log')) if line.startswith('iter ')]
+    assert log_steps == list(range(1, 61))
+
+
+def test_refuses_mismatched_or_corrupt_checkpoints(tmp_path, data_dir):
+    out = str(tmp_path / 'run')
+    run_train(out, data_dir, '--max_iters=10', '--lr_decay_iters=10', '--eval_interval=10')
+    result = run_train(out, data_dir, '--init_from=resume', '--max_iters=20', '--n_layer=3', check=False)
+    assert result.returncode != 0 and 'n_layer=2 there, 3 here' in result.stderr
+    assert result.stderr.count('\n') == 1 and 'Traceback' not in result.stderr
+    # a different dataset (same name, other content) is refused by its hash
+    import prepare
+    from conftest import make_corpus
+    other_data = str(tmp_path / 'other_data')
+    prepare.prepare('toy', data_dir=other_data, input_path=make_corpus(str(tmp_path / 'src'), seed=5))
+    result = run_train(out, other_data, '--init_from=resume', '--max_iters=20', check=False)
+    assert result.returncode != 0 and 'trained on other data' in result.stderr and 'Traceback' not in result.stderr
+    # a truncated file: one line naming it
+    last = os.path.join(out, 'last.pt')
+    with open(last, 'r+b') as f:
+        f.truncate(os.path.getsize(last) // 2)
+    result = run_train(out, data_dir, '--init_from=resume', '--max_iters=20', check=False)
+    assert result.returncode != 0 and result.stderr.count('\n') == 1 and 'Traceback' not in result.stderr
+    assert last in result.stderr and 'unreadable' in result.stderr
+
+
+def test_checkpoint_cannot_run_code(tmp_path, data_dir):
+    out = str(tmp_path / 'run')
+    run_train(out, data_dir, '--max_iters=10', '--lr_decay_iters=10', '--eval_interval=10')
+    marker = tmp_path / 'pwned'
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f'touch {marker}',))
+    ckpt = torch.load(os.path.join(out, 'last.pt'), weights_only=True)
+    ckpt['evil'] = Evil()
+    torch.save(ckpt, os.path.join(out, 'last.pt'))
+    result = run_train(out, data_dir, '--init_from=resume', '--max_iters=20', check=False)
+    assert result.returncode != 0 and 'unreadable' in result.stderr and not marker.exists()

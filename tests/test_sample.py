@@ -1,0 +1,77 @@
+"""sample.py on a finished tiny run: seeded, greedy at top_k=1, prompts from files, clean errors."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import prepare
+import sample
+from conftest import REPO, run_train
+from model import GPT, GPTConfig
+
+SEPARATOR = '-' * 40 + '\n'
+
+
+@pytest.fixture(scope='module')
+def run_dir(tmp_path_factory, data_dir):
+    out = str(tmp_path_factory.mktemp('sample') / 'run')
+    run_train(out, data_dir, '--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10')
+    return out
+
+
+def run_sample(*args):
+    return subprocess.run([sys.executable, 'sample.py', *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_seed_decides_the_samples(run_dir):
+    # sample i is drawn with seed + i: the second sample of --seed=1 is the first of --seed=2, in another process
+    seed_1 = run_sample(f'--out_dir={run_dir}', '--seed=1', '--num_samples=2', '--max_new_tokens=30')
+    seed_2 = run_sample(f'--out_dir={run_dir}', '--seed=2', '--num_samples=1', '--max_new_tokens=30')
+    assert seed_1.returncode == 0, seed_1.stderr
+    first, second = seed_1.stdout.split(SEPARATOR)[:2]
+    assert seed_2.stdout == second + SEPARATOR and first != second
+    assert first.startswith('\n')  # an empty prompt starts where documents do: a newline for a char tokenizer
+
+
+def test_top_k_1_is_greedy_with_a_prompt_file(run_dir, tmp_path):
+    prompt = tmp_path / 'prompt.txt'
+    prompt.write_text('the cat ')
+    result = run_sample(f'--out_dir={run_dir}', f'--start=FILE:{prompt}', '--top_k=1', '--num_samples=1', '--max_new_tokens=12')
+    assert result.returncode == 0, result.stderr
+    ckpt = torch.load(os.path.join(run_dir, 'best.pt'), weights_only=True)
+    model = GPT(GPTConfig(**ckpt['model_args']))
+    model.load_state_dict(ckpt['model'])
+    model.eval()
+    encode, decode = prepare.load_tokenizer({'tokenizer': ckpt['dataset']['tokenizer']})
+    idx = torch.tensor([encode('the cat ')])
+    with torch.no_grad():
+        for _ in range(12):
+            idx = torch.cat([idx, model(idx)[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+    assert result.stdout == decode(idx[0].tolist()) + '\n' + SEPARATOR
+
+
+def test_missing_checkpoint_is_a_one_line_error(tmp_path):
+    result = run_sample(f'--out_dir={tmp_path}')
+    assert result.returncode != 0 and result.stdout == ''
+    assert result.stderr.startswith('error: checkpoint') and result.stderr.count('\n') == 1, result.stderr
+
+
+def test_prefixed_checkpoint_loads(run_dir, tmp_path):
+    best = os.path.join(run_dir, 'best.pt')
+    ckpt = torch.load(best, weights_only=True)
+    ckpt['model'] = {'_orig_mod.' + k: v for k, v in ckpt['model'].items()}  # as saved from a torch.compile'd model
+    torch.save(ckpt, tmp_path / 'compiled.pt')
+    loaded, reference = sample.load_model(str(tmp_path / 'compiled.pt'), 'cpu')[0], sample.load_model(best, 'cpu')[0]
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), reference.state_dict().values()))
+
+
+def test_sample_text_leaves_global_rng_and_train_mode(run_dir):
+    model, encode, decode, _ = sample.load_model(os.path.join(run_dir, 'best.pt'), 'cpu')
+    model.train()
+    rng = torch.get_rng_state()
+    text = sample.sample_text(model, encode, decode, 'the ', 20, 1.0, 200, 7, 'cpu')
+    assert torch.equal(torch.get_rng_state(), rng) and model.training
+    assert text.startswith('the ') and len(text) == 24
+    assert text == sample.sample_text(model, encode, decode, 'the ', 20, 1.0, 200, 7, 'cpu')
