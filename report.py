@@ -124,47 +124,37 @@ def plot_curves(train, evals, path, title):
     plt.close(fig)
 
 
-def write_report(out_dir):
-    """Write out_dir/report.md and out_dir/curves.png from the run's files."""
-    records, config, meta = read_run(out_dir)
-    train, evals = [r for r in records if r['kind'] == 'train'], [r for r in records if r['kind'] == 'eval']
-    test = next((r for r in reversed(records) if r['kind'] == 'test'), None)
-    abort = next((r for r in reversed(records) if r['kind'] == 'abort'), None)
-    smoke = next((r for r in reversed(records) if r['kind'] == 'smoke_test'), None)
+def config_lines(config):
     settings = {k: v for k, v in config.items() if k != 'resolved'}
-    word, detail = status(records, settings['max_iters']['value'])
-    lines = [f"# {out_dir}", "", f"Status: **{word}**: {detail}", ""]
-
-    lines += ["## Config", "", "Values set by a config file or the command line are in bold. "
-              f"Resolved: device {config['resolved']['device']}, dtype {config['resolved']['dtype']}.", "",
-              "| key | value | source |", "|---|---|---|"]
+    lines = ["## Config", "", f"Resolved: device {config['resolved']['device']}, dtype {config['resolved']['dtype']}. "
+             "Values set by a config file or the command line are in bold.", "",
+             "| key | value | source |", "|---|---|---|"]
     for key, entry in settings.items():
         value = repr(entry['value']).replace('|', '\\|')
         lines.append(f"| {key} | {value if entry['source'] == 'default' else f'**{value}**'} | {entry['source']} |")
+    return lines
 
-    if smoke:
-        lines += ["", f"Smoke test: {'passed' if smoke['passed'] else '**FAILED**'}: loss {smoke['first_loss']:.4f} -> "
-                      f"{smoke['final_loss']:.4f} in {smoke['steps']} steps"]
 
-    lines += ["", "## Loss", ""]
-    if evals:
-        best_val = min(evals, key=lambda e: e['val_loss'])
-        best_train = min(evals, key=lambda e: e['train_loss'])
-        last = evals[-1]
-        lines += [f"- last evaluation (iteration {last['step']}): train {loss_text(last['train_loss'])}, "
-                  f"val {loss_text(last['val_loss'])}, gap (val - train) {last['val_loss'] - last['train_loss']:+.4f}",
-                  f"- best val loss {loss_text(best_val['val_loss'])} at iteration {best_val['step']}; "
-                  f"best train loss {loss_text(best_train['train_loss'])} at iteration {best_train['step']}",
-                  f"- read: {fit_read(evals)}"]
-        leak = leakage(evals)
-        if leak:
-            lines.append(f"- **possible leakage**: {leak}")
-    else:
-        lines.append("- no evaluation yet")
+def loss_lines(evals, test):
+    if not evals:
+        return ["## Loss", "", "- no evaluation yet"]
+    best_val = min(evals, key=lambda e: e['val_loss'])
+    best_train = min(evals, key=lambda e: e['train_loss'])
+    last = evals[-1]
+    lines = ["## Loss", "",
+             f"- last evaluation (iteration {last['step']}): train {loss_text(last['train_loss'])}, "
+             f"val {loss_text(last['val_loss'])}, gap (val - train) {last['val_loss'] - last['train_loss']:+.4f}",
+             f"- best val loss {loss_text(best_val['val_loss'])} at iteration {best_val['step']}; "
+             f"best train loss {loss_text(best_train['train_loss'])} at iteration {best_train['step']}"]
     if test:
         lines.append(f"- test loss {loss_text(test['test_loss'])} with the best weights (iteration {test['best_iter']})")
+    lines.append(f"- read: {fit_read(evals)}")
+    leak = leakage(evals)
+    return lines + ([f"- **possible leakage**: {leak}"] if leak else [])
 
-    lines += ["", "## Throughput", ""]
+
+def throughput_lines(records, train, config, meta):
+    lines = ["## Throughput", ""]
     if train:
         lines.append(f"- median {statistics.median(r['tokens_per_sec'] for r in train):,.0f} tokens/s")
     mfus = [r['mfu'] for r in train if r.get('mfu') is not None]
@@ -175,22 +165,37 @@ def write_report(out_dir):
         lines.append(f"- peak memory {max(mems):,.0f} MB")
     seconds = wall_seconds(records)
     if seconds is None:
-        lines.append("- wall time unknown: metrics.jsonl has no timestamps")
-    else:
-        compute_hours = seconds / 3600 * meta.get('world_size', 1)
-        lines.append(f"- wall time {seconds / 3600:.2f} h ({seconds:,.0f} s), {compute_hours:.2f} compute hours "
-                     f"({meta.get('world_size', 1)} process(es))")
-        cost_per_hour = config.get('cost_per_hour', {}).get('value')
-        if cost_per_hour:
-            lines.append(f"- estimated cost {compute_hours * cost_per_hour:,.2f} ({cost_per_hour} per compute hour)")
+        return lines + ["- wall time unknown: metrics.jsonl has no timestamps"]
+    world_size = meta.get('world_size', 1)
+    compute_hours = seconds / 3600 * world_size
+    lines.append(f"- wall time {seconds / 3600:.2f} h ({seconds:,.0f} s), {compute_hours:.2f} compute hours "
+                 f"({world_size} process(es))")
+    cost_per_hour = config.get('cost_per_hour', {}).get('value')
+    if cost_per_hour:
+        lines.append(f"- estimated cost {compute_hours * cost_per_hour:,.2f} ({cost_per_hour} per compute hour)")
+    return lines
+
+
+def write_report(out_dir):
+    """Write out_dir/report.md and out_dir/curves.png from the run's files."""
+    records, config, meta = read_run(out_dir)
+    train, evals = [r for r in records if r['kind'] == 'train'], [r for r in records if r['kind'] == 'eval']
+    test = next((r for r in reversed(records) if r['kind'] == 'test'), None)
+    smoke = next((r for r in reversed(records) if r['kind'] == 'smoke_test'), None)
+    word, detail = status(records, config['max_iters']['value'])
+    lines = [f"# {out_dir}", "", f"Status: **{word}**: {detail}", ""] + config_lines(config) + [""]
+    if smoke:
+        lines += [f"Smoke test: {'passed' if smoke['passed'] else '**FAILED**'}: loss {smoke['first_loss']:.4f} -> "
+                  f"{smoke['final_loss']:.4f} in {smoke['steps']} steps", ""]
+    lines += loss_lines(evals, test) + [""] + throughput_lines(records, train, config, meta) + [""]
 
     spikes = grad_spikes(train)
     listed = f", at iterations {', '.join(map(str, spikes[:5]))}{', ...' if len(spikes) > 5 else ''}" if spikes else ""
-    lines += ["", "## Instabilities", "",
+    lines += ["## Instabilities", "",
               f"- float16 steps skipped: {train[-1].get('skipped_total', 0) if train else 0}",
               f"- gradient-norm spikes (> {SPIKE_FACTOR}x the running median): {len(spikes)}{listed}"]
-    if abort:
-        lines.append(f"- aborted at iteration {abort['step']}: the message is in the status line")
+    if word == 'aborted':
+        lines.append(f"- aborted {detail}")
 
     has_last = os.path.exists(os.path.join(out_dir, 'last.pt'))
     lines += ["", "## Files", ""]

@@ -90,6 +90,13 @@ if __name__ == '__main__':
         dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if device_type == 'cuda' else 'float32'
     autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
 
+    if start.startswith('FILE:'):
+        try:
+            with open(start[len('FILE:'):], encoding='utf-8') as f:
+                start = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            sys.exit(f"error: cannot read the prompt file ({e}): fix the path after FILE: or save it as UTF-8")
+
     ckpt_path = ckpt or os.path.join(out_dir, 'best.pt')
     if not os.path.isfile(ckpt_path):
         sys.exit(f"error: checkpoint {ckpt_path} does not exist: set out_dir to a run's folder, or ckpt to a .pt file")
@@ -97,12 +104,6 @@ if __name__ == '__main__':
         model, encode, decode, saved = load_model(ckpt_path, device)
     except (checkpoint.CheckpointError, prepare.PrepareError) as e:
         sys.exit(f"error: {e}")
-    if start.startswith('FILE:'):
-        try:
-            with open(start[len('FILE:'):], encoding='utf-8') as f:
-                start = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            sys.exit(f"error: cannot read the prompt file ({e}): fix the path after FILE: or save it as UTF-8")
     start = start or default_start(saved['dataset']['tokenizer'])
     print(f"sampling {ckpt_path} (iteration {saved.get('iter_num', '?')}) on {device} {dtype}", file=sys.stderr)
     for i in range(num_samples):

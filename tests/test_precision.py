@@ -1,0 +1,64 @@
+"""Mixed precision that never lies: float16 skips do not advance the LR, and every dtype learns."""
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import read_metrics, run_train
+
+
+def test_float16_skipped_steps_do_not_advance_the_schedule(tmp_path, data_dir):
+    out = str(tmp_path / 'fp16')
+    run_train(out, data_dir, '--dtype=float16', f'--init_scale={2.0 ** 26}')  # overflows until the scale backs off
+    steps = read_metrics(out, 'train')
+    skipped = [s['skipped'] for s in steps]
+    assert 5 <= sum(skipped) < len(steps) and skipped[0]
+    assert steps[-1]['skipped_total'] == sum(skipped)
+    for before, after in zip(steps, steps[1:]):
+        if before['skipped']:
+            assert after['lr'] == before['lr'] and after['scale'] < before['scale']  # no LR progress, lower scale
+    real_steps = sum(not s for s in skipped)
+    ckpt = torch.load(os.path.join(out, 'last.pt'), weights_only=True)
+    assert ckpt['scheduler']['last_epoch'] == real_steps  # scheduler steps == optimizer steps that ran
+    assert ckpt['optimizer']['state'][0]['step'].item() == real_steps
+
+
+def test_float16_consecutive_skips_abort(tmp_path, data_dir):
+    out = str(tmp_path / 'fp16')
+    result = run_train(out, data_dir, '--dtype=float16', f'--init_scale={2.0 ** 100}', '--max_consecutive_skips=3',
+                       check=False)
+    assert result.returncode != 0 and 'overflowed 3 optimizer steps in a row' in result.stderr
+    assert [r['step'] for r in read_metrics(out, 'abort')] == [3]
+
+
+def test_every_dtype_learns_like_float32(tmp_path, data_dir):
+    final = {}
+    for dtype in ('float32', 'bfloat16', 'float16'):
+        out = str(tmp_path / dtype)
+        run_train(out, data_dir, f'--dtype={dtype}')
+        evals = read_metrics(out, 'eval')
+        assert evals[-1]['val_loss'] < evals[0]['val_loss']
+        final[dtype] = evals[-1]['val_loss']
+    assert abs(final['bfloat16'] - final['float32']) < 0.05 * final['float32'], final
+    assert abs(final['float16'] - final['float32']) < 0.02 * final['float32'], final
+
+
+def test_float16_resume_is_exact(tmp_path, data_dir):
+    args = ['--dtype=float16', f'--init_scale={2.0 ** 24}', '--max_iters=30', '--lr_decay_iters=30', '--eval_interval=10']
+    straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
+    run_train(straight, data_dir, *args)
+    run_train(split, data_dir, *args, '--max_iters=12')
+    run_train(split, data_dir, *args, '--init_from=resume')
+    fields = lambda d: [(r['step'], r['loss'], r['lr'], r['grad_norm'], r['scale'], r['skipped']) for r in read_metrics(d, 'train')]
+    assert fields(split) == fields(straight)
+    assert any(r['skipped'] for r in read_metrics(straight, 'train'))  # the scaler's state mattered
+
+
+def test_auto_dtype_resolves_as_documented(tmp_path, data_dir):
+    out = str(tmp_path / 'auto')
+    run_train(out, data_dir, '--max_iters=2', '--lr_decay_iters=10', '--eval_interval=2')
+    native_bf16 = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    resolved = json.load(open(os.path.join(out, 'config.json')))['resolved']
+    assert resolved == {'device': 'cpu', 'dtype': 'bfloat16' if native_bf16 else 'float32'}
+    assert json.load(open(os.path.join(out, 'meta.json')))['dtype'] == resolved['dtype']
