@@ -34,7 +34,7 @@ profile = True  # break one more optimizer step down with torch.profiler
 trace = ''  # write that step's chrome trace (chrome://tracing, ui.perfetto.dev) here; with compare, NAME_A.json and NAME_B.json
 compare = ''  # overrides for a second setting B, e.g. '--compile=True': timed interleaved with A
 bench_keys = ['bench_iters', 'bench_warmup', 'profile', 'trace', 'compare']
-ROUNDS = 5  # A B alternations: slow spells of other load are spread over both settings
+ROUNDS = 10  # A B alternations: short rounds, so that a spell of other load on the machine hits both settings
 PHASES = ('data', 'forward', 'backward', 'optimizer')
 
 
@@ -47,31 +47,31 @@ def train_defaults():
     return {name: ast.literal_eval(value) for name, value in assigns[:names.index('config_keys')]}
 
 
-def build(c):
+def build(cfg):
     """One setting as train.py builds it: returns (step, info); step() runs one optimizer step and returns its loss."""
-    device = c.device if c.device != 'auto' else 'cuda' if torch.cuda.is_available() else 'cpu'
+    device = cfg.device if cfg.device != 'auto' else 'cuda' if torch.cuda.is_available() else 'cpu'
     device_type = 'cuda' if device.startswith('cuda') else 'cpu'
-    dtype = perf.auto_dtype(device_type) if c.dtype == 'auto' else c.dtype
+    dtype = perf.auto_dtype(device_type) if cfg.dtype == 'auto' else cfg.dtype
     autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
     if device_type == 'cuda':
         torch.set_float32_matmul_precision('high')  # as train.py: TF32 for what autocast leaves in float32
-    dataset_dir = os.path.join(c.data_dir, c.dataset)
+    dataset_dir = os.path.join(cfg.data_dir, cfg.dataset)
     if not os.path.exists(os.path.join(dataset_dir, 'meta.json')):
-        sys.exit(f"error: dataset '{c.dataset}' is not prepared in {dataset_dir}: run python prepare.py {c.dataset} (or set data_dir)")
+        sys.exit(f"error: dataset '{cfg.dataset}' is not prepared in {dataset_dir}: run python prepare.py {cfg.dataset} (or set data_dir)")
     with open(os.path.join(dataset_dir, 'meta.json')) as f:
         meta = json.load(f)
-    windows = data.TokenWindows(os.path.join(dataset_dir, 'train.bin'), meta['dtype'], c.block_size)
+    windows = data.TokenWindows(os.path.join(dataset_dir, 'train.bin'), meta['dtype'], cfg.block_size)
     try:
-        sampler = data.TrainSampler(windows.num_tokens, c.block_size, c.batch_size, c.batch_size * c.gradient_accumulation_steps, c.seed)
+        sampler = data.TrainSampler(windows.num_tokens, cfg.block_size, cfg.batch_size, cfg.batch_size * cfg.gradient_accumulation_steps, cfg.seed)
     except data.DataError as e:
         sys.exit(f"error: {e}")
-    batches = iter(data.make_loader(windows, sampler, c.num_workers, c.seed, device_type == 'cuda'))
-    torch.manual_seed(c.seed)
-    raw_model = GPT(GPTConfig(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, block_size=c.block_size, bias=c.bias,
-                              vocab_size=meta['vocab_size'], dropout=c.dropout)).to(device)
-    model = torch.compile(raw_model) if c.compile else raw_model
-    optimizer = torch.optim.AdamW(raw_model.optim_groups(c.weight_decay), lr=c.learning_rate, betas=(c.beta1, c.beta2), fused=True)
-    scaler = torch.amp.GradScaler(device_type, init_scale=c.init_scale, enabled=dtype == 'float16')
+    batches = iter(data.make_loader(windows, sampler, cfg.num_workers, cfg.seed, device_type == 'cuda'))
+    torch.manual_seed(cfg.seed)
+    raw_model = GPT(GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size, bias=cfg.bias,
+                              vocab_size=meta['vocab_size'], dropout=cfg.dropout)).to(device)
+    model = torch.compile(raw_model) if cfg.compile else raw_model
+    optimizer = torch.optim.AdamW(raw_model.optim_groups(cfg.weight_decay), lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True)
+    scaler = torch.amp.GradScaler(device_type, init_scale=cfg.init_scale, enabled=dtype == 'float16')
 
     @contextmanager
     def phase(name, sync):
@@ -84,7 +84,7 @@ def build(c):
         sync = sync_phases and device_type == 'cuda'
         optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=device)
-        for _ in range(c.gradient_accumulation_steps):
+        for _ in range(cfg.gradient_accumulation_steps):
             with phase('data', sync):
                 x, y, _ = next(batches)
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -93,11 +93,11 @@ def build(c):
                 loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
                 loss_sum += loss.detach()
             with phase('backward', sync):
-                scaler.scale(loss / c.gradient_accumulation_steps).backward()
+                scaler.scale(loss / cfg.gradient_accumulation_steps).backward()
         with phase('optimizer', sync):
             scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip if c.grad_clip > 0 else float('inf'))
-            loss_mean, _ = torch.stack([loss_sum / c.gradient_accumulation_steps, grad_norm.float()]).tolist()  # train.py's sync
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float('inf'))
+            loss_mean, _ = torch.stack([loss_sum / cfg.gradient_accumulation_steps, grad_norm.float()]).tolist()  # train.py's sync
             scaler.step(optimizer)
             scaler.update()
         if device_type == 'cuda':  # the clock must see the finished step, not its launch
@@ -105,7 +105,7 @@ def build(c):
         return loss_mean
 
     info = SimpleNamespace(device=device, dtype=dtype, flops_per_token=raw_model.flops_per_token(), params=raw_model.num_params(),
-                           tokens_per_step=c.batch_size * c.block_size * c.gradient_accumulation_steps)
+                           tokens_per_step=cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps)
     return step, info
 
 
@@ -141,30 +141,32 @@ except ConfigError as e:
     sys.exit(f"error: {e}")
 globals().update({k: config[k] for k in bench_keys})
 
-print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; A: {' '.join(sys.argv[1:])}" + (f"; B: A {compare}" if compare else ''))
+# other processes competing for the cores slow every step (and the peak measurement): say how busy the machine is
+print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs with load average {os.getloadavg()[0]:.2f} "
+      f"before this run; A: {' '.join(sys.argv[1:])}" + (f"; B: A {compare}" if compare else ''))
 runs = {}
-for name, c in configs.items():  # all built before any is timed: every setting is in memory at once
-    c = SimpleNamespace(**c)
-    step, info = build(c)
+for name, cfg in configs.items():  # all built before any is timed: every setting is in memory at once
+    cfg = SimpleNamespace(**cfg)
+    step, info = build(cfg)
     peak, how = perf.peak_flops(info.device, getattr(torch, info.dtype))
     first = timed(step, 1)[0][0]
     timed(step, bench_warmup - 1)
-    runs[name] = SimpleNamespace(c=c, step=step, info=info, peak=peak, how=how, first=first, steps=[])
+    runs[name] = SimpleNamespace(cfg=cfg, step=step, info=info, peak=peak, how=how, first=first, steps=[])
 chunk = max(1, bench_iters // ROUNDS)
 while len(runs['A'].steps) < bench_iters:
     for run in runs.values():
         run.steps += timed(run.step, min(chunk, bench_iters - len(run.steps)))
 
 for name, run in runs.items():
-    c, info = run.c, run.info
-    seconds = [s for s, _ in run.steps]
-    run.tokens_per_sec = info.tokens_per_step / statistics.median(seconds)
+    cfg, info = run.cfg, run.info
+    run.seconds = [s for s, _ in run.steps]
+    run.tokens_per_sec, run.fastest_tokens_per_sec = info.tokens_per_step / statistics.median(run.seconds), info.tokens_per_step / min(run.seconds)
     achieved = info.flops_per_token * run.tokens_per_sec
-    print(f"\n{name}: {info.device} {info.dtype}, {'compiled' if c.compile else 'eager'}, {info.params / 1e6:.2f}M parameters, "
-          f"{info.tokens_per_step:,} tokens per step ({c.gradient_accumulation_steps} x {c.batch_size} x {c.block_size}), "
-          f"num_workers={c.num_workers}; loss {run.steps[-1][1]:.4f} after {bench_warmup + len(seconds)} steps")
-    print(f"  first step: {run.first:.2f} s{' (includes compilation)' if c.compile else ''}")
-    print(f"  ms/step: median {statistics.median(seconds) * 1e3:.1f}, min {min(seconds) * 1e3:.1f} over {len(seconds)} steps")
+    print(f"\n{name}: {info.device} {info.dtype}, {'compiled' if cfg.compile else 'eager'}, {info.params / 1e6:.2f}M parameters, "
+          f"{info.tokens_per_step:,} tokens per step ({cfg.gradient_accumulation_steps} x {cfg.batch_size} x {cfg.block_size}), "
+          f"num_workers={cfg.num_workers}; loss {run.steps[-1][1]:.4f} after {bench_warmup + len(run.seconds)} steps")
+    print(f"  first step: {run.first:.2f} s{' (includes compilation)' if cfg.compile else ''}")
+    print(f"  ms/step: median {statistics.median(run.seconds) * 1e3:.1f}, min {min(run.seconds) * 1e3:.1f} over {len(run.seconds)} steps")
     print(f"  tokens/s: {run.tokens_per_sec:,.0f}")
     print(f"  model FLOPs/token: {info.flops_per_token / 1e6:.2f}M; achieved {achieved / 1e9:.2f} GFLOP/s")
     print(f"  MFU: {achieved / run.peak:.1%} of {run.peak / 1e9:.1f} GFLOP/s peak ({run.how})")
@@ -175,4 +177,5 @@ for name, run in runs.items():
 print(f"\npeak memory: {perf.peak_memory_mb(runs['A'].info.device):,.0f} MB" + (" (this process: both settings)" if compare else ''))
 if compare:
     ratio = runs['B'].tokens_per_sec / runs['A'].tokens_per_sec
-    print(f"tokens/s B/A: {ratio:.3f} (B is {abs(ratio - 1):.1%} {'faster' if ratio > 1 else 'slower'})")
+    fastest = runs['B'].fastest_tokens_per_sec / runs['A'].fastest_tokens_per_sec
+    print(f"tokens/s B/A: {ratio:.3f} (B is {abs(ratio - 1):.1%} {'faster' if ratio > 1 else 'slower'}); fastest steps: {fastest:.3f}")

@@ -49,20 +49,21 @@ def load(path):
 
 
 def rng_state():
-    """Every RNG in play on this process, in types torch.load(weights_only=True) accepts."""
+    """Every RNG in play on this process, as plain Python values: they pass through
+    torch.load(weights_only=True) and dist.all_gather_object alike."""
     np_state = np.random.get_state()
     return {
         'python': random.getstate(),
-        'numpy': (np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]),
-        'torch': torch.get_rng_state(),
-        'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        'numpy': (np_state[0], np_state[1].tolist(), *np_state[2:]),
+        'torch': torch.get_rng_state().tolist(),
+        'cuda': [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
     }
 
 
 def set_rng_state(state):
     random.setstate(state['python'])
     name, key, *rest = state['numpy']
-    np.random.set_state((name, key.numpy(), *rest))
-    torch.set_rng_state(state['torch'])
+    np.random.set_state((name, np.array(key, dtype=np.uint32), *rest))
+    torch.set_rng_state(torch.tensor(state['torch'], dtype=torch.uint8))
     if state['cuda']:
-        torch.cuda.set_rng_state_all(state['cuda'])
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state['cuda']])

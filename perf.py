@@ -31,28 +31,35 @@ GPU_PEAKS = [  # name, bfloat16, float16, float32
 
 
 def auto_dtype(device_type):
+    """What dtype='auto' trains in: the fastest dtype that keeps training stable on this device."""
     if device_type == 'cuda':
         return 'bfloat16' if torch.cuda.is_bf16_supported() else 'float16'
     # bf16 pays off only where the CPU has bf16 matmul units; elsewhere it is emulated and slow
     return 'bfloat16' if torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported() else 'float32'
 
 
+def matmul_seconds(a, b):
+    start = time.perf_counter()
+    a @ b
+    if a.is_cuda:
+        torch.cuda.synchronize(a.device)
+    return time.perf_counter() - start
+
+
 def measure_flops(device, dtype):
-    """Best FLOP/s of a square matmul, doubling the size until one product takes 0.1 s (or n = 8192):
-    large enough to reach the hardware's peak, yet about a second where a dtype is emulated and slow."""
+    """Best FLOP/s of a square matmul. The size doubles until one product takes 10 ms (or n = 8192), large
+    enough to reach the hardware's peak yet quick where a dtype is emulated; then the best of as many
+    products as fit in half a second, so that a spell of other load on the machine does not lower the peak."""
     n = 256
     while True:
         a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-        times = []
-        for _ in range(3):  # the first is a warm-up
-            start = time.perf_counter()
-            a @ b
-            if torch.device(device).type == 'cuda':
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
-        if min(times[1:]) > 0.1 or n == 8192:
-            return 2 * n**3 / min(times[1:]), f"measured: {n}x{n} {str(dtype).removeprefix('torch.')} matmul"
+        if min(matmul_seconds(a, b) for _ in range(3)) > 0.01 or n == 8192:  # the first also warms up
+            break
         n *= 2
+    times = [matmul_seconds(a, b)]
+    while sum(times) < 0.5:
+        times.append(matmul_seconds(a, b))
+    return 2 * n**3 / min(times), f"measured: {n}x{n} {str(dtype).removeprefix('torch.')} matmul, best of {len(times)}"
 
 
 @functools.cache  # one peak per process: settings compared in one run are rated against the same number

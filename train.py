@@ -31,6 +31,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint
 import data
 import prepare
+import report
+import sample
 from configurator import ConfigError, configure
 from model import GPT, GPTConfig
 
@@ -128,7 +130,12 @@ check(gradient_accumulation_steps % world_size == 0,
       f"make it a multiple of {world_size} so the global batch stays the same")
 accum_steps = gradient_accumulation_steps // world_size  # micro-batches per optimizer step on this rank
 if ddp:
-    dist.init_process_group(backend=(('nccl' if device_type == 'cuda' else 'gloo') if backend == 'auto' else backend))
+    # torchrun keeps its store across --max-restarts; without a per-attempt prefix, a restarted group can
+    # read the dead attempt's addresses and fail to connect (seen with gloo in torch 2.13)
+    store, _, _ = next(dist.rendezvous('env://'))
+    store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group(backend=(('nccl' if device_type == 'cuda' else 'gloo') if backend == 'auto' else backend),
+                            store=store, rank=rank, world_size=world_size)
     atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())  # on every exit path
 
 if dtype == 'auto':
@@ -274,6 +281,8 @@ def abort(step, message):
     """Stop the run now: every rank got here on the same reduced values; checkpoints stay as they were."""
     record({'kind': 'abort', 'step': step, 'message': message})
     log(f"error: {message}", sys.stderr)
+    if master:
+        report.write_report(out_dir)
     sys.exit(1)
 
 
@@ -320,6 +329,7 @@ if master:
         {k: {'value': config[k], 'source': config_sources[k]} for k in config} | {'resolved': {'device': device, 'dtype': dtype}})))
 
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
+record({'kind': 'start', 'step': iter_num, 'time': time.time()})
 log(f"{'resuming from ' + ckpt_path + ' at iteration ' + str(iter_num) if resuming else 'starting from scratch'}: "
     f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, {world_size} process(es), "
     f"{tokens_per_iter:,} tokens per iteration ({gradient_accumulation_steps} x {batch_size} x {block_size})")
@@ -426,7 +436,7 @@ while iter_num < max_iters:
     if iter_num % log_interval == 0 or iter_num == max_iters:
         elapsed = time.time() - t_last
         tokens_per_sec = iters_since_log * tokens_per_iter / elapsed
-        record({'kind': 'train', 'step': iter_num, 'loss': loss_mean, 'lr': lr, 'grad_norm': grad_norm_value,
+        record({'kind': 'train', 'step': iter_num, 'time': time.time(), 'loss': loss_mean, 'lr': lr, 'grad_norm': grad_norm_value,
                 'tokens_per_sec': tokens_per_sec, 'skipped': skipped, 'skipped_total': skipped_steps, 'scale': scale,
                 'epoch': train_sampler.epoch})
         log(f"iter {iter_num}/{max_iters}: loss {loss_mean:.4f}, lr {lr:.3e}, grad norm {grad_norm_value:.3f}, "
@@ -467,3 +477,15 @@ record({'kind': 'test', 'step': iter_num, 'best_iter': best_iter, 'best_val_loss
 log(f"done: {iter_num} iterations, best val loss {best_val_loss:.4f} at iteration {best_iter}, "
     f"test loss {test_loss:.4f} ({test_loss / math.log(2):.3f} bits/token) with the best weights; "
     f"checkpoints in {out_dir}")
+if master:
+    try:
+        encode, decode = prepare.load_tokenizer(data_meta)
+    except prepare.PrepareError as e:
+        log(f"no sample: {e}")
+    else:
+        with autocast:
+            text = sample.sample_text(raw_model, encode, decode, sample.default_start(data_meta['tokenizer']),
+                                      200, 0.8, 200, seed, device)
+        log(f"a sample from the best weights:\n{text}")
+    report.write_report(out_dir)
+    log(f"report: {os.path.join(out_dir, 'report.md')} and curves.png")

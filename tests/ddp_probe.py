@@ -1,0 +1,56 @@
+"""Runs train.py under torchrun with test probes that the product itself must not contain:
+PROBE_COUNT=DIR   counts DDP's gradient all-reduces per rank (a comm hook) into DIR/allreduce.RANK
+PROBE_NAN=R:N     makes rank R's loss NaN from its N-th micro-batch on
+PROBE_KILL=R:N    SIGKILLs rank R at its N-th micro-batch, on torchrun's first attempt only
+Usage: torchrun ... tests/ddp_probe.py train.py ARGS..."""
+import atexit
+import os
+import runpy
+import signal
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+
+rank = int(os.environ['RANK'])
+micro_batches = 0
+
+if 'PROBE_COUNT' in os.environ:
+    allreduces = 0
+    ddp_init = DistributedDataParallel.__init__
+
+    def counting_init(self, *args, **kwargs):
+        ddp_init(self, *args, **kwargs)
+
+        def hook(process_group, bucket):
+            global allreduces
+            allreduces += 1
+            return allreduce_hook(process_group, bucket)
+        self.register_comm_hook(None, hook)
+    DistributedDataParallel.__init__ = counting_init
+    atexit.register(lambda: open(os.path.join(os.environ['PROBE_COUNT'], f'allreduce.{rank}'), 'w').write(str(allreduces)))
+
+cross_entropy = F.cross_entropy
+
+
+def probed_cross_entropy(*args, **kwargs):
+    global micro_batches
+    loss = cross_entropy(*args, **kwargs)
+    if torch.is_grad_enabled():  # training micro-batches only, not evaluation
+        micro_batches += 1
+        for name, action in (('PROBE_NAN', 'nan'), ('PROBE_KILL', 'kill')):
+            target_rank, at = map(int, os.environ.get(name, '-1:0').split(':'))
+            if rank == target_rank and micro_batches >= at:
+                if action == 'nan':
+                    loss = loss * float('nan')
+                elif os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') == '0':
+                    os.kill(os.getpid(), signal.SIGKILL)
+    return loss
+
+
+F.cross_entropy = probed_cross_entropy
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))  # as if train.py were run directly
+runpy.run_path(sys.argv[0], run_name='__main__')

@@ -1,0 +1,119 @@
+"""Distributed data parallel on CPU (gloo, 2 processes): the same run as one process, and no hangs."""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+
+from conftest import REPO, RUN_CONFIG, read_metrics, run_train
+
+PROBE = os.path.join(REPO, 'tests', 'ddp_probe.py')
+# dropout 0 so one process and two ranks compute the same function; 4 micro-batches per step in total
+SAME = ['--gradient_accumulation_steps=4', '--max_iters=30', '--lr_decay_iters=30', '--eval_interval=10']
+# Tolerance: two ranks sum gradients in another order than one process (all-reduce of per-rank sums),
+# so float32 results differ by rounding only: ~1e-7 relative per operation, compounded through 30 Adam
+# steps on a 30k-parameter model; 1e-4 relative is far above that and far below any real divergence
+# (one wrong or missing micro-batch changes losses at the 1e-2 level).
+RTOL = 1e-4
+
+
+def torchrun(out_dir, data_dir, *overrides, nproc=2, probe=False, env_extra=None, torchrun_args=(), timeout=300):
+    script = [PROBE, 'train.py'] if probe else ['train.py']
+    cmd = [sys.executable, '-m', 'torch.distributed.run', *(torchrun_args or ['--standalone']), f'--nproc_per_node={nproc}',
+           *script, RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides]
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', **(env_extra or {})}
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def ok(result):
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def close(a, b):
+    return abs(a - b) <= RTOL * max(abs(a), abs(b))
+
+
+def assert_same_run(one, two):
+    steps1, steps2 = read_metrics(one, 'train'), read_metrics(two, 'train')
+    assert [s['step'] for s in steps1] == [s['step'] for s in steps2] == list(range(1, 31))
+    for s1, s2 in zip(steps1, steps2):
+        assert s1['lr'] == s2['lr'] and close(s1['loss'], s2['loss']) and close(s1['grad_norm'], s2['grad_norm']), (s1, s2)
+    evals1, evals2 = read_metrics(one, 'eval'), read_metrics(two, 'eval')
+    assert [e['step'] for e in evals1] == [e['step'] for e in evals2]
+    assert all(close(e1['val_loss'], e2['val_loss']) for e1, e2 in zip(evals1, evals2))
+    p1 = torch.load(os.path.join(one, 'last.pt'), weights_only=True)['model']
+    p2 = torch.load(os.path.join(two, 'last.pt'), weights_only=True)['model']
+    assert all(torch.allclose(p1[k], p2[k], rtol=RTOL, atol=1e-6) for k in p1)
+
+
+def test_two_ranks_equal_one_process_and_skip_sync_between_boundaries(tmp_path, data_dir):
+    one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
+    run_train(one, data_dir, *SAME)
+    result = ok(torchrun(two, data_dir, *SAME, probe=True, env_extra={'PROBE_COUNT': str(tmp_path)}))
+    assert '4 x 8 x 32' in result.stdout  # tokens per step printed, global accumulation kept
+    assert_same_run(one, two)
+    # 2 micro-batches per rank per step, 1 bucket (a 30k-parameter model): one gradient all-reduce per
+    # optimizer step, none on the non-boundary micro-batch
+    counts = [int(open(tmp_path / f'allreduce.{r}').read()) for r in range(2)]
+    assert counts == [30, 30]
+
+
+def test_two_nodes_on_loopback(tmp_path, data_dir):
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
+    run_train(one, data_dir, *SAME)
+    nodes = []
+    for node_rank in range(2):
+        args = ['--nnodes=2', f'--node_rank={node_rank}', '--rdzv_backend=c10d', f'--rdzv_endpoint=127.0.0.1:{port}',
+                '--rdzv_id=loopback', '--master_addr=127.0.0.1', f'--master_port={port}']
+        cmd = [sys.executable, '-m', 'torch.distributed.run', *args, '--nproc_per_node=1', 'train.py', RUN_CONFIG,
+               f'--data_dir={data_dir}', f'--out_dir={two}', *SAME]
+        nodes.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env={**os.environ, 'OMP_NUM_THREADS': '1'}))
+    outputs = [p.communicate(timeout=300)[0] for p in nodes]
+    assert all(p.returncode == 0 for p in nodes), outputs
+    assert_same_run(one, two)
+
+
+def test_ddp_resume_is_exact(tmp_path, data_dir):
+    args = [*SAME, '--dropout=0.1', '--num_workers=1']  # dropout: each rank's RNG state must travel
+    straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
+    ok(torchrun(straight, data_dir, *args))
+    ok(torchrun(split, data_dir, *args, '--max_iters=14'))
+    ok(torchrun(split, data_dir, *args, '--init_from=resume'))
+    fields = lambda d: [(r['step'], r['loss'], r['lr'], r['grad_norm']) for r in read_metrics(d, 'train')]
+    assert fields(split) == fields(straight)
+
+
+def test_nan_on_one_rank_ends_both_promptly(tmp_path, data_dir):
+    out = str(tmp_path / 'nan')
+    start = time.time()
+    result = torchrun(out, data_dir, *SAME, probe=True, env_extra={'PROBE_NAN': '1:13'}, timeout=120)
+    assert result.returncode != 0 and time.time() - start < 60
+    assert 'non-finite loss at iteration 7' in result.stderr  # rank 1's 13th micro-batch is in step 7
+    assert [r['step'] for r in read_metrics(out, 'abort')] == [7]
+
+
+def test_bad_config_ends_every_rank(tmp_path, data_dir):
+    for args, message in ((['--batch_sise=4'], "unknown config key 'batch_sise'"),
+                          (['--gradient_accumulation_steps=3'], 'not divisible by the 2 processes')):
+        result = torchrun(str(tmp_path / 'bad'), data_dir, *args, timeout=120)
+        assert result.returncode != 0 and message in result.stderr
+        assert not (tmp_path / 'bad').exists()
+
+
+def test_elastic_restart_after_a_lost_worker(tmp_path, data_dir):
+    args = [*SAME, '--init_from=auto']
+    straight, elastic = str(tmp_path / 'straight'), str(tmp_path / 'elastic')
+    ok(torchrun(straight, data_dir, *args))
+    # rank 1 dies at its 50th micro-batch (iteration 25), after the checkpoint at 20; torchrun restarts the group
+    result = ok(torchrun(elastic, data_dir, *args, probe=True, env_extra={'PROBE_KILL': '1:50'},
+                         torchrun_args=['--standalone', '--max-restarts=1']))
+    assert 'resuming from' in result.stdout
+    fields = lambda d: [(r['step'], r['loss'], r['lr'], r['grad_norm']) for r in read_metrics(d, 'train')]
+    assert fields(elastic) == fields(straight)
