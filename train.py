@@ -12,7 +12,9 @@ The defaults below keep nanoGPT's names and meanings; config files and --key=val
 metrics.jsonl, best.pt (lowest val loss) and last.pt (the latest state, for resuming).
 """
 import atexit
+import copy
 import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -30,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 import data
+import perf
 import prepare
 import report
 import sample
@@ -45,10 +48,12 @@ eval_iters = 200  # eval batches per split and evaluation (evenly spread windows
 always_save_checkpoint = True  # write last.pt at every evaluation, not only at the end
 init_from = 'scratch'  # 'scratch', 'resume' (out_dir/last.pt or resume_from) or 'auto' (resume if last.pt exists)
 resume_from = ''  # a checkpoint to resume from instead of out_dir/last.pt, e.g. out/best.pt
-# logging services (off by default)
+# logging services (off by default; imported only when on)
 wandb_log = False
 wandb_project = 'honestgpt'
 wandb_run_name = 'run'
+tensorboard_log = False  # event files in out_dir/tensorboard
+cost_per_hour = 0.0  # price of one process-hour, for the report's cost estimate; 0 leaves cost out
 # data
 dataset = 'pystdlib_char'  # a folder under data_dir written by prepare.py
 data_dir = 'data'
@@ -77,6 +82,7 @@ min_lr = 6e-5
 # early stopping and smoke test
 patience = 0  # stop after this many evaluations without a new best val loss; 0 never stops early
 overfit_one_batch = False  # train on one fixed batch: loss must approach zero if model, loss and optimizer are wired
+smoke_test = False  # before the run, overfit one batch for 30 steps and refuse to start if the loss does not fall
 # system
 device = 'auto'  # 'auto', 'cpu', 'cuda', 'cuda:1', ...
 dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 uses a GradScaler)
@@ -109,6 +115,8 @@ for key in ('eval_interval', 'log_interval', 'gradient_accumulation_steps', 'bat
 check(n_embd % n_head == 0, f"n_embd={n_embd} is not a multiple of n_head={n_head}: change one of them")
 check(0 <= dropout < 1, f"dropout={dropout} must be in [0, 1)")
 check(not decay_lr or lr_decay_iters > warmup_iters, f"lr_decay_iters={lr_decay_iters} must exceed warmup_iters={warmup_iters}")
+for key, package in (('tensorboard_log', 'tensorboard'), ('wandb_log', 'wandb')):
+    check(not config[key] or importlib.util.find_spec(package), f"{key}=True needs the {package} package: pip install {package}, or set {key}=False")
 if deterministic:
     os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')  # must be set before cuBLAS starts
 
@@ -139,10 +147,7 @@ if ddp:
     atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())  # on every exit path
 
 if dtype == 'auto':
-    if device_type == 'cuda':
-        dtype = 'bfloat16' if torch.cuda.is_bf16_supported() else 'float16'
-    else:  # bf16 pays off only where the CPU has bf16 matmul units; elsewhere it is emulated and slow
-        dtype = 'bfloat16' if torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported() else 'float32'
+    dtype = perf.auto_dtype(device_type)
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
 autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
 if device_type == 'cuda':
@@ -247,6 +252,43 @@ elif init_from == 'scratch':  # must not overwrite a run ('auto' redoes a run ki
     check(not any(os.path.exists(os.path.join(out_dir, f)) for f in ('last.pt', 'best.pt', 'metrics.jsonl')),
           f"out_dir '{out_dir}' already holds a run: resume it with init_from=resume (or auto), or pick a new out_dir")
 
+
+
+def run_smoke_test(steps=30):
+    """Overfit this rank's first train batch for a few steps, then put weights and RNG back as they were:
+    a model, loss or optimizer that is not wired up fails here in seconds instead of after hours."""
+    initial_weights, initial_rng = copy.deepcopy(model.state_dict()), checkpoint.rng_state()
+    x, y, _ = torch.utils.data.default_collate([splits['train'][s] for s in train_sampler.epoch_batches(0)[0]])
+    x, y = x.to(device), y.to(device)
+    smoke_optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
+    losses = []
+    for _ in range(steps):
+        smoke_optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            logits = model(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        loss.backward()
+        smoke_optimizer.step()
+        losses.append(loss.detach())
+    model.load_state_dict(initial_weights)
+    checkpoint.set_rng_state(initial_rng)
+    first, final = (reduce_sum(torch.stack([losses[0], losses[-1]]).float()) / world_size).tolist()
+    return {'kind': 'smoke_test', 'step': iter_num, 'steps': steps, 'first_loss': first, 'final_loss': final,
+            'passed': final < 0.7 * first}
+
+
+def reduce_sum(t):
+    if ddp:
+        dist.all_reduce(t)  # every rank calls this the same number of times: all take the same branches
+    return t
+
+
+smoke_result = run_smoke_test() if smoke_test and not resuming else None
+if smoke_result and not smoke_result['passed']:
+    check(False, f"smoke test failed: one batch overfit for {smoke_result['steps']} steps only went from loss "
+                 f"{smoke_result['first_loss']:.4f} to {smoke_result['final_loss']:.4f}: check learning_rate, or the "
+                 f"model and loss if you changed them; nothing was written")
+
 raw_model = model  # the plain GPT whose state_dict is saved: no '_orig_mod.' or 'module.' prefixes
 if compile:
     model = torch.compile(model)
@@ -260,7 +302,7 @@ train_loader = data.make_loader(splits['train'], train_sampler, num_workers, see
 
 # -----------------------------------------------------------------------------
 # the run directory: created only now that the config, data and checkpoint are known to be good
-log_file = metrics_file = None
+log_file = metrics_file = tb_writer = None
 
 
 def log(message, stream=sys.stdout):
@@ -275,14 +317,25 @@ def record(entry):
     if master:
         metrics_file.write(json.dumps(entry) + '\n')
         metrics_file.flush()
+        numbers = {f"{entry['kind']}/{k}": v for k, v in entry.items()
+                   if k not in ('step', 'time') and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if tb_writer:
+            for name, value in numbers.items():
+                tb_writer.add_scalar(name, value, entry['step'])
+        if wandb_log:
+            wandb.log(numbers, step=entry['step'])
 
 
-def abort(step, message):
-    """Stop the run now: every rank got here on the same reduced values; checkpoints stay as they were."""
+def record_abort(step, message):
     record({'kind': 'abort', 'step': step, 'message': message})
     log(f"error: {message}", sys.stderr)
     if master:
         report.write_report(out_dir)
+
+
+def abort(step, message):
+    """Stop the run now: every rank got here on the same reduced values; checkpoints stay as they were."""
+    record_abort(step, message)
     sys.exit(1)
 
 
@@ -312,6 +365,12 @@ if master:
             os.remove(os.path.join(out_dir, name))
     log_file = open(os.path.join(out_dir, 'train.log'), 'a')
     metrics_file = open(os.path.join(out_dir, 'metrics.jsonl'), 'a')
+    if tensorboard_log:
+        from torch.utils.tensorboard import SummaryWriter
+        tb_writer = SummaryWriter(os.path.join(out_dir, 'tensorboard'))
+    if wandb_log:
+        import wandb
+        wandb.init(project=wandb_project, name=wandb_run_name, config=config, resume='allow')
     sha, dirty = git_state()
     run_meta = {
         'command': sys.argv, 'start_time': time.strftime('%Y-%m-%dT%H:%M:%S%z'), 'git_sha': sha, 'git_dirty': dirty,
@@ -334,14 +393,15 @@ log(f"{'resuming from ' + ckpt_path + ' at iteration ' + str(iter_num) if resumi
     f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, {world_size} process(es), "
     f"{tokens_per_iter:,} tokens per iteration ({gradient_accumulation_steps} x {batch_size} x {block_size})")
 
+if smoke_result:
+    record(smoke_result)
+    log(f"smoke test passed: one batch overfit for {smoke_result['steps']} steps, loss {smoke_result['first_loss']:.4f} "
+        f"-> {smoke_result['final_loss']:.4f}")
+peak_flops, peak_how = perf.peak_flops(device, ptdtype) if master else (float('nan'), '')
+log(f"MFU is measured against {peak_flops / 1e9:,.1f} GFLOP/s per process ({peak_how})")
+
 # -----------------------------------------------------------------------------
 # evaluation and checkpoints
-
-
-def reduce_sum(t):
-    if ddp:
-        dist.all_reduce(t)  # every rank calls this the same number of times: all take the same branches
-    return t
 
 
 def evaluate(split):
@@ -382,6 +442,18 @@ def gather_rng():
     dist.all_gather_object(states, checkpoint.rng_state())
     return states
 
+
+
+
+def explain_out_of_memory(exc_type, exc, tb):
+    if not (issubclass(exc_type, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)):
+        return sys.__excepthook__(exc_type, exc, tb)
+    record_abort(iter_num + 1, f"out of memory at iteration {iter_num + 1} with batch_size={batch_size}, block_size={block_size} "
+                 f"({perf.peak_memory_mb(device):,.0f} MB at peak): lower batch_size and raise gradient_accumulation_steps by the "
+                 f"same factor (the tokens per iteration stay), or use dtype=bfloat16; the checkpoints are intact")
+
+
+sys.excepthook = explain_out_of_memory  # one clear line instead of a traceback; the exit code stays 1
 
 # -----------------------------------------------------------------------------
 # training loop
@@ -436,11 +508,15 @@ while iter_num < max_iters:
     if iter_num % log_interval == 0 or iter_num == max_iters:
         elapsed = time.time() - t_last
         tokens_per_sec = iters_since_log * tokens_per_iter / elapsed
+        mfu = tokens_per_sec * raw_model.flops_per_token() / (peak_flops * world_size)
+        peak_mem_mb = perf.peak_memory_mb(device)
+        eta = (max_iters - iter_num) * elapsed / iters_since_log
         record({'kind': 'train', 'step': iter_num, 'time': time.time(), 'loss': loss_mean, 'lr': lr, 'grad_norm': grad_norm_value,
-                'tokens_per_sec': tokens_per_sec, 'skipped': skipped, 'skipped_total': skipped_steps, 'scale': scale,
-                'epoch': train_sampler.epoch})
+                'tokens_per_sec': tokens_per_sec, 'mfu': mfu, 'peak_mem_mb': peak_mem_mb, 'skipped': skipped,
+                'skipped_total': skipped_steps, 'scale': scale, 'epoch': train_sampler.epoch})
         log(f"iter {iter_num}/{max_iters}: loss {loss_mean:.4f}, lr {lr:.3e}, grad norm {grad_norm_value:.3f}, "
-            f"{tokens_per_sec:,.0f} tok/s{', step skipped (float16 overflow)' if skipped else ''}")
+            f"{tokens_per_sec:,.0f} tok/s, MFU {mfu:.1%}, mem {peak_mem_mb:,.0f} MB, ETA {eta / 60:.1f} min"
+            f"{', step skipped (float16 overflow)' if skipped else ''}")
         t_last, iters_since_log = time.time(), 0
 
     if rng_after_step is not None:

@@ -1,12 +1,16 @@
 """End-to-end: train.py run as users run it, on a small generated corpus, checked through its files."""
 import hashlib
+import importlib.util
 import json
 import math
 import os
+import subprocess
+import sys
 
+import pytest
 import torch
 
-from conftest import read_metrics, run_train
+from conftest import REPO, read_metrics, run_train
 
 
 def test_run_learns_and_records_everything(tmp_path, data_dir):
@@ -88,3 +92,48 @@ def test_existing_run_is_not_overwritten(tmp_path, data_dir):
     result = run_train(out, data_dir, '--max_iters=20', '--lr_decay_iters=20', check=False)
     assert result.returncode != 0 and 'already holds a run' in result.stderr
     assert (sha(os.path.join(out, 'last.pt')), sha(os.path.join(out, 'metrics.jsonl'))) == before
+
+
+def test_smoke_test_passes_or_refuses_to_start(tmp_path, data_dir):
+    out = str(tmp_path / 'smoke')
+    result = run_train(out, data_dir, '--smoke_test=True', '--max_iters=20', '--lr_decay_iters=20')
+    smoke = read_metrics(out, 'smoke_test')[0]
+    assert smoke['passed'] and smoke['final_loss'] < 0.7 * smoke['first_loss'] and 'smoke test passed' in result.stdout
+    # the smoke test leaves no trace in the run: same losses as without it
+    plain = str(tmp_path / 'plain')
+    run_train(plain, data_dir, '--max_iters=20', '--lr_decay_iters=20')
+    assert [r['loss'] for r in read_metrics(out, 'train')] == [r['loss'] for r in read_metrics(plain, 'train')]
+    never = tmp_path / 'never'
+    result = run_train(str(never), data_dir, '--smoke_test=True', '--learning_rate=0', check=False)
+    assert result.returncode != 0 and result.stderr.startswith('error: smoke test failed') and not never.exists()
+
+
+def test_live_log_line(tmp_path, data_dir):
+    result = run_train(str(tmp_path / 'run'), data_dir, '--max_iters=10', '--lr_decay_iters=10', '--eval_interval=10')
+    line = next(l for l in result.stdout.splitlines() if l.startswith('iter 5/10'))
+    for part in ('loss', 'lr', 'grad norm', 'tok/s', 'MFU', 'mem', 'MB', 'ETA'):
+        assert part in line, line
+    record = read_metrics(str(tmp_path / 'run'), 'train')[4]
+    assert 0 < record['mfu'] < 1 and record['peak_mem_mb'] > 0
+
+
+@pytest.mark.parametrize('key, package', [('tensorboard_log', 'tensorboard'), ('wandb_log', 'wandb')])
+def test_missing_logging_package_is_a_one_line_error(tmp_path, data_dir, key, package):
+    if importlib.util.find_spec(package):
+        pytest.skip(f'{package} is installed here')
+    result = run_train(str(tmp_path / 'run'), data_dir, f'--{key}=True', check=False)
+    assert result.returncode != 0 and result.stderr == f"error: {key}=True needs the {package} package: pip install {package}, or set {key}=False\n"
+    assert not (tmp_path / 'run').exists()
+
+
+def test_nanogpt_config_runs_unchanged(tmp_path, data_dir):
+    # nanoGPT's own shakespeare_char config file, shrunk from the command line to test size
+    out = str(tmp_path / 'nano')
+    cmd = ['config/shakespeare_char.py', '--dataset=toy', '--n_layer=1', '--n_head=2', '--n_embd=16', '--block_size=16',
+           '--batch_size=4', '--max_iters=4', '--lr_decay_iters=4', '--warmup_iters=1', '--eval_interval=2', '--eval_iters=2']
+    result = subprocess.run([sys.executable, 'train.py', *cmd, f'--data_dir={data_dir}', f'--out_dir={out}'],
+                            cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    config = json.load(open(os.path.join(out, 'config.json')))
+    assert config['dropout'] == {'value': 0.2, 'source': 'config/shakespeare_char.py'}
+    assert os.path.exists(os.path.join(out, 'best.pt')) and os.path.exists(os.path.join(out, 'last.pt'))
