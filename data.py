@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
+EMPTY_WINDOW = -1  # an eval window with no targets: pads a rank's batches without counting anything twice
 
 
 class DataError(Exception):
@@ -33,10 +34,13 @@ class TokenWindows(Dataset):
     def __getitem__(self, start):
         if self.tokens is None:
             self.tokens = np.memmap(self.path, dtype=self.dtype, mode='r')
-        chunk = torch.from_numpy(self.tokens[start:start + self.block_size + 1].astype(np.int64))
+        if start == EMPTY_WINDOW:
+            chunk = torch.zeros(1, dtype=torch.long)  # no targets
+        else:
+            chunk = torch.from_numpy(self.tokens[start:start + self.block_size + 1].astype(np.int64))
         x = torch.zeros(self.block_size, dtype=torch.long)
         y = torch.full((self.block_size,), IGNORE_INDEX, dtype=torch.long)
-        x[:len(chunk) - 1] = chunk[:-1]  # only the split's last window is ever short
+        x[:len(chunk) - 1] = chunk[:-1]  # short: the split's last window, or an empty one
         y[:len(chunk) - 1] = chunk[1:]
         return x, y, start
 
@@ -88,15 +92,22 @@ class TrainSampler(Sampler):
 
 class EvalSampler(Sampler):
     """Batches of window starts covering the split once; max_windows > 0 keeps that many windows
-    evenly spread over the split (the same ones at every evaluation). Rank r takes windows r::world_size."""
+    evenly spread over the split (the same ones at every evaluation). Rank r takes windows r::world_size.
+    equal_batches gives every rank the same batches count and sizes (sharded models need it) by adding
+    empty windows (start -1: no targets), never by repeating real ones."""
 
-    def __init__(self, num_tokens, block_size, batch_size, max_windows=0, rank=0, world_size=1):
+    def __init__(self, num_tokens, block_size, batch_size, max_windows=0, rank=0, world_size=1, equal_batches=False):
         if num_tokens < 2:
             raise DataError(f"a split of {num_tokens} token(s) has nothing to predict: use more text")
         starts = torch.arange(0, num_tokens - 1, block_size)
         if 0 < max_windows < len(starts):
             starts = starts[torch.linspace(0, len(starts) - 1, max_windows).round().long().unique()]
-        self.batches = starts[rank::world_size].split(batch_size)
+        shard = starts[rank::world_size]
+        if equal_batches:
+            per_rank = -(-len(starts) // world_size)
+            padded_len = -(-per_rank // batch_size) * batch_size
+            shard = torch.cat([shard, torch.full((padded_len - len(shard),), EMPTY_WINDOW)])
+        self.batches = shard.split(batch_size)
 
     def __iter__(self):
         return (b.tolist() for b in self.batches)

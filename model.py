@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -84,6 +85,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying: one matrix embeds and un-embeds tokens
+        self.activation_checkpointing = False  # recompute each block's activations in backward: less memory, more compute
         self.init_weights()
 
     def init_weights(self):
@@ -114,7 +116,10 @@ class GPT(nn.Module):
         pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.blocks:
-            x = block(x)  # (B, T, C)
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(block, x, use_reentrant=False)  # (B, T, C); replays dropout masks exactly
+            else:
+                x = block(x)  # (B, T, C)
         return self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
 
     def optim_groups(self, weight_decay):

@@ -11,9 +11,11 @@ character tokenizer, end-of-text for a BPE one.
 import os
 import re
 import sys
+import warnings
 from contextlib import nullcontext
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 import checkpoint
 import prepare
@@ -31,6 +33,7 @@ top_k = 200  # sample among the k likeliest tokens only; 1 is greedy decoding
 seed = 1337  # sample i uses seed + i, so it does not depend on num_samples
 device = 'auto'  # 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...
 dtype = 'auto'  # 'auto' (bfloat16 on CUDA where supported, else float16; float32 on CPU), 'float32', 'bfloat16', 'float16'
+export = ''  # write the weights to this single .pt file (e.g. from an fsdp run's shards) and exit without sampling
 # -----------------------------------------------------------------------------
 
 
@@ -40,6 +43,12 @@ def load_model(path, device):
     saved = checkpoint.load(path)
     try:
         model = GPT(GPTConfig(**saved['model_args']))
+        if 'shards' in saved:  # an fsdp run's checkpoint: gather its shards into whole tensors, in this one process
+            state = {'model': model.state_dict()}
+            with warnings.catch_warnings():  # dcp warns that it loads without a process group: that is the point
+                warnings.simplefilter('ignore')
+                dcp.load(state, checkpoint_id=os.path.join(os.path.dirname(path), saved['shards']), no_dist=True)
+            saved['model'] = state['model']
         # checkpoints saved from a torch.compile or DDP wrapper elsewhere carry these prefixes
         model.load_state_dict({re.sub(r'^((_orig_mod|module)\.)+', '', k): v for k, v in saved['model'].items()})
         tokenizer = saved['dataset']['tokenizer']
@@ -104,6 +113,11 @@ if __name__ == '__main__':
         model, encode, decode, saved = load_model(ckpt_path, device)
     except (checkpoint.CheckpointError, prepare.PrepareError) as e:
         sys.exit(f"error: {e}")
+    if export:
+        checkpoint.save({'model': model.state_dict(), 'model_args': saved['model_args'], 'dataset': saved['dataset'],
+                         'config': saved['config'], 'iter_num': saved['iter_num']}, export)
+        print(f"wrote the weights of {ckpt_path} (iteration {saved['iter_num']}) to {export}", file=sys.stderr)
+        sys.exit(0)
     start = start or default_start(saved['dataset']['tokenizer'])
     print(f"sampling {ckpt_path} (iteration {saved.get('iter_num', '?')}) on {device} {dtype}", file=sys.stderr)
     for i in range(num_samples):

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -27,7 +28,12 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
@@ -88,6 +94,8 @@ device = 'auto'  # 'auto', 'cpu', 'cuda', 'cuda:1', ...
 dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 uses a GradScaler)
 compile = False  # torch.compile the model
 backend = 'auto'  # distributed backend: 'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'
+parallel = 'ddp'  # with several processes: 'ddp' (replicate the model) or 'fsdp' (shard weights, grads and optimizer state)
+activation_checkpointing = False  # recompute activations in backward, block by block: less memory, ~30% more compute
 init_scale = 65536.0  # float16 GradScaler's first loss scale (tests set it huge to force overflows)
 max_consecutive_skips = 20  # abort when float16 overflow skips this many optimizer steps in a row
 seed = 1337
@@ -110,6 +118,8 @@ def check(ok, message):
 check(init_from in ('scratch', 'resume', 'auto'), f"init_from='{init_from}': use 'scratch', 'resume' or 'auto'")
 check(dtype in ('auto', 'float32', 'bfloat16', 'float16'), f"dtype='{dtype}': use 'auto', 'float32', 'bfloat16' or 'float16'")
 check(backend in ('auto', 'nccl', 'gloo'), f"backend='{backend}': use 'auto', 'nccl' or 'gloo'")
+check(parallel in ('ddp', 'fsdp'), f"parallel='{parallel}': use 'ddp' or 'fsdp'")
+check(not (parallel == 'fsdp' and dtype == 'float16'), "parallel='fsdp' trains in float32 or bfloat16: set dtype=bfloat16")
 for key in ('eval_interval', 'log_interval', 'gradient_accumulation_steps', 'batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'max_iters'):
     check(config[key] > 0, f"{key}={config[key]} must be positive")
 check(n_embd % n_head == 0, f"n_embd={n_embd} is not a multiple of n_head={n_head}: change one of them")
@@ -122,7 +132,8 @@ if deterministic:
 
 # -----------------------------------------------------------------------------
 # processes and devices: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
-ddp = 'RANK' in os.environ
+ddp = 'RANK' in os.environ  # several processes, replicated (DDP) or sharded (FSDP)
+sharded = ddp and parallel == 'fsdp'
 rank, local_rank, world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if ddp else (0, 0, 1)
 master = rank == 0
 if device == 'auto':
@@ -183,8 +194,9 @@ pin_memory = device_type == 'cuda'
 try:
     train_sampler = data.TrainSampler(splits['train'].num_tokens, block_size, batch_size, batch_size * gradient_accumulation_steps,
                                       seed, rank, world_size)
+    # sharded weights are gathered in each forward: every rank must run as many eval batches as the others
     eval_loaders = {s: data.make_loader(splits[s], data.EvalSampler(splits[s].num_tokens, block_size, batch_size,
-                                                                    eval_iters * batch_size, rank, world_size),
+                                                                    eval_iters * batch_size, rank, world_size, sharded),
                                         0, seed, pin_memory) for s in ('train', 'val', 'test')}
 except data.DataError as e:
     sys.exit(f"error: {e}")
@@ -195,6 +207,12 @@ model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=bloc
                   vocab_size=data_meta['vocab_size'], dropout=dropout)
 torch.manual_seed(seed)  # the same initial weights on every rank
 model = GPT(GPTConfig(**model_args)).to(device)
+model.activation_checkpointing = activation_checkpointing
+if sharded:  # each block, then the root (embeddings, final norm, tied head), owns a 1/world_size shard
+    precision = MixedPrecisionPolicy(param_dtype=ptdtype, reduce_dtype=ptdtype)  # float32 master weights
+    for block in model.blocks:
+        fully_shard(block, mp_policy=precision)
+    fully_shard(model, mp_policy=precision)
 optimizer = torch.optim.AdamW(model.optim_groups(weight_decay), lr=learning_rate, betas=(beta1, beta2), fused=True)
 
 
@@ -219,12 +237,32 @@ scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=dtype 
 # the LR schedule and clipping from here on (how a user recovers from a blow-up; past steps keep their LR)
 RESUMABLE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'max_iters', 'eval_interval', 'log_interval', 'eval_iters',
              'always_save_checkpoint', 'patience', 'num_workers', 'compile', 'device', 'backend', 'max_consecutive_skips',
+             'activation_checkpointing', 'smoke_test', 'tensorboard_log', 'cost_per_hour',
              'learning_rate', 'decay_lr', 'warmup_iters', 'lr_decay_iters', 'min_lr', 'grad_clip',
              'wandb_log', 'wandb_project', 'wandb_run_name'}
 dataset_id = {k: data_meta[k] for k in ('name', 'source_sha256', 'vocab_size', 'tokenizer')}
 ckpt_path = resume_from or os.path.join(out_dir, 'last.pt')
 resuming = init_from == 'resume' or (init_from == 'auto' and os.path.exists(ckpt_path))
 iter_num, best_val_loss, best_iter, evals_since_best, skipped_steps, consecutive_skips = 0, float('inf'), 0, 0, 0, 0
+
+
+def restore(module, ckpt, ckpt_path, with_optimizer):
+    """Load weights (and optimizer state) from a checkpoint: in the file itself, or in fsdp mode in the folder of
+    shards it points to, which every rank reads its own part of."""
+    if 'shards' not in ckpt:
+        module.load_state_dict(ckpt['model'])
+        if with_optimizer:
+            optimizer.load_state_dict(ckpt['optimizer'])
+        return
+    state = {'model': get_model_state_dict(module)}
+    if with_optimizer:
+        state['optimizer'] = get_optimizer_state_dict(module, optimizer)
+    dcp.load(state, checkpoint_id=os.path.join(os.path.dirname(ckpt_path), ckpt['shards']))
+    set_model_state_dict(module, state['model'])
+    if with_optimizer:
+        set_optimizer_state_dict(module, optimizer, state['optimizer'])
+
+
 if resuming:
     try:
         ckpt = checkpoint.load(ckpt_path)
@@ -236,8 +274,7 @@ if resuming:
                        f"use the checkpoint's values or start a new out_dir")
     check(ckpt['dataset'] == dataset_id, f"{ckpt_path} was trained on other data ({ckpt['dataset']['source_sha256'][:12]} "
                                          f"vs {dataset_id['source_sha256'][:12]}): prepare the same dataset or start a new out_dir")
-    model.load_state_dict(ckpt['model'])
-    optimizer.load_state_dict(ckpt['optimizer'])
+    restore(model, ckpt, ckpt_path, with_optimizer=True)
     scheduler.load_state_dict(ckpt['scheduler'])
     scheduler.base_lrs = [learning_rate] * len(optimizer.param_groups)  # the schedule of this config, not the saved one
     for group in optimizer.param_groups:
@@ -293,7 +330,7 @@ raw_model = model  # the plain GPT whose state_dict is saved: no '_orig_mod.' or
 if compile:
     model = torch.compile(model)
 eval_model = model  # evaluation needs no gradient sync: the compiled model without the DDP wrapper
-if ddp:
+if ddp and not sharded:
     model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
 seed_everything(seed + rank)  # dropout masks differ per rank
 if resuming and len(ckpt['rng']) == world_size:
@@ -302,6 +339,8 @@ train_loader = data.make_loader(splits['train'], train_sampler, num_workers, see
 
 # -----------------------------------------------------------------------------
 # the run directory: created only now that the config, data and checkpoint are known to be good
+if ddp:
+    dist.barrier()  # every rank has made its start checks before rank 0 writes anything they look at
 log_file = metrics_file = tb_writer = None
 
 
@@ -420,17 +459,31 @@ def evaluate(split):
     return loss_sum / count
 
 
-def save_checkpoint(name, rng):
+def save_checkpoint(names, rng):
+    """Write names (best.pt and/or last.pt), each atomically. In fsdp mode every rank first writes its shards
+    to shards-ITER/; the .pt file that points there is written after, so a folder counts only once complete."""
     start = time.time()
-    path = os.path.join(out_dir, name)
-    checkpoint.save({
-        'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'scheduler': scheduler.state_dict(),
-        'scaler': scaler.state_dict(), 'sampler': train_sampler.state_dict(), 'rng': rng,
-        'iter_num': iter_num, 'best_val_loss': best_val_loss, 'best_iter': best_iter, 'evals_since_best': evals_since_best,
-        'skipped_steps': skipped_steps, 'consecutive_skips': consecutive_skips,
-        'config': config, 'model_args': model_args, 'dataset': dataset_id, 'seed': seed, 'out_dir': out_dir,
-        'log_bytes': {'metrics.jsonl': metrics_file.tell(), 'train.log': log_file.tell()},
-    }, path)
+    if sharded:
+        shards = f'shards-{iter_num}'
+        dcp.save({'model': get_model_state_dict(model), 'optimizer': get_optimizer_state_dict(model, optimizer)},
+                 checkpoint_id=os.path.join(out_dir, shards))
+    if master:
+        state = {
+            'scheduler': scheduler.state_dict(), 'scaler': scaler.state_dict(), 'sampler': train_sampler.state_dict(),
+            'rng': rng, 'iter_num': iter_num, 'best_val_loss': best_val_loss, 'best_iter': best_iter,
+            'evals_since_best': evals_since_best, 'skipped_steps': skipped_steps, 'consecutive_skips': consecutive_skips,
+            'config': config, 'model_args': model_args, 'dataset': dataset_id, 'seed': seed, 'out_dir': out_dir,
+            'log_bytes': {'metrics.jsonl': metrics_file.tell(), 'train.log': log_file.tell()},
+        }
+        state |= {'shards': shards} if sharded else {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict()}
+        for name in names:
+            checkpoint.save(state, os.path.join(out_dir, name))
+        if sharded:  # shard folders that neither best.pt nor last.pt points to any more
+            in_use = {checkpoint.load(os.path.join(out_dir, n))['shards'] for n in ('best.pt', 'last.pt')
+                      if os.path.exists(os.path.join(out_dir, n))}
+            for folder in os.listdir(out_dir):
+                if folder.startswith('shards-') and folder not in in_use:
+                    shutil.rmtree(os.path.join(out_dir, folder))
     return time.time() - start
 
 
@@ -472,7 +525,10 @@ while iter_num < max_iters:
             train_sampler.mark_consumed()
         batch_starts += starts.tolist()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        if ddp:  # all-reduce gradients on the last micro-batch only; set before the forward, where DDP reads it
+        # reduce gradients on the last micro-batch only; set before the forward, where DDP reads it
+        if sharded:
+            model.set_requires_gradient_sync(micro_step == accum_steps - 1)
+        elif ddp:
             model.require_backward_grad_sync = micro_step == accum_steps - 1
         with autocast:
             logits = model(x)
@@ -481,6 +537,8 @@ while iter_num < max_iters:
         scaler.scale(loss / accum_steps).backward()
     scaler.unscale_(optimizer)  # clip true gradients, not scaled ones
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float('inf'))
+    if isinstance(grad_norm, DTensor):  # fsdp: the norm over all shards
+        grad_norm = grad_norm.full_tensor()
     loss_mean, grad_norm_value = (torch.stack([reduce_sum(loss_sum) / gradient_accumulation_steps, grad_norm.float()])).tolist()
     if not math.isfinite(loss_mean) or not (math.isfinite(grad_norm_value) or scaler.is_enabled()):
         message = (f"non-finite {'loss' if not math.isfinite(loss_mean) else 'gradient norm'} at iteration {iter_num + 1}: "
@@ -531,11 +589,11 @@ while iter_num < max_iters:
         log(f"eval {iter_num}: train {train_loss:.4f}, val {val_loss:.4f} (gap {val_loss - train_loss:+.4f}), "
             f"best {best_val_loss:.4f} at {best_iter}{' *saved best.pt' if improved else ''}")
         stopping = patience > 0 and evals_since_best >= patience
-        if master:  # best.pt before last.pt: a kill in between leaves last.pt older, never ahead of best.pt
-            saves = ['best.pt'] * improved + ['last.pt'] * (always_save_checkpoint or iter_num == max_iters or stopping)
-            save_seconds = sum(save_checkpoint(name, rng_after_step) for name in saves)
-            if saves:
-                log(f"saved {' and '.join(saves)} in {save_seconds:.2f} s")
+        # best.pt before last.pt: a kill in between leaves last.pt older, never ahead of best.pt
+        saves = ['best.pt'] * improved + ['last.pt'] * (always_save_checkpoint or iter_num == max_iters or stopping)
+        if saves:
+            save_seconds = save_checkpoint(saves, rng_after_step)
+            log(f"saved {' and '.join(saves)} in {save_seconds:.2f} s")
         if ddp:
             dist.barrier()
         if stopping:
@@ -547,21 +605,22 @@ if overfit_one_batch:
     log(f"overfit one batch: loss {first_loss:.4f} -> {loss_mean:.4f}")
 # last.pt holds the trained weights (written above); only now load the best ones for the test split
 if best_iter > 0:
-    raw_model.load_state_dict(checkpoint.load(os.path.join(out_dir, 'best.pt'))['model'])
+    restore(raw_model, checkpoint.load(os.path.join(out_dir, 'best.pt')), os.path.join(out_dir, 'best.pt'), with_optimizer=False)
 test_loss = evaluate('test')
 record({'kind': 'test', 'step': iter_num, 'best_iter': best_iter, 'best_val_loss': best_val_loss, 'test_loss': test_loss})
 log(f"done: {iter_num} iterations, best val loss {best_val_loss:.4f} at iteration {best_iter}, "
     f"test loss {test_loss:.4f} ({test_loss / math.log(2):.3f} bits/token) with the best weights; "
     f"checkpoints in {out_dir}")
-if master:
-    try:
-        encode, decode = prepare.load_tokenizer(data_meta)
-    except prepare.PrepareError as e:
-        log(f"no sample: {e}")
-    else:
+try:
+    encode, decode = prepare.load_tokenizer(data_meta)
+except prepare.PrepareError as e:
+    log(f"no sample: {e}")
+else:
+    if master or sharded:  # a sharded model's forward needs every rank
         with autocast:
             text = sample.sample_text(raw_model, encode, decode, sample.default_start(data_meta['tokenizer']),
                                       200, 0.8, 200, seed, device)
         log(f"a sample from the best weights:\n{text}")
+if master:
     report.write_report(out_dir)
     log(f"report: {os.path.join(out_dir, 'report.md')} and curves.png")

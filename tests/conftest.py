@@ -10,6 +10,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 RUN_CONFIG = os.path.join(REPO, 'tests', 'run_config.py')
+PROBE = os.path.join(REPO, 'tests', 'ddp_probe.py')
 
 
 def make_corpus(folder, num_docs=40, seed=0):
@@ -47,3 +48,17 @@ def read_metrics(out_dir, kind=None):
     with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
         records = [json.loads(line) for line in f]
     return [r for r in records if kind is None or r['kind'] == kind]
+
+
+def torchrun(out_dir, data_dir, *overrides, nproc=2, probe=False, env_extra=None, torchrun_args=(), timeout=300):
+    """train.py (under tests/ddp_probe.py if probe) on nproc CPU processes with gloo, as users run it."""
+    script = [PROBE, 'train.py'] if probe else ['train.py']
+    cmd = [sys.executable, '-m', 'torch.distributed.run', *(torchrun_args or ['--standalone']), f'--nproc_per_node={nproc}',
+           *script, RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides]
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', **(env_extra or {})}
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def ok(result):
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result

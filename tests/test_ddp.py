@@ -7,9 +7,8 @@ import time
 
 import torch
 
-from conftest import REPO, RUN_CONFIG, read_metrics, run_train
+from conftest import REPO, RUN_CONFIG, ok, read_metrics, run_train, torchrun
 
-PROBE = os.path.join(REPO, 'tests', 'ddp_probe.py')
 # dropout 0 so one process and two ranks compute the same function; 4 micro-batches per step in total
 SAME = ['--gradient_accumulation_steps=4', '--max_iters=30', '--lr_decay_iters=30', '--eval_interval=10']
 # Tolerance: two ranks sum gradients in another order than one process (all-reduce of per-rank sums),
@@ -17,19 +16,6 @@ SAME = ['--gradient_accumulation_steps=4', '--max_iters=30', '--lr_decay_iters=3
 # steps on a 30k-parameter model; 1e-4 relative is far above that and far below any real divergence
 # (one wrong or missing micro-batch changes losses at the 1e-2 level).
 RTOL = 1e-4
-
-
-def torchrun(out_dir, data_dir, *overrides, nproc=2, probe=False, env_extra=None, torchrun_args=(), timeout=300):
-    script = [PROBE, 'train.py'] if probe else ['train.py']
-    cmd = [sys.executable, '-m', 'torch.distributed.run', *(torchrun_args or ['--standalone']), f'--nproc_per_node={nproc}',
-           *script, RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides]
-    env = {**os.environ, 'OMP_NUM_THREADS': '1', **(env_extra or {})}
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def ok(result):
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result
 
 
 def close(a, b):

@@ -1,0 +1,71 @@
+"""Sharded training (FSDP2) on CPU (gloo, 2 processes): the same run as DDP, exact resume from sharded
+checkpoints, an exported single-file state_dict, and activation checkpointing that changes no loss."""
+import os
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import data
+from conftest import REPO, ok, read_metrics, run_train, torchrun
+from model import GPT, GPTConfig
+
+SAME = ['--gradient_accumulation_steps=4', '--max_iters=30', '--lr_decay_iters=30', '--eval_interval=10']
+# FSDP reduce-scatters gradients where DDP all-reduces them: the same sums in another order, so float32
+# rounding differs (~1e-7 relative per operation, compounded over 30 Adam steps); 1e-4 is far above that
+# and far below what one wrong micro-batch or a missed shard would change (1e-2).
+RTOL = 1e-4
+
+
+def trajectory(out_dir):
+    return [(r['step'], r['loss'], r['lr'], r['grad_norm']) for r in read_metrics(out_dir, 'train')]
+
+
+def test_fsdp_matches_ddp_and_resumes_exactly(tmp_path, data_dir):
+    ddp, fsdp, split = str(tmp_path / 'ddp'), str(tmp_path / 'fsdp'), str(tmp_path / 'split')
+    ok(torchrun(ddp, data_dir, *SAME))
+    ok(torchrun(fsdp, data_dir, *SAME, '--parallel=fsdp'))
+    for (s1, l1, lr1, g1), (s2, l2, lr2, g2) in zip(trajectory(ddp), trajectory(fsdp), strict=True):
+        assert s1 == s2 and lr1 == lr2 and abs(l1 - l2) <= RTOL * l1 and abs(g1 - g2) <= RTOL * g1
+    assert sorted(f for f in os.listdir(fsdp) if f.startswith('shards-')) == ['shards-30']  # older shards cleaned up
+    # stop at 14 (after a sharded checkpoint at 10 and one at 14), resume from the shards
+    ok(torchrun(split, data_dir, *SAME, '--parallel=fsdp', '--max_iters=14'))
+    ok(torchrun(split, data_dir, *SAME, '--parallel=fsdp', '--init_from=resume'))
+    assert trajectory(split) == trajectory(fsdp)
+
+
+def test_exported_state_dict_gives_the_runs_own_val_loss(tmp_path, data_dir):
+    out = str(tmp_path / 'fsdp')
+    ok(torchrun(out, data_dir, *SAME, '--parallel=fsdp', '--max_iters=10', '--lr_decay_iters=10'))
+    exported = str(tmp_path / 'plain.pt')
+    result = subprocess.run([sys.executable, 'sample.py', f'--ckpt={out}/last.pt', f'--export={exported}'],
+                            cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    ckpt = torch.load(exported, weights_only=True)
+    model = GPT(GPTConfig(**ckpt['model_args']))
+    model.load_state_dict(ckpt['model'])
+    model.eval()
+    # recompute the run's last val loss with a plain GPT: same windows, same sums
+    cfg = ckpt['config']
+    val = data.TokenWindows(os.path.join(data_dir, 'toy', 'val.bin'), 'uint16', cfg['block_size'])
+    sampler = data.EvalSampler(val.num_tokens, cfg['block_size'], cfg['batch_size'], cfg['eval_iters'] * cfg['batch_size'])
+    loss_sum, count = 0.0, 0
+    with torch.inference_mode():
+        for batch in sampler:
+            x, y, _ = torch.utils.data.default_collate([val[s] for s in batch])
+            loss_sum += F.cross_entropy(model(x).view(-1, ckpt['model_args']['vocab_size']), y.view(-1), reduction='sum').item()
+            count += (y != data.IGNORE_INDEX).sum().item()
+    assert abs(loss_sum / count - read_metrics(out, 'eval')[-1]['val_loss']) < 1e-5
+
+
+def test_activation_checkpointing_changes_no_loss(tmp_path, data_dir):
+    args = ['--dropout=0.1', '--gradient_accumulation_steps=2', '--max_iters=10', '--lr_decay_iters=10', '--eval_interval=10']
+    plain, checkpointed = str(tmp_path / 'plain'), str(tmp_path / 'ac')
+    run_train(plain, data_dir, *args)
+    run_train(checkpointed, data_dir, *args, '--activation_checkpointing=True')
+    assert trajectory(checkpointed) == trajectory(plain)  # dropout on: recomputation replays the same masks
+    sharded, sharded_ac = str(tmp_path / 'fsdp'), str(tmp_path / 'fsdp_ac')
+    ok(torchrun(sharded, data_dir, *args, '--parallel=fsdp'))
+    ok(torchrun(sharded_ac, data_dir, *args, '--parallel=fsdp', '--activation_checkpointing=True'))
+    assert trajectory(sharded_ac) == trajectory(sharded)
