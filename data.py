@@ -84,10 +84,11 @@ class TrainSampler(Sampler):
             self.epoch, self.position = self.epoch + 1, 0
 
     def state_dict(self):
-        return {'epoch': self.epoch, 'position': self.position}
+        # position in windows consumed by all ranks: a resume on another number of ranks continues at the same place
+        return {'epoch': self.epoch, 'position': self.position * self.batch_size * self.world_size}
 
     def load_state_dict(self, state):
-        self.epoch, self.position = state['epoch'], state['position']
+        self.epoch, self.position = state['epoch'], state['position'] // (self.batch_size * self.world_size)
 
 
 class EvalSampler(Sampler):

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import random
 import shutil
 import subprocess
 import sys
@@ -170,7 +171,6 @@ if deterministic:
 
 
 def seed_everything(s):
-    import random
     random.seed(s)
     np.random.seed(s)
     torch.manual_seed(s)  # every device, CUDA included
@@ -182,7 +182,10 @@ dataset_dir = os.path.join(data_dir, dataset)
 if dataset == 'pystdlib_char' and not os.path.exists(os.path.join(dataset_dir, 'meta.json')):
     if master:
         print(f"preparing the default dataset {dataset} from this Python's standard library into {dataset_dir}")
-        prepare.prepare(dataset, data_dir=data_dir)
+        try:
+            prepare.prepare(dataset, data_dir=data_dir)
+        except prepare.PrepareError as e:
+            sys.exit(f"error: {e}")
     if ddp:
         dist.barrier()
 check(os.path.exists(os.path.join(dataset_dir, 'meta.json')),
@@ -335,6 +338,9 @@ if ddp and not sharded:
 seed_everything(seed + rank)  # dropout masks differ per rank
 if resuming and len(ckpt['rng']) == world_size:
     checkpoint.set_rng_state(ckpt['rng'][rank])
+elif resuming and master:
+    print(f"resuming {len(ckpt['rng'])} process(es)' run on {world_size}: the data continues where it stopped, "
+          f"but dropout draws new random streams, so the run is not bitwise the one that would have continued")
 train_loader = data.make_loader(splits['train'], train_sampler, num_workers, seed + rank, pin_memory)
 
 # -----------------------------------------------------------------------------

@@ -1,4 +1,5 @@
 """Unit tests: the model's contract, the samplers' coverage and sharding, the configurator's errors."""
+import itertools
 import math
 
 import numpy as np
@@ -106,6 +107,19 @@ def test_train_sampler_resumes_at_next_unseen_batch():
     resumed = data.TrainSampler(3000, 16, batch_size=4, global_batch=4, seed=1)
     resumed.load_state_dict(state)
     assert state['epoch'] == 2 and [b for _, b in zip(range(30), resumed)] == expected
+
+
+def test_train_sampler_resumes_on_another_number_of_ranks():
+    two = [data.TrainSampler(5000, 16, batch_size=4, global_batch=16, seed=2, rank=r, world_size=2) for r in range(2)]
+    for sampler in two:  # 3 optimizer steps of 2 micro-batches per rank
+        for _ in range(6):
+            sampler.mark_consumed()
+    one = data.TrainSampler(5000, 16, batch_size=4, global_batch=16, seed=2)
+    one.load_state_dict(two[0].state_dict())
+    resumed = iter(one)
+    next_step = sorted(s for _ in range(4) for s in next(resumed))  # one process: 4 micro-batches a step
+    expected = sorted(s for sampler in two for b in itertools.islice(iter(sampler), 2) for s in b)
+    assert next_step == expected  # the 4th optimizer step's windows, whoever runs it
 
 
 def test_train_sampler_rejects_tiny_split():
