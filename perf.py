@@ -38,28 +38,31 @@ def auto_dtype(device_type):
     return 'bfloat16' if torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported() else 'float32'
 
 
-def matmul_seconds(a, b):
-    start = time.perf_counter()
-    a @ b
-    if a.is_cuda:
-        torch.cuda.synchronize(a.device)
-    return time.perf_counter() - start
+def best_seconds(a, b):
+    """The fastest of a @ b repeated for 40 ms, after a warm-up."""
+    times = []
+    while len(times) < 2 or sum(times) < 0.04:
+        start = time.perf_counter()
+        a @ b
+        if a.is_cuda:
+            torch.cuda.synchronize(a.device)
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
 
 
 def measure_flops(device, dtype):
-    """Best FLOP/s of a square matmul. The size doubles until one product takes 10 ms (or n = 8192), large
-    enough to reach the hardware's peak yet quick where a dtype is emulated; then the best of as many
-    products as fit in half a second, so that a spell of other load on the machine does not lower the peak."""
-    n = 256
+    """The best FLOP/s of square matmuls. Every timing bounds the peak from below, so take the best over sizes
+    (small ones run from cache), over the layouts a Linear multiplies in (forward x W^T, backward dY W and dY^T X:
+    an emulated dtype's speed differs tenfold between them) and over repeats (other load slows only some).
+    Sizes double from 128 until the fastest layout takes 10 ms per product, or up to 8192."""
+    best, n = (0.0, 0), 128
     while True:
         a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-        if min(matmul_seconds(a, b) for _ in range(3)) > 0.01 or n == 8192:  # the first also warms up
-            break
+        fastest = min(best_seconds(x, y) for x, y in ((a, b.T), (a, b), (a.T, b)))
+        best = max(best, (2 * n**3 / fastest, n))
+        if fastest > 0.01 or n == 8192:
+            return best[0], f"measured: {best[1]}x{best[1]} {str(dtype).removeprefix('torch.')} matmul, the fastest of 3 layouts and sizes 128 to {n}"
         n *= 2
-    times = [matmul_seconds(a, b)]
-    while sum(times) < 0.5:
-        times.append(matmul_seconds(a, b))
-    return 2 * n**3 / min(times), f"measured: {n}x{n} {str(dtype).removeprefix('torch.')} matmul, best of {len(times)}"
 
 
 @functools.cache  # one peak per process: settings compared in one run are rated against the same number

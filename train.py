@@ -5,7 +5,7 @@ Train a GPT. One process:
 
 Data parallel on several processes or machines (gloo on CPU, nccl on GPUs):
 
-    torchrun --standalone --nproc_per_node=4 train.py config/tiny.py
+    torchrun --standalone --nproc_per_node=2 train.py config/tiny.py --gradient_accumulation_steps=2
 
 The defaults below keep nanoGPT's names and meanings; config files and --key=value override them
 (configurator.py). Everything a run writes goes to out_dir: config.json, meta.json, train.log,
@@ -52,7 +52,7 @@ out_dir = 'out'
 eval_interval = 2000
 log_interval = 1
 eval_iters = 200  # eval batches per split and evaluation (evenly spread windows); 0 = the whole split
-always_save_checkpoint = True  # write last.pt at every evaluation, not only at the end
+always_save_checkpoint = True  # write last.pt at every evaluation; False: only at a new best val loss and at the end
 init_from = 'scratch'  # 'scratch', 'resume' (out_dir/last.pt or resume_from) or 'auto' (resume if last.pt exists)
 resume_from = ''  # a checkpoint to resume from instead of out_dir/last.pt, e.g. out/best.pt
 # logging services (off by default; imported only when on)
@@ -271,7 +271,7 @@ if resuming:
         ckpt = checkpoint.load(ckpt_path)
     except checkpoint.CheckpointError as e:
         sys.exit(f"error: {e}")
-    changed = [f"{k}={ckpt['config'][k]!r} there, {config[k]!r} here" for k in config
+    changed = [f"{k}={ckpt['config'].get(k)!r} there, {config[k]!r} here" for k in config
                if k not in RESUMABLE and ckpt['config'].get(k) != config[k]]
     check(not changed, f"{ckpt_path} was trained with other settings ({'; '.join(changed)}): "
                        f"use the checkpoint's values or start a new out_dir")
@@ -338,9 +338,6 @@ if ddp and not sharded:
 seed_everything(seed + rank)  # dropout masks differ per rank
 if resuming and len(ckpt['rng']) == world_size:
     checkpoint.set_rng_state(ckpt['rng'][rank])
-elif resuming and master:
-    print(f"resuming {len(ckpt['rng'])} process(es)' run on {world_size}: the data continues where it stopped, "
-          f"but dropout draws new random streams, so the run is not bitwise the one that would have continued")
 train_loader = data.make_loader(splits['train'], train_sampler, num_workers, seed + rank, pin_memory)
 
 # -----------------------------------------------------------------------------
@@ -437,6 +434,9 @@ record({'kind': 'start', 'step': iter_num, 'time': time.time()})
 log(f"{'resuming from ' + ckpt_path + ' at iteration ' + str(iter_num) if resuming else 'starting from scratch'}: "
     f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, {world_size} process(es), "
     f"{tokens_per_iter:,} tokens per iteration ({gradient_accumulation_steps} x {batch_size} x {block_size})")
+if resuming and len(ckpt['rng']) != world_size:
+    log(f"the checkpoint was written by {len(ckpt['rng'])} process(es): the data continues where it stopped, but dropout "
+        f"draws new random streams, so this is not bitwise the run that would have continued")
 
 if smoke_result:
     record(smoke_result)
@@ -595,8 +595,9 @@ while iter_num < max_iters:
         log(f"eval {iter_num}: train {train_loss:.4f}, val {val_loss:.4f} (gap {val_loss - train_loss:+.4f}), "
             f"best {best_val_loss:.4f} at {best_iter}{' *saved best.pt' if improved else ''}")
         stopping = patience > 0 and evals_since_best >= patience
-        # best.pt before last.pt: a kill in between leaves last.pt older, never ahead of best.pt
-        saves = ['best.pt'] * improved + ['last.pt'] * (always_save_checkpoint or iter_num == max_iters or stopping)
+        # best.pt before last.pt: a kill in between leaves last.pt older, never ahead of best.pt. Without
+        # always_save_checkpoint, last.pt still follows every new best, so init_from=auto resumes from there.
+        saves = ['best.pt'] * improved + ['last.pt'] * (always_save_checkpoint or improved or iter_num == max_iters or stopping)
         if saves:
             save_seconds = save_checkpoint(saves, rng_after_step)
             log(f"saved {' and '.join(saves)} in {save_seconds:.2f} s")

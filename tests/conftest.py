@@ -2,6 +2,7 @@
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 
@@ -56,7 +57,15 @@ def torchrun(out_dir, data_dir, *overrides, nproc=2, probe=False, env_extra=None
     cmd = [sys.executable, '-m', 'torch.distributed.run', *(torchrun_args or ['--standalone']), f'--nproc_per_node={nproc}',
            *script, RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides]
     env = {**os.environ, 'OMP_NUM_THREADS': '1', **(env_extra or {})}
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:  # on a timeout, torchrun's workers must not outlive the test
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def ok(result):
