@@ -502,8 +502,6 @@ def gather_rng():
     return states
 
 
-
-
 def explain_out_of_memory(exc_type, exc, tb):
     if not (issubclass(exc_type, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)):
         return sys.__excepthook__(exc_type, exc, tb)
@@ -518,8 +516,8 @@ sys.excepthook = explain_out_of_memory  # one clear line instead of a traceback;
 # training loop
 train_batches = iter(train_loader)
 fixed_batch = next(train_batches) if overfit_one_batch else None
-t_last, iters_since_log = time.time(), 0
-first_loss = None
+t_start = t_last = time.time()
+iters_since_log, first_loss, save_seconds_total = 0, None, 0.0
 while iter_num < max_iters:
     lr = optimizer.param_groups[0]['lr']
     optimizer.zero_grad(set_to_none=True)
@@ -600,6 +598,7 @@ while iter_num < max_iters:
         saves = ['best.pt'] * improved + ['last.pt'] * (always_save_checkpoint or improved or iter_num == max_iters or stopping)
         if saves:
             save_seconds = save_checkpoint(saves, rng_after_step)
+            save_seconds_total += save_seconds
             log(f"saved {' and '.join(saves)} in {save_seconds:.2f} s")
         if ddp:
             dist.barrier()
@@ -614,10 +613,12 @@ if overfit_one_batch:
 if best_iter > 0:
     restore(raw_model, checkpoint.load(os.path.join(out_dir, 'best.pt')), os.path.join(out_dir, 'best.pt'), with_optimizer=False)
 test_loss = evaluate('test')
-record({'kind': 'test', 'step': iter_num, 'best_iter': best_iter, 'best_val_loss': best_val_loss, 'test_loss': test_loss})
-log(f"done: {iter_num} iterations, best val loss {best_val_loss:.4f} at iteration {best_iter}, "
-    f"test loss {test_loss:.4f} ({test_loss / math.log(2):.3f} bits/token) with the best weights; "
-    f"checkpoints in {out_dir}")
+wall_seconds = time.time() - t_start
+record({'kind': 'test', 'step': iter_num, 'best_iter': best_iter, 'best_val_loss': best_val_loss, 'test_loss': test_loss,
+        'wall_seconds': wall_seconds, 'save_seconds': save_seconds_total})
+log(f"done: {iter_num} iterations in {wall_seconds:.0f} s (checkpoint saves {save_seconds_total / wall_seconds:.1%} of it), "
+    f"best val loss {best_val_loss:.4f} at iteration {best_iter}, test loss {test_loss:.4f} "
+    f"({test_loss / math.log(2):.3f} bits/token) with the best weights; checkpoints in {out_dir}")
 try:
     encode, decode = prepare.load_tokenizer(data_meta)
 except prepare.PrepareError as e:
