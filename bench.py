@@ -62,7 +62,8 @@ def build(cfg):
         meta = json.load(f)
     windows = data.TokenWindows(os.path.join(dataset_dir, 'train.bin'), meta['dtype'], cfg.block_size)
     try:
-        sampler = data.TrainSampler(windows.num_tokens, cfg.block_size, cfg.batch_size, cfg.batch_size * cfg.gradient_accumulation_steps, cfg.seed)
+        sampler = data.TrainSampler(windows.num_tokens, cfg.block_size, cfg.batch_size,
+                                    cfg.batch_size * cfg.gradient_accumulation_steps, cfg.seed)
     except data.DataError as e:
         sys.exit(f"error: {e}")
     batches = iter(data.make_loader(windows, sampler, cfg.num_workers, cfg.seed, device_type == 'cuda'))
@@ -160,7 +161,8 @@ while len(runs['A'].steps) < bench_iters:
 for name, run in runs.items():
     cfg, info = run.cfg, run.info
     run.seconds = [s for s, _ in run.steps]
-    run.tokens_per_sec, run.fastest_tokens_per_sec = info.tokens_per_step / statistics.median(run.seconds), info.tokens_per_step / min(run.seconds)
+    run.tokens_per_sec = info.tokens_per_step / statistics.median(run.seconds)
+    run.fastest_tokens_per_sec = info.tokens_per_step / min(run.seconds)
     achieved = info.flops_per_token * run.tokens_per_sec
     print(f"\n{name}: {info.device} {info.dtype}, {'compiled' if cfg.compile else 'eager'}, {info.params / 1e6:.2f}M parameters, "
           f"{info.tokens_per_step:,} tokens per step ({cfg.gradient_accumulation_steps} x {cfg.batch_size} x {cfg.block_size}), "

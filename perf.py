@@ -61,7 +61,8 @@ def measure_flops(device, dtype):
         fastest = min(best_seconds(x, y) for x, y in ((a, b.T), (a, b), (a.T, b)))
         best = max(best, (2 * n**3 / fastest, n))
         if fastest > 0.01 or n == 8192:
-            return best[0], f"measured: {best[1]}x{best[1]} {str(dtype).removeprefix('torch.')} matmul, the fastest of 3 layouts and sizes 128 to {n}"
+            name = str(dtype).removeprefix('torch.')
+            return best[0], f"measured: {best[1]}x{best[1]} {name} matmul, the fastest of 3 layouts and sizes 128 to {n}"
         n *= 2
 
 
