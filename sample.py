@@ -15,7 +15,6 @@ import warnings
 from contextlib import nullcontext
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 import checkpoint
 import prepare
@@ -44,6 +43,7 @@ def load_model(path, device):
     try:
         model = GPT(GPTConfig(**saved['model_args']))
         if 'shards' in saved:  # an fsdp run's checkpoint: gather its shards into whole tensors, in this one process
+            import torch.distributed.checkpoint as dcp  # a second of imports only this case needs
             state = {'model': model.state_dict()}
             with warnings.catch_warnings():  # dcp warns that it loads without a process group: that is the point
                 warnings.simplefilter('ignore')

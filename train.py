@@ -29,12 +29,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
@@ -135,6 +130,11 @@ if deterministic:
 # processes and devices: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
 ddp = 'RANK' in os.environ  # several processes, replicated (DDP) or sharded (FSDP)
 sharded = ddp and parallel == 'fsdp'
+if sharded:  # a second of imports that only sharded runs need
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 rank, local_rank, world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if ddp else (0, 0, 1)
 master = rank == 0
 if device == 'auto':
@@ -541,7 +541,7 @@ while iter_num < max_iters:
         scaler.scale(loss / accum_steps).backward()
     scaler.unscale_(optimizer)  # clip true gradients, not scaled ones
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float('inf'))
-    if isinstance(grad_norm, DTensor):  # fsdp: the norm over all shards
+    if sharded:  # the norm over all shards
         grad_norm = grad_norm.full_tensor()
     loss_mean, grad_norm_value = (torch.stack([reduce_sum(loss_sum) / gradient_accumulation_steps, grad_norm.float()])).tolist()
     if not math.isfinite(loss_mean) or not (math.isfinite(grad_norm_value) or scaler.is_enabled()):

@@ -15,9 +15,10 @@ bias = False
 
 batch_size = 16
 gradient_accumulation_steps = 1
+num_workers = 0  # measured 3-9% faster than a worker process on a 2-core CPU (README: Measured speed)
 learning_rate = 2e-3
-max_iters = 2000
-lr_decay_iters = 2000
+max_iters = 1500
+lr_decay_iters = 1500
 warmup_iters = 100
 min_lr = 2e-4
 beta2 = 0.99

@@ -66,14 +66,19 @@ def test_two_nodes_on_loopback(tmp_path, data_dir):
     assert_same_run(one, two)
 
 
-def test_ddp_resume_is_exact(tmp_path, data_dir):
-    args = [*SAME, '--dropout=0.1', '--num_workers=1']  # dropout: each rank's RNG state must travel
-    straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
+def test_ddp_resume_and_elastic_restart_are_exact(tmp_path, data_dir):
+    args = [*SAME, '--dropout=0.1', '--num_workers=1', '--init_from=auto']  # dropout: each rank's RNG state must travel
+    straight, split, elastic = str(tmp_path / 'straight'), str(tmp_path / 'split'), str(tmp_path / 'elastic')
     ok(torchrun(straight, data_dir, *args))
     ok(torchrun(split, data_dir, *args, '--max_iters=14'))
     ok(torchrun(split, data_dir, *args, '--init_from=resume'))
     fields = lambda d: [(r['step'], r['loss'], r['lr'], r['grad_norm']) for r in read_metrics(d, 'train')]
     assert fields(split) == fields(straight)
+    # rank 1 dies at its 50th micro-batch (iteration 25), after the checkpoint at 20; torchrun restarts the group
+    result = ok(torchrun(elastic, data_dir, *args, probe=True, env_extra={'PROBE_KILL': '1:50'},
+                         torchrun_args=['--standalone', '--max-restarts=1']))
+    assert 'resuming from' in result.stdout
+    assert fields(elastic) == fields(straight)
 
 
 def test_nan_on_one_rank_ends_both_promptly(tmp_path, data_dir):
@@ -91,15 +96,3 @@ def test_bad_config_ends_every_rank(tmp_path, data_dir):
         result = torchrun(str(tmp_path / 'bad'), data_dir, *args, timeout=120)
         assert result.returncode != 0 and message in result.stderr
         assert not (tmp_path / 'bad').exists()
-
-
-def test_elastic_restart_after_a_lost_worker(tmp_path, data_dir):
-    args = [*SAME, '--init_from=auto']
-    straight, elastic = str(tmp_path / 'straight'), str(tmp_path / 'elastic')
-    ok(torchrun(straight, data_dir, *args))
-    # rank 1 dies at its 50th micro-batch (iteration 25), after the checkpoint at 20; torchrun restarts the group
-    result = ok(torchrun(elastic, data_dir, *args, probe=True, env_extra={'PROBE_KILL': '1:50'},
-                         torchrun_args=['--standalone', '--max-restarts=1']))
-    assert 'resuming from' in result.stdout
-    fields = lambda d: [(r['step'], r['loss'], r['lr'], r['grad_norm']) for r in read_metrics(d, 'train')]
-    assert fields(elastic) == fields(straight)
