@@ -1,11 +1,13 @@
 """Mixed precision that never lies: float16 skips do not advance the LR, and every dtype learns."""
 import json
 import os
+import resource
+import subprocess
+import sys
 
-import pytest
 import torch
 
-from conftest import read_metrics, run_train
+from conftest import REPO, RUN_CONFIG, read_metrics, run_train
 
 
 def test_float16_skipped_steps_do_not_advance_the_schedule(tmp_path, data_dir):
@@ -62,3 +64,19 @@ def test_auto_dtype_resolves_as_documented(tmp_path, data_dir):
     resolved = json.load(open(os.path.join(out, 'config.json')))['resolved']
     assert resolved == {'device': 'cpu', 'dtype': 'bfloat16' if native_bf16 else 'float32'}
     assert json.load(open(os.path.join(out, 'meta.json')))['dtype'] == resolved['dtype']
+
+
+def test_out_of_memory_is_one_clear_message(tmp_path, data_dir):
+    out = str(tmp_path / 'oom')
+    limit = 1400 * 2**20  # address space: enough to start (~0.9 GB), too little for this batch's activations
+
+    def cap_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    cmd = [sys.executable, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out}', '--batch_size=1000', '--n_embd=128']
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, preexec_fn=cap_memory, timeout=300)
+    assert result.returncode != 0 and 'Traceback' not in result.stderr, result.stderr
+    error = [line for line in result.stderr.splitlines() if line.startswith('error:')]
+    assert len(error) == 1 and 'out of memory at iteration' in error[0] and 'batch_size=1000' in error[0], result.stderr
+    assert 'gradient_accumulation_steps' in error[0]
+    assert len(read_metrics(out, 'abort')) == 1
+    assert not [f for f in os.listdir(out) if f.endswith('.pt') or f.endswith('.tmp')]  # nothing half-written
