@@ -9,6 +9,7 @@ sees. A window is named by its start position in the split: x = tokens[s : s+T],
 - EvalSampler: non-overlapping windows 0, T, 2T, ... that predict every token of the split
   exactly once; the last window is partial and its padding targets are ignored (-100).
 """
+import functools
 import os
 import random
 
@@ -78,9 +79,13 @@ class TrainSampler(Sampler):
             yield from self.epoch_batches(epoch)[position:]
             epoch, position = epoch + 1, 0
 
+    @functools.cache  # asked once per micro-batch: draw the epoch's offset once
+    def batches_in_epoch(self, epoch):
+        return self._epoch_layout(epoch)[3] // (self.world_size * self.batch_size)
+
     def mark_consumed(self):
         self.position += 1
-        if self.position == self._epoch_layout(self.epoch)[3] // (self.world_size * self.batch_size):
+        if self.position == self.batches_in_epoch(self.epoch):
             self.epoch, self.position = self.epoch + 1, 0
 
     def state_dict(self):

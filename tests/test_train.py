@@ -29,6 +29,7 @@ def test_run_learns_and_records_everything(tmp_path, data_dir):
     assert steps[0]['lr'] < steps[5]['lr'] and steps[-1]['lr'] < steps[20]['lr']  # warmup, then decay
     test = read_metrics(out, 'test')[0]
     assert test['best_iter'] == min(evals, key=lambda e: e['val_loss'])['step'] and math.isfinite(test['test_loss'])
+    assert 0 < test['save_seconds'] < test['wall_seconds']  # the save cost is measured, inside the run's time
     assert 'best val loss' in result.stdout and 'test loss' in result.stdout
     # the run directory: resolved config with sources, run metadata, state_dict-only checkpoints
     config = json.load(open(os.path.join(out, 'config.json')))
