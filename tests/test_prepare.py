@@ -91,8 +91,8 @@ def test_leak_check_raises_even_without_assert():
 
 
 def test_char_vocab_is_fit_on_train_only(tmp_path):
-    text = list('abc abc\n' * 125)  # n = 1000: train [0, 850), test [850, 900), val [900, 1000)
-    text[860:863] = 'WWW'  # only in test
+    text = list('abc abc\n' * 125)  # n = 1000: test [0, 50), train [50, 900), val [900, 1000)
+    text[10:13] = 'WWW'  # only in test
     text[950:954] = 'VVVV'  # only in val
     text = ''.join(text)
     (tmp_path / 'in.txt').write_text(text, encoding='utf-8')
@@ -116,7 +116,7 @@ def test_single_file_contiguous_split(tmp_path):
     out_dir = prepare.prepare('t', data_dir=tmp_path / 'data', input_path=tmp_path / 'in.txt')
     meta = read_meta(out_dir)
     _, decode = prepare.load_tokenizer(meta)
-    expected = {'train': (0, 852), 'test': (852, 902), 'val': (902, 1003)}
+    expected = {'test': (0, 50), 'train': (50, 902), 'val': (902, 1003)}
     for split, (a, b) in expected.items():
         assert decode(read_split(out_dir, split).tolist()) == text[a:b]
         assert meta['splits'][split] == {'tokens': b - a, 'documents': 1, 'unknown_chars': 0, 'char_range': [a, b]}
