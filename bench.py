@@ -1,9 +1,11 @@
 """
 Measure training speed: train.py's optimizer step on the same data, model and settings, timed after a
-warm-up, with model FLOPs utilization (MFU) and a profiler breakdown of one step. One process.
+warm-up, with model FLOPs utilization (MFU) and a profiler breakdown of one step; under torchrun, the
+memory each rank holds, to compare DDP's replicas with FSDP's shards.
 
     python bench.py config/tiny.py --batch_size=8
     python bench.py config/tiny.py --compare='--dtype=bfloat16 --compile=True'
+    torchrun --standalone --nproc_per_node=2 bench.py config/tiny.py --parallel=fsdp --gradient_accumulation_steps=2
 
 Takes every train.py key, so any training config works unchanged, plus the bench keys below. With
 compare, a second setting B (the same config plus those overrides) is built next to A and both are
@@ -20,7 +22,11 @@ from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, record_function
 
 import data
@@ -50,8 +56,16 @@ def train_defaults():
 def build(cfg):
     """One setting as train.py builds it: returns (step, info); step() runs one optimizer step and returns its loss."""
     device = cfg.device if cfg.device != 'auto' else 'cuda' if torch.cuda.is_available() else 'cpu'
+    device = f'cuda:{local_rank}' if distributed and device.startswith('cuda') else device
     device_type = 'cuda' if device.startswith('cuda') else 'cpu'
     dtype = perf.auto_dtype(device_type) if cfg.dtype == 'auto' else cfg.dtype
+    sharded = distributed and cfg.parallel == 'fsdp'
+    if sharded and dtype == 'float16':
+        sys.exit("error: parallel='fsdp' trains in float32 or bfloat16: set dtype=bfloat16")
+    if cfg.gradient_accumulation_steps % world_size:
+        sys.exit(f"error: gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by the {world_size} "
+                 f"processes: make it a multiple of {world_size}")
+    accum_steps = cfg.gradient_accumulation_steps // world_size
     autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
     if device_type == 'cuda':
         torch.set_float32_matmul_precision('high')  # as train.py: TF32 for what autocast leaves in float32
@@ -63,14 +77,22 @@ def build(cfg):
     windows = data.TokenWindows(os.path.join(dataset_dir, 'train.bin'), meta['dtype'], cfg.block_size)
     try:
         sampler = data.TrainSampler(windows.num_tokens, cfg.block_size, cfg.batch_size,
-                                    cfg.batch_size * cfg.gradient_accumulation_steps, cfg.seed)
+                                    cfg.batch_size * cfg.gradient_accumulation_steps, cfg.seed, rank, world_size)
     except data.DataError as e:
         sys.exit(f"error: {e}")
     batches = iter(data.make_loader(windows, sampler, cfg.num_workers, cfg.seed, device_type == 'cuda'))
     torch.manual_seed(cfg.seed)
     raw_model = GPT(GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size, bias=cfg.bias,
                               vocab_size=meta['vocab_size'], dropout=cfg.dropout)).to(device)
+    raw_model.activation_checkpointing = cfg.activation_checkpointing
+    if sharded:
+        precision = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=getattr(torch, dtype))
+        for block in raw_model.blocks:
+            fully_shard(block, mp_policy=precision)
+        fully_shard(raw_model, mp_policy=precision)
     model = torch.compile(raw_model) if cfg.compile else raw_model
+    if distributed and not sharded:
+        model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
     optimizer = torch.optim.AdamW(raw_model.optim_groups(cfg.weight_decay), lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True)
     scaler = torch.amp.GradScaler(device_type, init_scale=cfg.init_scale, enabled=dtype == 'float16')
 
@@ -85,19 +107,26 @@ def build(cfg):
         sync = sync_phases and device_type == 'cuda'
         optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=device)
-        for _ in range(cfg.gradient_accumulation_steps):
+        for micro_step in range(accum_steps):
             with phase('data', sync):
                 x, y, _ = next(batches)
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            if sharded:  # as train.py: gradients are reduced on the last micro-batch only
+                model.set_requires_gradient_sync(micro_step == accum_steps - 1)
+            elif distributed:
+                model.require_backward_grad_sync = micro_step == accum_steps - 1
             with phase('forward', sync), autocast:
                 logits = model(x)
                 loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
                 loss_sum += loss.detach()
             with phase('backward', sync):
-                scaler.scale(loss / cfg.gradient_accumulation_steps).backward()
+                scaler.scale(loss / accum_steps).backward()
         with phase('optimizer', sync):
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float('inf'))
+            grad_norm = grad_norm.full_tensor() if sharded else grad_norm
+            if distributed:
+                dist.all_reduce(loss_sum)
             loss_mean, _ = torch.stack([loss_sum / cfg.gradient_accumulation_steps, grad_norm.float()]).tolist()  # train.py's sync
             scaler.step(optimizer)
             scaler.update()
@@ -105,8 +134,15 @@ def build(cfg):
             torch.cuda.synchronize(device)
         return loss_mean
 
+    def state_mb():
+        """MB of weights, gradients and optimizer state this rank holds: FSDP's shards, or DDP's full replicas."""
+        local = lambda tensors: sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors) / 2**20
+        return {'weights': local(raw_model.parameters()), 'grads': local(p.grad for p in raw_model.parameters() if p.grad is not None),
+                'AdamW': local(v for s in optimizer.state.values() for v in s.values())}
+
     info = SimpleNamespace(device=device, dtype=dtype, flops_per_token=raw_model.flops_per_token(), params=raw_model.num_params(),
-                           tokens_per_step=cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps)
+                           tokens_per_step=cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps,
+                           parallel=cfg.parallel if distributed else 'one process', state_mb=state_mb)
     return step, info
 
 
@@ -141,10 +177,27 @@ try:
 except ConfigError as e:
     sys.exit(f"error: {e}")
 globals().update({k: config[k] for k in bench_keys})
+# under torchrun every rank builds and times the same settings; rank 0 alone prints and writes the trace
+distributed = 'RANK' in os.environ
+rank, local_rank, world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if distributed else (0, 0, 1)
+if distributed:
+    on_cuda = config['device'].startswith('cuda') or (config['device'] == 'auto' and torch.cuda.is_available())
+    dist.init_process_group(backend=config['backend'] if config['backend'] != 'auto' else 'nccl' if on_cuda else 'gloo')
+say = print if rank == 0 else lambda *args: None
+
+
+def per_rank(value):
+    """value from every rank, in rank order."""
+    if not distributed:
+        return [value]
+    values = [None] * world_size
+    dist.all_gather_object(values, value)
+    return values
+
 
 # other processes competing for the cores slow every step (and the peak measurement): say how busy the machine is
-print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs with load average {os.getloadavg()[0]:.2f} "
-      f"before this run; A: {' '.join(sys.argv[1:])}" + (f"; B: A {compare}" if compare else ''))
+say(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs with load average {os.getloadavg()[0]:.2f} "
+    f"before this run; {world_size} process(es); A: {' '.join(sys.argv[1:])}" + (f"; B: A {compare}" if compare else ''))
 runs = {}
 for name, cfg in configs.items():  # all built before any is timed: every setting is in memory at once
     cfg = SimpleNamespace(**cfg)
@@ -164,20 +217,27 @@ for name, run in runs.items():
     run.tokens_per_sec = info.tokens_per_step / statistics.median(run.seconds)
     run.fastest_tokens_per_sec = info.tokens_per_step / min(run.seconds)
     achieved = info.flops_per_token * run.tokens_per_sec
-    print(f"\n{name}: {info.device} {info.dtype}, {'compiled' if cfg.compile else 'eager'}, {info.params / 1e6:.2f}M parameters, "
-          f"{info.tokens_per_step:,} tokens per step ({cfg.gradient_accumulation_steps} x {cfg.batch_size} x {cfg.block_size}), "
-          f"num_workers={cfg.num_workers}; loss {run.steps[-1][1]:.4f} after {bench_warmup + len(run.seconds)} steps")
-    print(f"  first step: {run.first:.2f} s{' (includes compilation)' if cfg.compile else ''}")
-    print(f"  ms/step: median {statistics.median(run.seconds) * 1e3:.1f}, min {min(run.seconds) * 1e3:.1f} over {len(run.seconds)} steps")
-    print(f"  tokens/s: {run.tokens_per_sec:,.0f}")
-    print(f"  model FLOPs/token: {info.flops_per_token / 1e6:.2f}M; achieved {achieved / 1e9:.2f} GFLOP/s")
-    print(f"  MFU: {achieved / run.peak:.1%} of {run.peak / 1e9:.1f} GFLOP/s peak ({run.how})")
+    say(f"\n{name}: {info.device} {info.dtype}, {'compiled' if cfg.compile else 'eager'}, {info.params / 1e6:.2f}M parameters, "
+        f"{info.parallel}, {info.tokens_per_step:,} tokens per step ({cfg.gradient_accumulation_steps} x {cfg.batch_size} x "
+        f"{cfg.block_size}), num_workers={cfg.num_workers}; loss {run.steps[-1][1]:.4f} after {bench_warmup + len(run.seconds)} steps")
+    say(f"  first step: {run.first:.2f} s{' (includes compilation)' if cfg.compile else ''}")
+    say(f"  ms/step: median {statistics.median(run.seconds) * 1e3:.1f}, min {min(run.seconds) * 1e3:.1f} over {len(run.seconds)} steps")
+    say(f"  tokens/s: {run.tokens_per_sec:,.0f}")
+    say(f"  model FLOPs/token: {info.flops_per_token / 1e6:.2f}M; achieved {achieved / 1e9:.2f} GFLOP/s")
+    say(f"  MFU: {achieved / (run.peak * world_size):.1%} of {run.peak / 1e9:.1f} GFLOP/s peak per process ({run.how})")
+    for r, mb in enumerate(per_rank(info.state_mb())):
+        say(f"  rank {r} holds: weights {mb['weights']:,.2f} MB, grads {mb['grads']:,.2f} MB, AdamW {mb['AdamW']:,.2f} MB; "
+            f"total {sum(mb.values()):,.2f} MB")
     if profile:
         trace_path = f"{os.path.splitext(trace)[0]}_{name}.json" if trace and compare else trace
-        phase_ms, step_ms = breakdown(run.step, info.device, trace_path)
-        print(f"  profile of one step ({step_ms:.1f} ms): " + ', '.join(f"{p} {ms / step_ms:.1%}" for p, ms in phase_ms.items()))
-print(f"\npeak memory: {perf.peak_memory_mb(runs['A'].info.device):,.0f} MB" + (" (this process: both settings)" if compare else ''))
+        phase_ms, step_ms = breakdown(run.step, info.device, trace_path if rank == 0 else '')
+        say(f"  profile of one step ({step_ms:.1f} ms): " + ', '.join(f"{p} {ms / step_ms:.1%}" for p, ms in phase_ms.items()))
+peaks = per_rank(perf.peak_memory_mb(runs['A'].info.device))
+say("\npeak memory: " + ', '.join(f"rank {r} {mb:,.0f} MB" for r, mb in enumerate(peaks)) +
+    (" (each process held both settings: compare memory in separate runs)" if compare else ''))
 if compare:
     ratio = runs['B'].tokens_per_sec / runs['A'].tokens_per_sec
     fastest = runs['B'].fastest_tokens_per_sec / runs['A'].fastest_tokens_per_sec
-    print(f"tokens/s B/A: {ratio:.3f} (B is {abs(ratio - 1):.1%} {'faster' if ratio > 1 else 'slower'}); fastest steps: {fastest:.3f}")
+    say(f"tokens/s B/A: {ratio:.3f} (B is {abs(ratio - 1):.1%} {'faster' if ratio > 1 else 'slower'}); fastest steps: {fastest:.3f}")
+if distributed:
+    dist.destroy_process_group()

@@ -51,11 +51,17 @@ def read_metrics(out_dir, kind=None):
     return [r for r in records if kind is None or r['kind'] == kind]
 
 
-def torchrun(out_dir, data_dir, *overrides, nproc=2, probe=False, env_extra=None, torchrun_args=(), timeout=300):
-    """train.py (under tests/ddp_probe.py if probe) on nproc CPU processes with gloo, as users run it."""
+def torchrun(out_dir, data_dir, *overrides, probe=False, **kwargs):
+    """train.py (under tests/ddp_probe.py if probe) on CPU processes with gloo, as users run it."""
     script = [PROBE, 'train.py'] if probe else ['train.py']
+    return torchrun_script(script, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides, **kwargs)
+
+
+def torchrun_script(script, *args, nproc=2, env_extra=None, torchrun_args=(), timeout=300):
+    """torchrun SCRIPT tests/run_config.py ARGS on nproc CPU processes with gloo, one thread each; script is a
+    list: the script and its own arguments before the config."""
     cmd = [sys.executable, '-m', 'torch.distributed.run', *(torchrun_args or ['--standalone']), f'--nproc_per_node={nproc}',
-           *script, RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides]
+           *script, RUN_CONFIG, *args]
     env = {**os.environ, 'OMP_NUM_THREADS': '1', **(env_extra or {})}
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import perf
-from conftest import REPO, RUN_CONFIG
+from conftest import REPO, RUN_CONFIG, ok, torchrun_script
 from model import GPT, GPTConfig
 
 
@@ -38,7 +38,7 @@ def check_setting(text, flops_per_token):
     assert number(r'model FLOPs/token: ([\d.]+)M', text) == pytest.approx(flops_per_token / 1e6, abs=0.01)
     achieved = number(r'achieved ([\d.]+) GFLOP/s', text)
     assert achieved == pytest.approx(flops_per_token * tokens_per_sec / 1e9, rel=0.02, abs=0.01)
-    mfu, peak = number(r'MFU: ([\d.]+)%', text), number(r'of ([\d.]+) GFLOP/s peak \(measured: \d+x\d+ float32 matmul', text)
+    mfu, peak = number(r'MFU: ([\d.]+)%', text), number(r'of ([\d.]+) GFLOP/s peak per process \(measured: \d+x\d+ float32 matmul', text)
     assert mfu == pytest.approx(100 * achieved / peak, rel=0.05, abs=0.1)
     shares = re.search(r'profile of one step \([\d.]+ ms\): data ([\d.]+)%, forward ([\d.]+)%, backward ([\d.]+)%, '
                        r'optimizer ([\d.]+)%, other (-?[\d.]+)%', text).groups()
@@ -65,10 +65,32 @@ def test_bench_compares_two_settings_with_speed_mfu_and_profile(tmp_path, data_d
     assert a_loss == b_loss
     assert number(r'tokens/s B/A: ([\d.]+)', stdout) == pytest.approx(b_median / a_median, rel=0.01)
     assert number(r'fastest steps: ([\d.]+)', stdout) == pytest.approx(b_fastest / a_fastest, rel=0.05)  # ms rounded to 0.1
-    assert number(r'peak memory: ([\d,]+) MB', stdout) > 0
+    assert number(r'peak memory: rank 0 ([\d,]+) MB', stdout) > 0
     for name in ('step_A.json', 'step_B.json'):
         events = {e.get('name') for e in json.load(open(tmp_path / name))['traceEvents']}
         assert {'data', 'forward', 'backward', 'optimizer'} <= events
+
+
+def held_mb(text):
+    """{rank: (weights, grads, AdamW, total)} from a setting's 'rank R holds' lines."""
+    return {int(r): tuple(map(float, mb)) for r, *mb in re.findall(
+        r'rank (\d) holds: weights ([\d.]+) MB, grads ([\d.]+) MB, AdamW ([\d.]+) MB; total ([\d.]+) MB', text)}
+
+
+def test_bench_under_torchrun_shows_fsdp_holding_a_shard_per_rank(data_dir):
+    # the same batches through both: FSDP's losses are DDP's; each rank holds half of what a DDP replica holds
+    result = ok(torchrun_script(['bench.py'], f'--data_dir={data_dir}', '--bench_iters=3', '--bench_warmup=2', '--profile=False',
+                                '--parallel=fsdp', '--gradient_accumulation_steps=2', '--compare=--parallel=ddp'))
+    fsdp, ddp = sections(result.stdout)['A'], sections(result.stdout)['B']
+    assert ', fsdp, ' in fsdp and ', ddp, ' in ddp and '2 process(es)' in result.stdout
+    assert number(r'loss ([\d.]+) after 5 steps', fsdp) == pytest.approx(number(r'loss ([\d.]+) after 5 steps', ddp), abs=1e-4)
+    fsdp_mb, ddp_mb = held_mb(fsdp), held_mb(ddp)
+    assert sorted(fsdp_mb) == sorted(ddp_mb) == [0, 1]
+    assert ddp_mb[0] == ddp_mb[1] and ddp_mb[0][1] == ddp_mb[0][0] and ddp_mb[0][2] == pytest.approx(2 * ddp_mb[0][0], abs=0.01)
+    for part in range(4):  # the shards add up to one replica, split about evenly
+        assert fsdp_mb[0][part] + fsdp_mb[1][part] == pytest.approx(ddp_mb[0][part], abs=0.02)
+        assert fsdp_mb[0][part] == pytest.approx(ddp_mb[0][part] / 2, rel=0.1)
+    assert number(r'peak memory: rank 0 ([\d,]+) MB', result.stdout) > 0 and number(r'rank 1 ([\d,]+) MB', result.stdout) > 0
 
 
 def test_peak_flops_is_measured_on_cpu():
