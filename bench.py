@@ -12,6 +12,7 @@ compare, a second setting B (the same config plus those overrides) is built next
 timed in alternating rounds, A B A B ..., so that other load on the machine hits both alike.
 """
 import ast
+import atexit
 import json
 import os
 import shlex
@@ -24,7 +25,6 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, record_function
@@ -53,10 +53,36 @@ def train_defaults():
     return {name: ast.literal_eval(value) for name, value in assigns[:names.index('config_keys')]}
 
 
+defaults = train_defaults() | {k: globals()[k] for k in bench_keys}
+try:
+    config, _ = configure(defaults, sys.argv[1:])
+    configs = {'A': config}
+    if config['compare']:
+        configs['B'] = configure(defaults, sys.argv[1:] + shlex.split(config['compare']))[0]
+except ConfigError as e:
+    sys.exit(f"error: {e}")
+globals().update({k: config[k] for k in bench_keys})
+for cfg in configs.values():  # the checks train.py makes on these keys
+    if cfg['parallel'] not in ('ddp', 'fsdp') or cfg['backend'] not in ('auto', 'nccl', 'gloo'):
+        sys.exit(f"error: parallel='{cfg['parallel']}', backend='{cfg['backend']}': use parallel 'ddp' or 'fsdp', "
+                 f"backend 'auto', 'nccl' or 'gloo'")
+
+# under torchrun every rank builds and times the same settings; rank 0 alone prints and writes the trace
+distributed = 'RANK' in os.environ
+rank, local_rank, world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if distributed else (0, 0, 1)
+on_cuda = config['device'].startswith('cuda') or (config['device'] == 'auto' and torch.cuda.is_available())
+if distributed:
+    if on_cuda:
+        torch.cuda.set_device(local_rank)  # collectives and FSDP's mesh use the current device: one GPU per rank
+    dist.init_process_group(backend=config['backend'] if config['backend'] != 'auto' else 'nccl' if on_cuda else 'gloo')
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())  # on every exit path, errors too
+say = print if rank == 0 else lambda *args: None
+
+
 def build(cfg):
     """One setting as train.py builds it: returns (step, info); step() runs one optimizer step and returns its loss."""
     device = cfg.device if cfg.device != 'auto' else 'cuda' if torch.cuda.is_available() else 'cpu'
-    device = f'cuda:{local_rank}' if distributed and device.startswith('cuda') else device
+    device = f'cuda:{local_rank}' if distributed and device.startswith('cuda') else device  # as train.py: one GPU per rank
     device_type = 'cuda' if device.startswith('cuda') else 'cpu'
     dtype = perf.auto_dtype(device_type) if cfg.dtype == 'auto' else cfg.dtype
     sharded = distributed and cfg.parallel == 'fsdp'
@@ -80,19 +106,17 @@ def build(cfg):
                                     cfg.batch_size * cfg.gradient_accumulation_steps, cfg.seed, rank, world_size)
     except data.DataError as e:
         sys.exit(f"error: {e}")
-    batches = iter(data.make_loader(windows, sampler, cfg.num_workers, cfg.seed, device_type == 'cuda'))
+    batches = iter(data.make_loader(windows, sampler, cfg.num_workers, cfg.seed + rank, device_type == 'cuda'))
     torch.manual_seed(cfg.seed)
     raw_model = GPT(GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size, bias=cfg.bias,
                               vocab_size=meta['vocab_size'], dropout=cfg.dropout)).to(device)
     raw_model.activation_checkpointing = cfg.activation_checkpointing
     if sharded:
-        precision = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=getattr(torch, dtype))
-        for block in raw_model.blocks:
-            fully_shard(block, mp_policy=precision)
-        fully_shard(raw_model, mp_policy=precision)
+        raw_model.fully_shard(getattr(torch, dtype))
     model = torch.compile(raw_model) if cfg.compile else raw_model
     if distributed and not sharded:
         model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
+    torch.manual_seed(cfg.seed + rank)  # as train.py: the same initial weights everywhere, dropout masks per rank
     optimizer = torch.optim.AdamW(raw_model.optim_groups(cfg.weight_decay), lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True)
     scaler = torch.amp.GradScaler(device_type, init_scale=cfg.init_scale, enabled=dtype == 'float16')
 
@@ -168,24 +192,6 @@ def breakdown(step, device, trace_path):
     return {**{p: ms[p] for p in PHASES}, 'other': ms['step'] - sum(ms[p] for p in PHASES)}, ms['step']
 
 
-defaults = train_defaults() | {k: globals()[k] for k in bench_keys}
-try:
-    config, _ = configure(defaults, sys.argv[1:])
-    configs = {'A': config}
-    if config['compare']:
-        configs['B'] = configure(defaults, sys.argv[1:] + shlex.split(config['compare']))[0]
-except ConfigError as e:
-    sys.exit(f"error: {e}")
-globals().update({k: config[k] for k in bench_keys})
-# under torchrun every rank builds and times the same settings; rank 0 alone prints and writes the trace
-distributed = 'RANK' in os.environ
-rank, local_rank, world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if distributed else (0, 0, 1)
-if distributed:
-    on_cuda = config['device'].startswith('cuda') or (config['device'] == 'auto' and torch.cuda.is_available())
-    dist.init_process_group(backend=config['backend'] if config['backend'] != 'auto' else 'nccl' if on_cuda else 'gloo')
-say = print if rank == 0 else lambda *args: None
-
-
 def per_rank(value):
     """value from every rank, in rank order."""
     if not distributed:
@@ -239,5 +245,3 @@ if compare:
     ratio = runs['B'].tokens_per_sec / runs['A'].tokens_per_sec
     fastest = runs['B'].fastest_tokens_per_sec / runs['A'].fastest_tokens_per_sec
     say(f"tokens/s B/A: {ratio:.3f} (B is {abs(ratio - 1):.1%} {'faster' if ratio > 1 else 'slower'}); fastest steps: {fastest:.3f}")
-if distributed:
-    dist.destroy_process_group()

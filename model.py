@@ -122,6 +122,15 @@ class GPT(nn.Module):
                 x = block(x)  # (B, T, C)
         return self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
 
+    def fully_shard(self, dtype):
+        """FSDP2 (needs a process group): each block, then the root (embeddings, final norm, tied head), owns a
+        1/world_size shard. Weights are gathered and gradients reduced in dtype; master weights stay float32."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # imported only by sharded runs: ~1 s
+        precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+        for block in self.blocks:
+            fully_shard(block, mp_policy=precision)
+        fully_shard(self, mp_policy=precision)
+
     def optim_groups(self, weight_decay):
         """Weight decay on the Linear matrices; none on biases, LayerNorm gains or the embeddings
         (the token embedding is also the tied head: decaying it shrinks rare tokens' rows)."""

@@ -134,7 +134,6 @@ if sharded:  # a second of imports that only sharded runs need
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 rank, local_rank, world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if ddp else (0, 0, 1)
 master = rank == 0
 if device == 'auto':
@@ -211,11 +210,8 @@ model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=bloc
 torch.manual_seed(seed)  # the same initial weights on every rank
 model = GPT(GPTConfig(**model_args)).to(device)
 model.activation_checkpointing = activation_checkpointing
-if sharded:  # each block, then the root (embeddings, final norm, tied head), owns a 1/world_size shard
-    precision = MixedPrecisionPolicy(param_dtype=ptdtype, reduce_dtype=ptdtype)  # float32 master weights
-    for block in model.blocks:
-        fully_shard(block, mp_policy=precision)
-    fully_shard(model, mp_policy=precision)
+if sharded:
+    model.fully_shard(ptdtype)
 optimizer = torch.optim.AdamW(model.optim_groups(weight_decay), lr=learning_rate, betas=(beta1, beta2), fused=True)
 
 
