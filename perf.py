@@ -39,9 +39,9 @@ def auto_dtype(device_type):
 
 
 def best_seconds(a, b):
-    """The fastest of a @ b repeated for 40 ms, after a warm-up."""
+    """The fastest of a @ b repeated for 20 ms, after a warm-up (every train.py start measures: keep it short)."""
     times = []
-    while len(times) < 2 or sum(times) < 0.04:
+    while len(times) < 2 or sum(times) < 0.02:
         start = time.perf_counter()
         a @ b
         if a.is_cuda:

@@ -13,9 +13,6 @@ import shlex
 import statistics
 import sys
 
-import matplotlib
-matplotlib.use('Agg')  # files only, no display
-import matplotlib.pyplot as plt
 
 RUN_FILES = ('metrics.jsonl', 'config.json', 'meta.json')
 SPIKE_FACTOR, SPIKE_WINDOW, SPIKE_MIN_HISTORY = 5, 100, 10  # grad norm > 5x the median of up to 100 previous steps
@@ -111,6 +108,9 @@ def resume_command(meta, has_last):
 
 
 def plot_curves(train, evals, path, title):
+    import matplotlib  # here: train.py imports this module, and a run stopped at start-up should not pay 0.8 s for it
+    matplotlib.use('Agg')  # files only, no display
+    import matplotlib.pyplot as plt
     fig, (ax_loss, ax_lr) = plt.subplots(2, 1, sharex=True, figsize=(8, 6), height_ratios=[3, 1])
     ax_loss.plot([r['step'] for r in train], [r['loss'] for r in train], lw=0.8, alpha=0.5, label='train (each step)')
     for key, label in (('train_loss', 'train (eval)'), ('val_loss', 'val (eval)')):
