@@ -75,7 +75,8 @@ if distributed:
     if on_cuda:
         torch.cuda.set_device(local_rank)  # collectives and FSDP's mesh use the current device: one GPU per rank
     dist.init_process_group(backend=config['backend'] if config['backend'] != 'auto' else 'nccl' if on_cuda else 'gloo')
-    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())  # on every exit path, errors too
+    # on every exit path, errors too; the pause hands gloo's threads the GIL first (see shut_down_process_group in train.py)
+    atexit.register(lambda: (time.sleep(0.1), dist.destroy_process_group()))
 say = print if rank == 0 else lambda *args: None
 
 

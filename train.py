@@ -148,6 +148,18 @@ check(gradient_accumulation_steps % world_size == 0,
       f"gradient_accumulation_steps={gradient_accumulation_steps} is not divisible by the {world_size} processes: "
       f"make it a multiple of {world_size} so the global batch stays the same")
 accum_steps = gradient_accumulation_steps // world_size  # micro-batches per optimizer step on this rank
+
+
+def shut_down_process_group():
+    """Runs at exit, on every path. The pause comes first: gloo's worker threads free a finished collective's
+    tensors after the caller has moved on, which takes the GIL, and a thread that takes the GIL while Python shuts
+    down aborts the process ("terminate called without an active exception", pytorch/pytorch#190489); that hit 1
+    run in 30 on 2 busy CPU ranks. A last barrier is no cure: gloo's barrier keeps the collectives before it alive
+    until its own thread frees it."""
+    time.sleep(0.1)
+    dist.destroy_process_group()
+
+
 if ddp:
     # torchrun keeps its store across --max-restarts; without a per-attempt prefix, a restarted group can
     # read the dead attempt's addresses and fail to connect (seen with gloo in torch 2.13)
@@ -155,7 +167,7 @@ if ddp:
     store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     dist.init_process_group(backend=(('nccl' if device_type == 'cuda' else 'gloo') if backend == 'auto' else backend),
                             store=store, rank=rank, world_size=world_size)
-    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())  # on every exit path
+    atexit.register(shut_down_process_group)  # on every exit path
 
 if dtype == 'auto':
     dtype = perf.auto_dtype(device_type)

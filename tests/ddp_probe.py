@@ -2,6 +2,9 @@
 PROBE_COUNT=DIR   counts DDP's gradient all-reduces per rank (a comm hook) into DIR/allreduce.RANK
 PROBE_NAN=R:N     makes rank R's loss NaN from its N-th micro-batch on
 PROBE_KILL=R:N    SIGKILLs rank R at its N-th micro-batch, on torchrun's first attempt only
+Always: the GIL changes hands at most once a second unless its holder releases it (sys.setswitchinterval), so
+a collective's tensors that gloo's worker thread frees late reach Python's shutdown unless train.py's exit gives
+way (shut_down_process_group): without that, about half the ranks aborted at exit.
 Usage: torchrun ... tests/ddp_probe.py train.py ARGS..."""
 import atexit
 import os
@@ -14,6 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+sys.setswitchinterval(1.0)
 rank = int(os.environ['RANK'])
 micro_batches = 0
 

@@ -86,6 +86,7 @@ def test_nan_on_one_rank_ends_both_promptly(tmp_path, data_dir):
     start = time.time()
     result = torchrun(out, data_dir, *SAME, probe=True, env_extra={'PROBE_NAN': '1:13'}, timeout=120)
     assert result.returncode != 0 and time.time() - start < 60
+    assert 'SIGABRT' not in result.stderr  # both ranks exit with 1, neither aborts at exit
     assert 'non-finite loss at iteration 7' in result.stderr  # rank 1's 13th micro-batch is in step 7
     assert [r['step'] for r in read_metrics(out, 'abort')] == [7]
 
