@@ -39,7 +39,9 @@ def check_setting(text, flops_per_token):
     achieved = number(r'achieved ([\d.]+) GFLOP/s', text)
     assert achieved == pytest.approx(flops_per_token * tokens_per_sec / 1e9, rel=0.02, abs=0.01)
     mfu, peak = number(r'MFU: ([\d.]+)%', text), number(r'of ([\d.]+) GFLOP/s peak per process \(measured: \d+x\d+ float32 matmul', text)
-    assert mfu == pytest.approx(100 * achieved / peak, rel=0.05, abs=0.1)
+    # MFU comes from unrounded values; achieved and peak are printed to 0.01 and 0.1 GFLOP/s (a peak measured while
+    # the host was starved was once 0.1, so that rounding alone moved MFU by 15%)
+    assert 100 * (achieved - 0.005) / (peak + 0.05) - 0.05 <= mfu <= 100 * (achieved + 0.005) / (peak - 0.05) + 0.05
     shares = re.search(r'profile of one step \([\d.]+ ms\): data ([\d.]+)%, forward ([\d.]+)%, backward ([\d.]+)%, '
                        r'optimizer ([\d.]+)%, other (-?[\d.]+)%', text).groups()
     shares = [float(s) for s in shares]
