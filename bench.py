@@ -85,7 +85,12 @@ def build(cfg):
     device = cfg.device if cfg.device != 'auto' else 'cuda' if torch.cuda.is_available() else 'cpu'
     device = f'cuda:{local_rank}' if distributed and device.startswith('cuda') else device  # as train.py: one GPU per rank
     device_type = 'cuda' if device.startswith('cuda') else 'cpu'
-    dtype = perf.auto_dtype(device_type) if cfg.dtype == 'auto' else cfg.dtype
+    dataset_dir = os.path.join(cfg.data_dir, cfg.dataset)
+    if not os.path.exists(os.path.join(dataset_dir, 'meta.json')):
+        sys.exit(f"error: dataset '{cfg.dataset}' is not prepared in {dataset_dir}: run python prepare.py {cfg.dataset} (or set data_dir)")
+    with open(os.path.join(dataset_dir, 'meta.json')) as f:
+        meta = json.load(f)
+    dtype = cfg.dtype if cfg.dtype != 'auto' else perf.auto_dtype(device, dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size, bias=cfg.bias, vocab_size=meta['vocab_size'], dropout=cfg.dropout), cfg.batch_size)[0]
     sharded = distributed and cfg.parallel == 'fsdp'
     if sharded and dtype == 'float16':
         sys.exit("error: parallel='fsdp' trains in float32 or bfloat16: set dtype=bfloat16")
@@ -96,11 +101,6 @@ def build(cfg):
     autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
     if device_type == 'cuda':
         torch.set_float32_matmul_precision('high')  # as train.py: TF32 for what autocast leaves in float32
-    dataset_dir = os.path.join(cfg.data_dir, cfg.dataset)
-    if not os.path.exists(os.path.join(dataset_dir, 'meta.json')):
-        sys.exit(f"error: dataset '{cfg.dataset}' is not prepared in {dataset_dir}: run python prepare.py {cfg.dataset} (or set data_dir)")
-    with open(os.path.join(dataset_dir, 'meta.json')) as f:
-        meta = json.load(f)
     windows = data.TokenWindows(os.path.join(dataset_dir, 'train.bin'), meta['dtype'], cfg.block_size)
     try:
         sampler = data.TrainSampler(windows.num_tokens, cfg.block_size, cfg.batch_size,
@@ -118,7 +118,7 @@ def build(cfg):
     if distributed and not sharded:
         model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
     torch.manual_seed(cfg.seed + rank)  # as train.py: the same initial weights everywhere, dropout masks per rank
-    optimizer = torch.optim.AdamW(raw_model.optim_groups(cfg.weight_decay), lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True)
+    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2))
     scaler = torch.amp.GradScaler(device_type, init_scale=cfg.init_scale, enabled=dtype == 'float16')
 
     @contextmanager

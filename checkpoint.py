@@ -5,12 +5,18 @@ A checkpoint is a dict of state_dicts, tensors and primitives, written atomicall
 the same folder, flush, fsync, os.replace, fsync of the folder), so a kill at any moment leaves
 either the old file or the new one, never half of one. It is read with weights_only=True, so a
 checkpoint file cannot run code.
+
+FORMAT numbers the layout. 1: the first; 2: adds 'format' and 'train_seconds'. A config key that a
+checkpoint's code did not have yet takes its default on resume: each new key defaults to the old behaviour.
 """
 import os
 import random
 
 import numpy as np
 import torch
+
+
+FORMAT = 2
 
 
 class CheckpointError(Exception):
@@ -39,13 +45,18 @@ def save(obj, path):
 
 def load(path):
     try:
-        return torch.load(path, map_location='cpu', weights_only=True)
+        ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} does not exist: check out_dir / resume_from, or use init_from=scratch")
+        raise CheckpointError(f"checkpoint {path} does not exist, so there is nothing to resume (a run stopped before its "
+                              f"first checkpoint starts again with init_from=scratch or auto): check out_dir / resume_from")
     except Exception as e:
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupt: {first_line}): "
                               f"resume from another file with resume_from=PATH, or start a new out_dir")
+    if ckpt.get('format', 1) > FORMAT:
+        raise CheckpointError(f"checkpoint {path} has format {ckpt['format']}, newer than this code's {FORMAT}: "
+                              f"update honestgpt (git pull) to resume it")
+    return ckpt
 
 
 def rng_state():

@@ -12,6 +12,7 @@ sees. A window is named by its start position in the split: x = tokens[s : s+T],
 import functools
 import os
 import random
+import signal
 
 import numpy as np
 import torch
@@ -123,6 +124,10 @@ class EvalSampler(Sampler):
 
 
 def seed_worker(worker_id):
+    # Ctrl-C reaches the whole process group, and torchrun passes SIGTERM to it: the training process decides when
+    # to stop (after the step under way) and then shuts its workers down; a worker that died first would fail that step
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # DataLoader seeds torch in each worker from the loader's generator; numpy and random follow it
     worker_seed = torch.initial_seed() % 2**32
     np.random.seed(worker_seed)
@@ -132,5 +137,5 @@ def seed_worker(worker_id):
 def make_loader(dataset, batch_sampler, num_workers, seed, pin_memory):
     # the loader's own generator: creating an iterator must not draw from the global RNG (dropout's)
     return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers, pin_memory=pin_memory,
-                      persistent_workers=num_workers > 0, worker_init_fn=seed_worker,
+                      worker_init_fn=seed_worker,
                       generator=torch.Generator().manual_seed(seed))

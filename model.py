@@ -131,14 +131,16 @@ class GPT(nn.Module):
             fully_shard(block, mp_policy=precision)
         fully_shard(self, mp_policy=precision)
 
-    def optim_groups(self, weight_decay):
-        """Weight decay on the Linear matrices; none on biases, LayerNorm gains or the embeddings
-        (the token embedding is also the tied head: decaying it shrinks rare tokens' rows)."""
+    def configure_optimizers(self, weight_decay, learning_rate, betas):
+        """AdamW with weight decay on the Linear matrices only: none on biases, LayerNorm gains or the embeddings
+        (the token embedding is also the tied head: decaying it shrinks rare tokens' rows). Fused: one kernel for
+        all parameters, on CUDA and CPU alike."""
         def decays(name, p):
             return p.dim() >= 2 and not name.startswith(('wte.', 'wpe.'))
         params = list(self.named_parameters())  # tied weights appear once
-        return [{'params': [p for n, p in params if decays(n, p)], 'weight_decay': weight_decay},
-                {'params': [p for n, p in params if not decays(n, p)], 'weight_decay': 0.0}]
+        groups = [{'params': [p for n, p in params if decays(n, p)], 'weight_decay': weight_decay},
+                  {'params': [p for n, p in params if not decays(n, p)], 'weight_decay': 0.0}]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
 
     def flops_per_token(self):
         """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12 L T C."""

@@ -12,6 +12,7 @@ The defaults below keep nanoGPT's names and meanings; config files and --key=val
 metrics.jsonl, best.pt (lowest val loss) and last.pt (the latest state, for resuming).
 """
 import atexit
+import collections
 import copy
 import importlib.metadata
 import importlib.util
@@ -21,6 +22,8 @@ import os
 import platform
 import random
 import shutil
+import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -48,8 +51,13 @@ eval_interval = 2000
 log_interval = 1
 eval_iters = 200  # eval batches per split and evaluation (evenly spread windows); 0 = the whole split
 always_save_checkpoint = True  # write last.pt at every evaluation; False: only at a new best val loss and at the end
+checkpoint_interval = 0  # also write last.pt every this many iterations, without evaluating; 0: only at evaluations
 init_from = 'scratch'  # 'scratch', 'resume' (out_dir/last.pt or resume_from) or 'auto' (resume if last.pt exists)
 resume_from = ''  # a checkpoint to resume from instead of out_dir/last.pt, e.g. out/best.pt
+# at the end of the run, with the best weights
+test_eval = True  # evaluate them on the test split
+sample_tokens = 200  # print a sample of this many tokens; 0: none
+write_report = True  # out_dir/report.md and curves.png (also when a run aborts or is stopped by a signal)
 # logging services (off by default; imported only when on)
 wandb_log = False
 wandb_project = 'honestgpt'
@@ -98,17 +106,21 @@ seed = 1337
 deterministic = False  # torch.use_deterministic_algorithms: bitwise repeatable runs where kernels allow
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
-try:
-    config, config_sources = configure({k: globals()[k] for k in config_keys}, sys.argv[1:])
-except ConfigError as e:
-    sys.exit(f"error: {e}")
-globals().update(config)
+defaults = {k: globals()[k] for k in config_keys}
 
 
 def check(ok, message):
-    """A user mistake: one line with the fix, exit code 1, nothing written."""
+    """A user mistake: one line naming the problem and the fix, exit code 2, nothing written."""
     if not ok:
-        sys.exit(f"error: {message}")
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+try:
+    config, config_sources = configure(defaults, sys.argv[1:])
+except ConfigError as e:
+    check(False, e)
+globals().update(config)
 
 
 check(init_from in ('scratch', 'resume', 'auto'), f"init_from='{init_from}': use 'scratch', 'resume' or 'auto'")
@@ -116,6 +128,7 @@ check(dtype in ('auto', 'float32', 'bfloat16', 'float16'), f"dtype='{dtype}': us
 check(backend in ('auto', 'nccl', 'gloo'), f"backend='{backend}': use 'auto', 'nccl' or 'gloo'")
 check(parallel in ('ddp', 'fsdp'), f"parallel='{parallel}': use 'ddp' or 'fsdp'")
 check(not (parallel == 'fsdp' and dtype == 'float16'), "parallel='fsdp' trains in float32 or bfloat16: set dtype=bfloat16")
+check(checkpoint_interval >= 0, f"checkpoint_interval={checkpoint_interval} must be 0 (only at evaluations) or positive")
 for key in ('eval_interval', 'log_interval', 'gradient_accumulation_steps', 'batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'max_iters'):
     check(config[key] > 0, f"{key}={config[key]} must be positive")
 check(n_embd % n_head == 0, f"n_embd={n_embd} is not a multiple of n_head={n_head}: change one of them")
@@ -140,8 +153,14 @@ if device == 'auto':
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
 if ddp and device.startswith('cuda'):
     device = f'cuda:{local_rank}'
-device_type = 'cuda' if device.startswith('cuda') else 'cpu'
-check(device_type == 'cpu' or torch.cuda.is_available(), f"device='{device}' but CUDA is not available: use device=cpu")
+try:
+    device_type = torch.device(device).type
+except RuntimeError:
+    device_type = 'unknown'
+check(device_type in ('cpu', 'cuda'), f"device='{device}' is not supported: use device=cpu, cuda, cuda:N or auto")
+check(device_type == 'cpu' or torch.cuda.is_available(), f"device='{device}' but CUDA is not available here: use device=cpu")
+check(device_type == 'cpu' or (torch.device(device).index or 0) < torch.cuda.device_count(),
+      f"device='{device}' but this machine has {torch.cuda.device_count()} GPU(s): use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
 if device_type == 'cuda':
     torch.cuda.set_device(device)
 check(gradient_accumulation_steps % world_size == 0,
@@ -169,10 +188,6 @@ if ddp:
                             store=store, rank=rank, world_size=world_size)
     atexit.register(shut_down_process_group)  # on every exit path
 
-if dtype == 'auto':
-    dtype = perf.auto_dtype(device_type)
-ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
-autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
 if device_type == 'cuda':
     torch.set_float32_matmul_precision('high')  # TF32 tensor cores for what autocast leaves in float32
 if deterministic:
@@ -181,22 +196,27 @@ if deterministic:
     torch.backends.cudnn.benchmark = False
 
 
-def seed_everything(s):
-    random.seed(s)
-    np.random.seed(s)
-    torch.manual_seed(s)  # every device, CUDA included
+def log(message, stream=sys.stdout):
+    """Rank 0 prints; once the run directory exists, train.log gets the same line."""
+    if master:
+        print(message, file=stream, flush=True)
+        if log_file:
+            log_file.write(message + '\n')
+            log_file.flush()
 
+
+log_file = None
 
 # -----------------------------------------------------------------------------
 # data
 dataset_dir = os.path.join(data_dir, dataset)
 if dataset == 'pystdlib_char' and not os.path.exists(os.path.join(dataset_dir, 'meta.json')):
     if master:
-        print(f"preparing the default dataset {dataset} from this Python's standard library into {dataset_dir}")
+        log(f"preparing the default dataset {dataset} from this Python's standard library into {dataset_dir}")
         try:
             prepare.prepare(dataset, data_dir=data_dir)
         except prepare.PrepareError as e:
-            sys.exit(f"error: {e}")
+            check(False, e)
     if ddp:
         dist.barrier()
 check(os.path.exists(os.path.join(dataset_dir, 'meta.json')),
@@ -213,30 +233,50 @@ try:
                                                                     eval_iters * batch_size, rank, world_size, sharded),
                                         0, seed, pin_memory) for s in ('train', 'val', 'test')}
 except data.DataError as e:
-    sys.exit(f"error: {e}")
+    check(False, e)
 
 # -----------------------------------------------------------------------------
-# model, optimizer, schedule, scaler
+# model, precision, optimizer, schedule
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=data_meta['vocab_size'], dropout=dropout)
+dtype_how = {'rule': 'set in the config'}
+if dtype == 'auto':  # rank 0 decides (by measuring, on some CPUs) and every rank trains in its choice
+    log("choosing the dtype for dtype='auto'")
+    choice = [perf.auto_dtype(device, model_args, batch_size) if master else None]
+    if ddp:
+        dist.broadcast_object_list(choice)
+    dtype, dtype_how = choice[0]
+    check(dtype in ('float32', 'bfloat16', 'float16'), f"HONESTGPT_AUTO_DTYPE={dtype}: use float32, bfloat16 or float16")
+check(not (sharded and dtype == 'float16'), "parallel='fsdp' trains in float32 or bfloat16: set dtype=bfloat16")
+if dtype == 'float16' and device_type == 'cpu':
+    slowdown, ms16, ms32 = perf.float16_slowdown(device, n_embd, batch_size * block_size)
+    if slowdown > 1.5:
+        log(f"warning: dtype=float16 on this CPU is emulated: an MLP matmul of this model took {ms16:.1f} ms in float16 "
+            f"against {ms32:.1f} ms in float32 ({slowdown:.0f}x slower): use dtype=bfloat16 or float32", sys.stderr)
+ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
+
+log(f"building the model: {n_layer} layers, {n_head} heads, {n_embd} wide, block {block_size}, vocab {model_args['vocab_size']}")
 torch.manual_seed(seed)  # the same initial weights on every rank
 model = GPT(GPTConfig(**model_args)).to(device)
 model.activation_checkpointing = activation_checkpointing
 if sharded:
     model.fully_shard(ptdtype)
-optimizer = torch.optim.AdamW(model.optim_groups(weight_decay), lr=learning_rate, betas=(beta1, beta2), fused=True)
+optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2))
+min_lr_factor = min_lr / learning_rate if learning_rate > 0 else 0.0
 
 
 def lr_factor(opt_step):
-    """nanoGPT's schedule as a multiple of learning_rate, a function of real optimizer steps only."""
+    """nanoGPT's schedule as a multiple of learning_rate, a function of real optimizer steps only: linear warmup,
+    cosine decay to min_lr at lr_decay_iters, then flat."""
     if not decay_lr:
         return 1.0
     if opt_step < warmup_iters:
         return (opt_step + 1) / (warmup_iters + 1)
     if opt_step > lr_decay_iters:
-        return min_lr / learning_rate
+        return min_lr_factor
     coeff = 0.5 * (1.0 + math.cos(math.pi * (opt_step - warmup_iters) / (lr_decay_iters - warmup_iters)))
-    return (min_lr + coeff * (learning_rate - min_lr)) / learning_rate
+    return min_lr_factor + coeff * (1.0 - min_lr_factor)
 
 
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
@@ -244,17 +284,20 @@ scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=dtype 
 
 # -----------------------------------------------------------------------------
 # resume: everything that decides the rest of the run comes from the checkpoint
-# except what may change on resume: how long, how often to evaluate/log, where to write, speed knobs, and
-# the LR schedule and clipping from here on (how a user recovers from a blow-up; past steps keep their LR)
+# except what may change on resume: how long, how often to evaluate/log/save, where to write, speed knobs, the
+# end-of-run extras, and the LR schedule and clipping from here on (how a user recovers from a blow-up; past steps
+# keep their LR)
 RESUMABLE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'max_iters', 'eval_interval', 'log_interval', 'eval_iters',
-             'always_save_checkpoint', 'patience', 'num_workers', 'compile', 'device', 'backend', 'max_consecutive_skips',
-             'activation_checkpointing', 'smoke_test', 'tensorboard_log', 'cost_per_hour',
+             'always_save_checkpoint', 'checkpoint_interval', 'patience', 'num_workers', 'compile', 'device', 'backend',
+             'max_consecutive_skips', 'activation_checkpointing', 'smoke_test', 'tensorboard_log', 'cost_per_hour',
+             'test_eval', 'sample_tokens', 'write_report',
              'learning_rate', 'decay_lr', 'warmup_iters', 'lr_decay_iters', 'min_lr', 'grad_clip',
              'wandb_log', 'wandb_project', 'wandb_run_name'}
 dataset_id = {k: data_meta[k] for k in ('name', 'source_sha256', 'vocab_size', 'tokenizer')}
 ckpt_path = resume_from or os.path.join(out_dir, 'last.pt')
 resuming = init_from == 'resume' or (init_from == 'auto' and os.path.exists(ckpt_path))
 iter_num, best_val_loss, best_iter, evals_since_best, skipped_steps, consecutive_skips = 0, float('inf'), 0, 0, 0, 0
+seconds_before = 0.0  # training wall time of the sessions before this one (None: unknown, an older checkpoint)
 
 
 def restore(module, ckpt, ckpt_path, with_optimizer):
@@ -278,9 +321,10 @@ if resuming:
     try:
         ckpt = checkpoint.load(ckpt_path)
     except checkpoint.CheckpointError as e:
-        sys.exit(f"error: {e}")
-    changed = [f"{k}={ckpt['config'].get(k)!r} there, {config[k]!r} here" for k in config
-               if k not in RESUMABLE and ckpt['config'].get(k) != config[k]]
+        check(False, e)
+    # a key this checkpoint's code did not have yet counts as its default, which keeps the behaviour of that code
+    changed = [f"{k}={ckpt['config'].get(k, defaults[k])!r} there, {config[k]!r} here" for k in config
+               if k not in RESUMABLE and ckpt['config'].get(k, defaults[k]) != config[k]]
     check(not changed, f"{ckpt_path} was trained with other settings ({'; '.join(changed)}): "
                        f"use the checkpoint's values or start a new out_dir")
     check(ckpt['dataset'] == dataset_id, f"{ckpt_path} was trained on other data ({ckpt['dataset']['source_sha256'][:12]} "
@@ -294,12 +338,20 @@ if resuming:
     train_sampler.load_state_dict(ckpt['sampler'])
     iter_num, best_val_loss, best_iter, evals_since_best = ckpt['iter_num'], ckpt['best_val_loss'], ckpt['best_iter'], ckpt['evals_since_best']
     skipped_steps, consecutive_skips = ckpt['skipped_steps'], ckpt['consecutive_skips']
+    seconds_before = ckpt.get('train_seconds')
     check(iter_num < max_iters or init_from == 'auto',
-          f"{ckpt_path} is at iteration {iter_num}: max_iters={max_iters} leaves nothing to do, raise it")
-elif init_from == 'scratch':  # must not overwrite a run ('auto' redoes a run killed before its first last.pt)
-    check(not any(os.path.exists(os.path.join(out_dir, f)) for f in ('last.pt', 'best.pt', 'metrics.jsonl')),
-          f"out_dir '{out_dir}' already holds a run: resume it with init_from=resume (or auto), or pick a new out_dir")
+          f"{ckpt_path} is at iteration {iter_num}: max_iters={max_iters} leaves nothing to do: raise max_iters "
+          f"(past lr_decay_iters={lr_decay_iters} the learning rate stays at min_lr: raise lr_decay_iters too to decay over the longer run)")
+elif init_from == 'scratch':  # must not overwrite a checkpoint; a run stopped before its first one may start again
+    check(not any(os.path.exists(os.path.join(out_dir, f)) for f in ('last.pt', 'best.pt')),
+          f"out_dir '{out_dir}' already holds a checkpoint: resume it with init_from=resume (or auto), or pick a new out_dir")
+start_iter = iter_num
 
+
+def reduce_sum(t):
+    if ddp:
+        dist.all_reduce(t)  # every rank calls this the same number of times: all take the same branches
+    return t
 
 
 def run_smoke_test(steps=30):
@@ -308,7 +360,7 @@ def run_smoke_test(steps=30):
     initial_weights, initial_rng = copy.deepcopy(model.state_dict()), checkpoint.rng_state()
     x, y, _ = torch.utils.data.default_collate([splits['train'][s] for s in train_sampler.epoch_batches(0)[0]])
     x, y = x.to(device), y.to(device)
-    smoke_optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
+    smoke_optimizer = model.configure_optimizers(0.0, learning_rate, (beta1, beta2))
     losses = []
     for _ in range(steps):
         smoke_optimizer.zero_grad(set_to_none=True)
@@ -325,12 +377,6 @@ def run_smoke_test(steps=30):
             'passed': final < 0.7 * first}
 
 
-def reduce_sum(t):
-    if ddp:
-        dist.all_reduce(t)  # every rank calls this the same number of times: all take the same branches
-    return t
-
-
 smoke_result = run_smoke_test() if smoke_test and not resuming else None
 if smoke_result and not smoke_result['passed']:
     check(False, f"smoke test failed: one batch overfit for {smoke_result['steps']} steps only went from loss "
@@ -343,50 +389,22 @@ if compile:
 eval_model = model  # evaluation needs no gradient sync: the compiled model without the DDP wrapper
 if ddp and not sharded:
     model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
-seed_everything(seed + rank)  # dropout masks differ per rank
+# every RNG in play: dropout masks differ per rank; a resume continues each rank's own streams
+random.seed(seed + rank)
+np.random.seed(seed + rank)
+torch.manual_seed(seed + rank)  # every device, CUDA included
 if resuming and len(ckpt['rng']) == world_size:
     checkpoint.set_rng_state(ckpt['rng'][rank])
 train_loader = data.make_loader(splits['train'], train_sampler, num_workers, seed + rank, pin_memory)
 
 # -----------------------------------------------------------------------------
 # the run directory: created only now that the config, data and checkpoint are known to be good
+if master:
+    log("measuring this machine's peak FLOP/s for MFU (once per machine and dtype: cached)")
+peak_flops, peak_how = perf.peak_flops(device, ptdtype) if master else (float('nan'), '')
 if ddp:
     dist.barrier()  # every rank has made its start checks before rank 0 writes anything they look at
-log_file = metrics_file = tb_writer = None
-
-
-def log(message, stream=sys.stdout):
-    if master:
-        print(message, file=stream, flush=True)
-        if log_file:
-            log_file.write(message + '\n')
-            log_file.flush()
-
-
-def record(entry):
-    if master:
-        metrics_file.write(json.dumps(entry) + '\n')
-        metrics_file.flush()
-        numbers = {f"{entry['kind']}/{k}": v for k, v in entry.items()
-                   if k not in ('step', 'time') and isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if tb_writer:
-            for name, value in numbers.items():
-                tb_writer.add_scalar(name, value, entry['step'])
-        if wandb_log:
-            wandb.log(numbers, step=entry['step'])
-
-
-def record_abort(step, message):
-    record({'kind': 'abort', 'step': step, 'message': message})
-    log(f"error: {message}", sys.stderr)
-    if master:
-        report.write_report(out_dir)
-
-
-def abort(step, message):
-    """Stop the run now: every rank got here on the same reduced values; checkpoints stay as they were."""
-    record_abort(step, message)
-    sys.exit(1)
+metrics_file = tb_writer = run_meta = None
 
 
 def git_state():
@@ -424,11 +442,12 @@ if master:
     sha, dirty = git_state()
     run_meta = {
         'command': sys.argv, 'start_time': time.strftime('%Y-%m-%dT%H:%M:%S%z'), 'git_sha': sha, 'git_dirty': dirty,
-        'seed': seed, 'dtype': dtype, 'device': device, 'world_size': world_size,
+        'seed': seed, 'dtype': dtype, 'dtype_choice': dtype_how, 'device': device, 'world_size': world_size,
         'resumed_from': f"{ckpt_path} at iteration {iter_num}" if resuming else None,
+        'peak_flops': {'per_process': peak_flops, 'how': peak_how},
         'versions': {'python': platform.python_version(), 'torch': torch.__version__, 'numpy': np.__version__,
                      'tiktoken': importlib.metadata.version('tiktoken')},
-        'hardware': {'platform': platform.platform(), 'processor': platform.processor(), 'cpu_count': os.cpu_count(),
+        'hardware': {'platform': platform.platform(), 'cpu': perf.cpu_name(), 'cpu_count': os.cpu_count(),
                      'torch_threads': torch.get_num_threads(),
                      'cuda_devices': [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]},
         'dataset': {**dataset_id, 'tokenizer': dataset_id['tokenizer']['kind'], 'dir': dataset_dir},
@@ -437,24 +456,36 @@ if master:
     checkpoint.atomic_write(os.path.join(out_dir, 'config.json'), lambda f: f.write(json_bytes(
         {k: {'value': config[k], 'source': config_sources[k]} for k in config} | {'resolved': {'device': device, 'dtype': dtype}})))
 
+
+def record(entry):
+    if master:
+        metrics_file.write(json.dumps(entry) + '\n')
+        metrics_file.flush()
+        numbers = {f"{entry['kind']}/{k}": v for k, v in entry.items()
+                   if k not in ('step', 'time') and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if tb_writer:
+            for name, value in numbers.items():
+                tb_writer.add_scalar(name, value, entry['step'])
+        if wandb_log:
+            wandb.log(numbers, step=entry['step'])
+
+
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 record({'kind': 'start', 'step': iter_num, 'time': time.time()})
 log(f"{'resuming from ' + ckpt_path + ' at iteration ' + str(iter_num) if resuming else 'starting from scratch'}: "
     f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, {world_size} process(es), "
     f"{tokens_per_iter:,} tokens per iteration ({gradient_accumulation_steps} x {batch_size} x {block_size})")
+log(f"MFU is measured against {peak_flops / 1e9:,.1f} GFLOP/s per process ({peak_how})")
 if resuming and len(ckpt['rng']) != world_size:
     log(f"the checkpoint was written by {len(ckpt['rng'])} process(es): the data continues where it stopped, but dropout "
         f"draws new random streams, so this is not bitwise the run that would have continued")
-
 if smoke_result:
     record(smoke_result)
     log(f"smoke test passed: one batch overfit for {smoke_result['steps']} steps, loss {smoke_result['first_loss']:.4f} "
         f"-> {smoke_result['final_loss']:.4f}")
-peak_flops, peak_how = perf.peak_flops(device, ptdtype) if master else (float('nan'), '')
-log(f"MFU is measured against {peak_flops / 1e9:,.1f} GFLOP/s per process ({peak_how})")
 
 # -----------------------------------------------------------------------------
-# evaluation and checkpoints
+# evaluation, checkpoints, and the ways a run ends early
 
 
 def evaluate(split):
@@ -473,6 +504,15 @@ def evaluate(split):
     return loss_sum / count
 
 
+def gather_rng():
+    """Each rank's RNG state, in rank order: a DDP resume restores every rank's dropout stream."""
+    if not ddp:
+        return [checkpoint.rng_state()]
+    states = [None] * world_size
+    dist.all_gather_object(states, checkpoint.rng_state())
+    return states
+
+
 def save_checkpoint(names, rng):
     """Write names (best.pt and/or last.pt), each atomically. In fsdp mode every rank first writes its shards
     to shards-ITER/; the .pt file that points there is written after, so a folder counts only once complete."""
@@ -483,11 +523,12 @@ def save_checkpoint(names, rng):
                  checkpoint_id=os.path.join(out_dir, shards))
     if master:
         state = {
-            'scheduler': scheduler.state_dict(), 'scaler': scaler.state_dict(), 'sampler': train_sampler.state_dict(),
-            'rng': rng, 'iter_num': iter_num, 'best_val_loss': best_val_loss, 'best_iter': best_iter,
-            'evals_since_best': evals_since_best, 'skipped_steps': skipped_steps, 'consecutive_skips': consecutive_skips,
-            'config': config, 'model_args': model_args, 'dataset': dataset_id, 'seed': seed, 'out_dir': out_dir,
-            'log_bytes': {'metrics.jsonl': metrics_file.tell(), 'train.log': log_file.tell()},
+            'format': checkpoint.FORMAT, 'scheduler': scheduler.state_dict(), 'scaler': scaler.state_dict(),
+            'sampler': train_sampler.state_dict(), 'rng': rng, 'iter_num': iter_num, 'best_val_loss': best_val_loss,
+            'best_iter': best_iter, 'evals_since_best': evals_since_best, 'skipped_steps': skipped_steps,
+            'consecutive_skips': consecutive_skips, 'config': config, 'model_args': model_args, 'dataset': dataset_id,
+            'seed': seed, 'out_dir': out_dir, 'log_bytes': {'metrics.jsonl': metrics_file.tell(), 'train.log': log_file.tell()},
+            'train_seconds': None if seconds_before is None else seconds_before + time.time() - t_start,
         }
         state |= {'shards': shards} if sharded else {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict()}
         for name in names:
@@ -501,31 +542,66 @@ def save_checkpoint(names, rng):
     return time.time() - start
 
 
-def gather_rng():
-    """Each rank's RNG state, in rank order: a DDP resume restores every rank's dropout stream."""
-    if not ddp:
-        return [checkpoint.rng_state()]
-    states = [None] * world_size
-    dist.all_gather_object(states, checkpoint.rng_state())
-    return states
+def finish_report():
+    if master and write_report:
+        report.write_report(out_dir)
+        log(f"report: {os.path.join(out_dir, 'report.md')} and curves.png")
+
+
+def abort(step, message):
+    """Stop the run now, exit code 1: every rank got here on the same reduced values; checkpoints stay as they were."""
+    record({'kind': 'abort', 'step': step, 'message': message})
+    log(f"error: {message}", sys.stderr)
+    finish_report()
+    sys.exit(1)
 
 
 def explain_out_of_memory(exc_type, exc, tb):
     if not (issubclass(exc_type, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)):
         return sys.__excepthook__(exc_type, exc, tb)
-    record_abort(iter_num + 1, f"out of memory at iteration {iter_num + 1} with batch_size={batch_size}, block_size={block_size} "
-                 f"({perf.peak_memory_mb(device):,.0f} MB at peak): lower batch_size and raise gradient_accumulation_steps by the "
-                 f"same factor (the tokens per iteration stay), or use dtype=bfloat16; the checkpoints are intact")
+    record({'kind': 'abort', 'step': iter_num + 1, 'message': 'out of memory'})
+    # no report here: plotting needs memory this process may not get (python report.py OUT_DIR writes it later)
+    log(f"error: out of memory at iteration {iter_num + 1} with batch_size={batch_size}, block_size={block_size} "
+        f"({perf.peak_memory_mb(device):,.0f} MB at peak): lower batch_size and raise gradient_accumulation_steps by the "
+        f"same factor (the tokens per iteration stay){', or use dtype=bfloat16' if dtype == 'float32' else ''}; "
+        f"the checkpoints are intact", sys.stderr)
 
 
 sys.excepthook = explain_out_of_memory  # one clear line instead of a traceback; the exit code stays 1
+stop_signal = None  # SIGINT (Ctrl-C) or SIGTERM (a cluster's notice): save last.pt after the step under way, then exit
+
+
+def request_stop(signum, frame):
+    global stop_signal
+    if signum == signal.SIGINT and stop_signal == signal.SIGINT:
+        os._exit(130)  # a second Ctrl-C: at once; every checkpoint on disk is whole, each was written atomically
+    if stop_signal is None:
+        stop_signal = signum
+        if master:  # os.write: print() may be in the middle of a line, and a signal handler must not re-enter it
+            os.write(2, f"\n{signal.Signals(signum).name}: saving last.pt after the iteration under way, then stopping"
+                        f"{' (Ctrl-C again to stop at once)' if signum == signal.SIGINT else ''}\n".encode())
+
+
+signal.signal(signal.SIGINT, request_stop)
+signal.signal(signal.SIGTERM, request_stop)
 
 # -----------------------------------------------------------------------------
 # training loop
 train_batches = iter(train_loader)
+
+
+def close_loader():
+    """At exit, before multiprocessing's own handler (atexit runs the last registered first): dropping the iterator
+    shuts its workers down the DataLoader's way. They ignore SIGTERM, so multiprocessing's terminate() would hang."""
+    global train_batches
+    train_batches = None
+
+
+atexit.register(close_loader)
 fixed_batch = next(train_batches) if overfit_one_batch else None
 t_start = t_last = time.time()
 iters_since_log, first_loss, save_seconds_total = 0, None, 0.0
+iter_seconds = collections.deque(maxlen=20)  # seconds per iteration over recent log intervals, for the ETA
 while iter_num < max_iters:
     lr = optimizer.param_groups[0]['lr']
     optimizer.zero_grad(set_to_none=True)
@@ -547,11 +623,18 @@ while iter_num < max_iters:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
         loss_sum += loss.detach()
         scaler.scale(loss / accum_steps).backward()
+        if iter_num == start_iter and micro_step == 0:  # a big model on a CPU: say how long it will take, once
+            loss.item()  # waits for the device: the time is the micro-batch's, not its launch
+            first_seconds = time.time() - t_start
+            log(f"the first micro-batch took {first_seconds:.2f} s: about {first_seconds * accum_steps:.2f} s per iteration, "
+                f"{first_seconds * accum_steps * (max_iters - iter_num) / 3600:.2f} h for the {max_iters - iter_num} left")
     scaler.unscale_(optimizer)  # clip true gradients, not scaled ones
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float('inf'))
     if sharded:  # the norm over all shards
         grad_norm = grad_norm.full_tensor()
-    loss_mean, grad_norm_value = (torch.stack([reduce_sum(loss_sum) / gradient_accumulation_steps, grad_norm.float()])).tolist()
+    # one all-reduce for the loss and for a stop signal on any rank, one host sync for the checks below
+    loss_sum, stops = reduce_sum(torch.stack([loss_sum, torch.full((), float(stop_signal is not None), device=device)]))
+    loss_mean, grad_norm_value, stops = torch.stack([loss_sum / gradient_accumulation_steps, grad_norm.float(), stops]).tolist()
     if not math.isfinite(loss_mean) or not (math.isfinite(grad_norm_value) or scaler.is_enabled()):
         message = (f"non-finite {'loss' if not math.isfinite(loss_mean) else 'gradient norm'} at iteration {iter_num + 1}: "
                    f"loss {loss_mean}, lr {lr:.3e}, grad norm {grad_norm_value}, batch windows (start positions in the "
@@ -573,23 +656,30 @@ while iter_num < max_iters:
         abort(iter_num, message)
     iters_since_log += 1
     first_loss = first_loss if first_loss is not None else loss_mean
-    rng_after_step = gather_rng() if (iter_num % eval_interval == 0 or iter_num == max_iters) else None
+    evaluating = iter_num % eval_interval == 0 or iter_num == max_iters
+    saving = (checkpoint_interval and iter_num % checkpoint_interval == 0) or stops
+    rng_after_step = gather_rng() if evaluating or saving else None
 
     if iter_num % log_interval == 0 or iter_num == max_iters:
         elapsed = time.time() - t_last
         tokens_per_sec = iters_since_log * tokens_per_iter / elapsed
         mfu = tokens_per_sec * raw_model.flops_per_token() / (peak_flops * world_size)
         peak_mem_mb = perf.peak_memory_mb(device)
-        eta = (max_iters - iter_num) * elapsed / iters_since_log
+        if iter_num - iters_since_log == start_iter:  # the session's first interval: warm-up, compilation
+            first_interval = elapsed / iters_since_log
+        else:
+            iter_seconds.append(elapsed / iters_since_log)
+        eta = (max_iters - iter_num) * statistics.median(iter_seconds or [first_interval])  # a slow spell moves a median little
         record({'kind': 'train', 'step': iter_num, 'time': time.time(), 'loss': loss_mean, 'lr': lr, 'grad_norm': grad_norm_value,
-                'tokens_per_sec': tokens_per_sec, 'mfu': mfu, 'peak_mem_mb': peak_mem_mb, 'skipped': skipped,
+                'tokens_per_sec': tokens_per_sec, 'mfu': mfu, 'peak_mem_mb': peak_mem_mb, 'eta_seconds': eta, 'skipped': skipped,
                 'skipped_total': skipped_steps, 'scale': scale, 'epoch': train_sampler.epoch})
         log(f"iter {iter_num}/{max_iters}: loss {loss_mean:.4f}, lr {lr:.3e}, grad norm {grad_norm_value:.3f}, "
             f"{tokens_per_sec:,.0f} tok/s, MFU {mfu:.1%}, mem {peak_mem_mb:,.0f} MB, ETA {eta / 60:.1f} min"
             f"{', step skipped (float16 overflow)' if skipped else ''}")
         t_last, iters_since_log = time.time(), 0
 
-    if rng_after_step is not None:
+    saves, stopping_early = [], False
+    if evaluating:
         train_loss, val_loss = evaluate('train'), evaluate('val')
         improved = val_loss < best_val_loss
         if improved:
@@ -600,43 +690,61 @@ while iter_num < max_iters:
                 'best_val_loss': best_val_loss, 'val_bits_per_token': val_loss / math.log(2)})
         log(f"eval {iter_num}: train {train_loss:.4f}, val {val_loss:.4f} (gap {val_loss - train_loss:+.4f}), "
             f"best {best_val_loss:.4f} at {best_iter}{' *saved best.pt' if improved else ''}")
-        stopping = patience > 0 and evals_since_best >= patience
+        stopping_early = patience > 0 and evals_since_best >= patience
         # best.pt before last.pt: a kill in between leaves last.pt older, never ahead of best.pt. Without
         # always_save_checkpoint, last.pt still follows every new best, so init_from=auto resumes from there.
-        saves = ['best.pt'] * improved + ['last.pt'] * (always_save_checkpoint or improved or iter_num == max_iters or stopping)
-        if saves:
-            save_seconds = save_checkpoint(saves, rng_after_step)
-            save_seconds_total += save_seconds
-            log(f"saved {' and '.join(saves)} in {save_seconds:.2f} s")
+        saves = ['best.pt'] * improved + ['last.pt'] * (always_save_checkpoint or improved or iter_num == max_iters or stopping_early)
+    if saving and 'last.pt' not in saves:
+        saves.append('last.pt')
+    if saves:
+        save_seconds = save_checkpoint(saves, rng_after_step)
+        save_seconds_total += save_seconds
+        log(f"saved {' and '.join(saves)} in {save_seconds:.2f} s")
         if ddp:
             dist.barrier()
-        if stopping:
-            log(f"early stop: no better val loss in {patience} evaluations since iteration {best_iter}")
-            break
-        t_last = time.time()  # evaluation time is not training throughput
+    if stops:  # every rank saw the same count: all save above and stop here
+        name = signal.Signals(stop_signal or signal.SIGTERM).name
+        record({'kind': 'stop', 'step': iter_num, 'time': time.time(), 'signal': name})
+        log(f"stopped by {name} at iteration {iter_num}: {os.path.join(out_dir, 'last.pt')} holds it; resume with: "
+            f"{report.resume_command(run_meta, True) if master else ''}")
+        finish_report()
+        sys.exit(128 + (stop_signal or signal.SIGTERM))
+    if stopping_early:
+        log(f"early stop: no better val loss in {patience} evaluations since iteration {best_iter}")
+        break
+    if evaluating or saves:
+        t_last, iters_since_log = time.time(), 0  # evaluation and save time is not training throughput
 
+# -----------------------------------------------------------------------------
+# the end: the best weights on the test split, a sample, the report
+session_seconds = time.time() - t_start
 if overfit_one_batch:
     log(f"overfit one batch: loss {first_loss:.4f} -> {loss_mean:.4f}")
-# last.pt holds the trained weights (written above); only now load the best ones for the test split
-if best_iter > 0:
+# last.pt holds the trained weights (written above); only now load the best ones
+if best_iter > 0 and (test_eval or sample_tokens):
     restore(raw_model, checkpoint.load(os.path.join(out_dir, 'best.pt')), os.path.join(out_dir, 'best.pt'), with_optimizer=False)
-test_loss = evaluate('test')
-wall_seconds = time.time() - t_start
+test_loss = evaluate('test') if test_eval else None
 record({'kind': 'test', 'step': iter_num, 'best_iter': best_iter, 'best_val_loss': best_val_loss, 'test_loss': test_loss,
-        'wall_seconds': wall_seconds, 'save_seconds': save_seconds_total})
-log(f"done: {iter_num} iterations in {wall_seconds:.0f} s (checkpoint saves {save_seconds_total / wall_seconds:.1%} of it), "
-    f"best val loss {best_val_loss:.4f} at iteration {best_iter}, test loss {test_loss:.4f} "
-    f"({test_loss / math.log(2):.3f} bits/token) with the best weights; checkpoints in {out_dir}")
-try:
-    encode, decode = prepare.load_tokenizer(data_meta)
-except prepare.PrepareError as e:
-    log(f"no sample: {e}")
+        'wall_seconds': session_seconds, 'save_seconds': save_seconds_total,
+        'total_seconds': None if seconds_before is None else seconds_before + session_seconds})
+if start_iter:
+    total = f"{seconds_before + session_seconds:.0f} s" if seconds_before is not None else "a time unknown (an older checkpoint)"
+    sessions = f"iterations {start_iter + 1}-{iter_num} in {session_seconds:.0f} s, all {iter_num} iterations in {total} over every session"
 else:
-    if master or sharded:  # a sharded model's forward needs every rank
-        with autocast:
-            text = sample.sample_text(raw_model, encode, decode, sample.default_start(data_meta['tokenizer']),
-                                      200, 0.8, 200, seed, device)
-        log(f"a sample from the best weights:\n{text}")
-if master:
-    report.write_report(out_dir)
-    log(f"report: {os.path.join(out_dir, 'report.md')} and curves.png")
+    sessions = f"{iter_num} iterations in {session_seconds:.0f} s"
+log(f"done: {sessions} (checkpoint saves {save_seconds_total / session_seconds:.1%} of this session), "
+    f"best val loss {best_val_loss:.4f} at iteration {best_iter}" +
+    (f", test loss {test_loss:.4f} ({test_loss / math.log(2):.3f} bits/token) with the best weights" if test_eval else '') +
+    f"; checkpoints in {out_dir}")
+if sample_tokens:
+    try:
+        encode, decode = prepare.load_tokenizer(data_meta)
+    except prepare.PrepareError as e:
+        log(f"no sample: {e}")
+    else:
+        if master or sharded:  # a sharded model's forward needs every rank
+            with autocast:
+                text = sample.sample_text(raw_model, encode, decode, sample.default_start(data_meta['tokenizer']),
+                                          sample_tokens, 0.8, 200, seed, device)
+            log(f"a sample from the best weights:\n{text}")
+finish_report()

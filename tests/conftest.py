@@ -5,10 +5,14 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# measurements that train.py caches per machine (peak FLOP/s, the dtype 'auto' picks) go to a folder of this
+# session's, inherited by every train.py the tests start: the user's ~/.cache stays untouched
+os.environ.setdefault('HONESTGPT_CACHE', tempfile.mkdtemp(prefix='honestgpt-cache-'))
 sys.path.insert(0, REPO)
 RUN_CONFIG = os.path.join(REPO, 'tests', 'run_config.py')
 PROBE = os.path.join(REPO, 'tests', 'ddp_probe.py')

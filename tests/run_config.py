@@ -16,4 +16,3 @@ eval_interval = 20
 eval_iters = 4
 log_interval = 1
 num_workers = 0
-dtype = 'float32'  # tests compare numbers at float32 tolerances; 'auto' differs from one CPU to the next

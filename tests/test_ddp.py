@@ -10,7 +10,7 @@ import torch
 from conftest import REPO, RUN_CONFIG, ok, read_metrics, run_train, torchrun
 
 # dropout 0 so one process and two ranks compute the same function; 4 micro-batches per step in total
-SAME = ['--gradient_accumulation_steps=4', '--max_iters=30', '--lr_decay_iters=30', '--eval_interval=10']
+SAME = ['--gradient_accumulation_steps=4', '--max_iters=30', '--lr_decay_iters=30', '--eval_interval=10', '--dtype=float32']
 # Tolerance: two ranks sum gradients in another order than one process (all-reduce of per-rank sums),
 # so float32 results differ by rounding only: ~1e-7 relative per operation, compounded through 30 Adam
 # steps on a 30k-parameter model; 1e-4 relative is far above that and far below any real divergence

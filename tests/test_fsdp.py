@@ -11,7 +11,7 @@ import data
 from conftest import REPO, ok, read_metrics, run_train, torchrun
 from model import GPT, GPTConfig
 
-SAME = ['--gradient_accumulation_steps=4', '--max_iters=30', '--lr_decay_iters=30', '--eval_interval=10']
+SAME = ['--gradient_accumulation_steps=4', '--max_iters=30', '--lr_decay_iters=30', '--eval_interval=10', '--dtype=float32']
 # FSDP reduce-scatters gradients where one process sums them locally: the same sums in another order, so float32
 # rounding differs (~1e-7 relative per operation, compounded over 30 Adam steps); 1e-4 is far above that
 # and far below what one wrong micro-batch or a missed shard would change (1e-2).

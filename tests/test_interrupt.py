@@ -1,0 +1,110 @@
+"""Preemption as clusters and terminals deliver it: SIGTERM or Ctrl-C ends the run after the step under way with a
+whole last.pt, and the resumed run is bitwise the run that was never interrupted."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from conftest import REPO, RUN_CONFIG, read_metrics, run_train, torchrun, torchrun_script
+
+# dropout and loader workers on: the RNG streams and the loader position must both survive the stop
+ARGS = ['--max_iters=300', '--lr_decay_iters=300', '--eval_interval=100', '--dropout=0.1', '--num_workers=2',
+        '--test_eval=False', '--sample_tokens=0', '--write_report=False']
+
+
+def trajectory(out_dir):
+    return [(r['step'], r['loss'], r['lr'], r['grad_norm']) for r in read_metrics(out_dir, 'train')]
+
+
+def wait_for_step(out_dir, step, proc, timeout=120):
+    """Block until metrics.jsonl has a training record at or past step."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
+                if any(json.loads(line).get('step', 0) >= step for line in f if line.endswith('\n') and '"train"' in line):
+                    return
+        except FileNotFoundError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"{out_dir} never reached step {step}")
+
+
+def start(cmd, env=None):
+    # a session of its own, as a terminal's foreground job: killpg reaches the loader workers as Ctrl-C does
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=env)
+
+
+def train_cmd(out_dir, data_dir, *args):
+    return [sys.executable, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *args]
+
+
+def test_sigterm_ctrl_c_and_sigkill_then_resume_bitwise(tmp_path, data_dir):
+    straight = str(tmp_path / 'straight')
+    straight_proc = start(train_cmd(straight, data_dir, *ARGS))
+    # SIGTERM: a cluster's notice; SIGINT to the process group: Ctrl-C; SIGKILL: no notice, so only what
+    # checkpoint_interval saved between evaluations (every 25 iterations, evaluations every 100) survives
+    for signum, code, at, extra in ((signal.SIGTERM, 143, 130, []), (signal.SIGINT, 130, 230, []),
+                                    (signal.SIGKILL, -9, 130, ['--checkpoint_interval=25'])):
+        out = str(tmp_path / signal.Signals(signum).name)
+        proc = start(train_cmd(out, data_dir, *ARGS, *extra))
+        wait_for_step(out, at, proc)
+        if signum == signal.SIGINT:
+            os.killpg(proc.pid, signum)  # Ctrl-C reaches the whole group: the training process and its loader workers
+        else:
+            proc.send_signal(signum)  # a cluster's SIGTERM goes to the job's main process
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == code, stderr
+        last = torch.load(os.path.join(out, 'last.pt'), weights_only=True)
+        if signum == signal.SIGKILL:
+            assert last['iter_num'] % 25 == 0 and last['iter_num'] > 100 and not read_metrics(out, 'stop')
+        else:
+            stop = read_metrics(out, 'stop')
+            assert len(stop) == 1 and stop[0]['signal'] == signal.Signals(signum).name and stop[0]['step'] > at
+            assert last['iter_num'] == stop[0]['step'] == trajectory(out)[-1][0]
+            line = next(l for l in stdout.splitlines() if l.startswith(f"stopped by {signal.Signals(signum).name}"))
+            resume = line.split('resume with: ')[1]
+            assert resume.startswith('python train.py') and resume.endswith('--init_from=resume'), line
+        run_train(out, data_dir, *ARGS, *extra, '--init_from=resume')
+        if straight_proc.poll() is None:
+            assert straight_proc.wait(timeout=300) == 0
+        assert trajectory(out) == trajectory(straight)
+
+
+def test_second_ctrl_c_exits_at_once_with_whole_checkpoints(tmp_path, data_dir):
+    out = str(tmp_path / 'run')
+    # iterations of about a second, so that the second Ctrl-C lands while the first waits for the step to end
+    proc = start(train_cmd(out, data_dir, *ARGS, '--checkpoint_interval=1', '--n_layer=4', '--n_embd=256', '--batch_size=64'))
+    wait_for_step(out, 2, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.3)  # two signals before Python runs its handler count as one
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 130 and not read_metrics(out, 'stop')  # no save-and-stop: it left at once
+    assert torch.load(os.path.join(out, 'last.pt'), weights_only=True)['iter_num'] >= 2
+
+
+def test_two_ranks_stop_together_on_sigterm_and_resume_bitwise(tmp_path, data_dir):
+    args = [*ARGS, '--gradient_accumulation_steps=2', '--max_iters=200', '--lr_decay_iters=200']
+    straight, stopped = str(tmp_path / 'straight'), str(tmp_path / 'stopped')
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py', RUN_CONFIG,
+           f'--data_dir={data_dir}']
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    straight_proc = start([*cmd, f'--out_dir={straight}', *args], env)
+    proc = start([*cmd, f'--out_dir={stopped}', *args], env)
+    wait_for_step(stopped, 60, proc)
+    proc.send_signal(signal.SIGTERM)  # to torchrun, as a cluster does: it passes SIGTERM on to every rank
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    stop = read_metrics(stopped, 'stop')
+    assert len(stop) == 1, stdout + stderr
+    assert torch.load(os.path.join(stopped, 'last.pt'), weights_only=True)['iter_num'] == stop[0]['step']
+    resumed = torchrun(stopped, data_dir, *args, '--init_from=resume')
+    assert resumed.returncode == 0, resumed.stderr
+    assert straight_proc.wait(timeout=300) == 0
+    assert trajectory(stopped) == trajectory(straight)
