@@ -107,12 +107,12 @@ def resume_command(meta, has_last):
     return shlex.join(launcher + [meta['command'][0], *args, f"--init_from={'resume' if has_last else 'auto'}"])
 
 
-def plot_curves(train, evals, path, title):
+def plot_curves(train, evals, path, title, log_interval):
     import matplotlib  # here: train.py imports this module, and a run stopped at start-up should not pay 0.8 s for it
     matplotlib.use('Agg')  # files only, no display
     import matplotlib.pyplot as plt
     fig, (ax_loss, ax_lr) = plt.subplots(2, 1, sharex=True, figsize=(8, 6), height_ratios=[3, 1])
-    ax_loss.plot([r['step'] for r in train], [r['loss'] for r in train], lw=0.8, alpha=0.5, label='train (each step)')
+    ax_loss.plot([r['step'] for r in train], [r['loss'] for r in train], lw=0.8, alpha=0.5, label=f'train (every {log_interval} iterations)' if log_interval > 1 else 'train (every iteration)')
     for key, label in (('train_loss', 'train (eval)'), ('val_loss', 'val (eval)')):
         ax_loss.plot([e['step'] for e in evals], [e[key] for e in evals], 'o-', label=label)
     ax_loss.set(ylabel='loss (nats/token)', title=title)
@@ -135,7 +135,7 @@ def config_lines(config):
     return lines
 
 
-def loss_lines(evals, test):
+def loss_lines(evals, test, split_rule):
     if not evals:
         return ["## Loss", "", "- no evaluation yet"]
     best_val = min(evals, key=lambda e: e['val_loss'])
@@ -146,8 +146,12 @@ def loss_lines(evals, test):
              f"val {loss_text(last['val_loss'])}, gap (val - train) {last['val_loss'] - last['train_loss']:+.4f}",
              f"- best val loss {loss_text(best_val['val_loss'])} at iteration {best_val['step']}; "
              f"best train loss {loss_text(best_train['train_loss'])} at iteration {best_train['step']}"]
-    if test:
+    if test and test.get('test_loss') is not None:
         lines.append(f"- test loss {loss_text(test['test_loss'])} with the best weights (iteration {test['best_iter']})")
+        if test['test_loss'] < (1 - LEAK_BELOW) * best_val['val_loss'] and split_rule.startswith('contiguous'):
+            lines.append("- test loss sits well below val loss: with a single text, test is its first 5% and val its last "
+                         "10%, so they are different text, and the opening of a text can be easier; compare val losses "
+                         "between runs, not test with val")
     lines.append(f"- read: {fit_read(evals)}")
     leak = leakage(evals)
     return lines + ([f"- **possible leakage**: {leak}"] if leak else [])
@@ -162,7 +166,9 @@ def throughput_lines(records, train, config, meta):
         lines.append(f"- median MFU {statistics.median(mfus):.1%}")
     mems = [r['peak_mem_mb'] for r in train if r.get('peak_mem_mb') is not None]
     if mems:
-        lines.append(f"- peak memory {max(mems):,.0f} MB")
+        what = ("the CUDA allocator's peak on rank 0" if config['resolved']['device'].startswith('cuda') else
+                "rank 0's peak resident set (the whole process: Python, torch, data; loader workers not included)")
+        lines.append(f"- peak memory {max(mems):,.0f} MB by the last training log line: {what}")
     seconds = wall_seconds(records)
     if seconds is None:
         return lines + ["- wall time unknown: metrics.jsonl has no timestamps"]
@@ -187,7 +193,7 @@ def write_report(out_dir):
     if smoke:
         lines += [f"Smoke test: {'passed' if smoke['passed'] else '**FAILED**'}: loss {smoke['first_loss']:.4f} -> "
                   f"{smoke['final_loss']:.4f} in {smoke['steps']} steps", ""]
-    lines += loss_lines(evals, test) + [""] + throughput_lines(records, train, config, meta) + [""]
+    lines += loss_lines(evals, test, meta.get('dataset', {}).get('split_rule', '')) + [""] + throughput_lines(records, train, config, meta) + [""]
 
     spikes = grad_spikes(train)
     listed = f", at iterations {', '.join(map(str, spikes[:5]))}{', ...' if len(spikes) > 5 else ''}" if spikes else ""
@@ -201,12 +207,19 @@ def write_report(out_dir):
     lines += ["", "## Files", ""]
     lines += [f"- {name}: {os.path.join(out_dir, name)}" for name in ('best.pt', 'last.pt')
               if os.path.exists(os.path.join(out_dir, name))]
-    lines += ["- curves: curves.png", "", f"{'Resume' if has_last else 'No last.pt yet: redo'} the run "
-              f"(from the directory it was started in{'; raise --max_iters to train further' if test else ''}):", "",
-              f"    {resume_command(meta, has_last)}", ""]
+    command = resume_command(meta, has_last)
+    max_iters, lr_decay_iters = config['max_iters']['value'], config['lr_decay_iters']['value']
+    if word == 'finished':  # nothing left to do at this max_iters: the command must raise it
+        command += f" --max_iters={2 * max_iters}"
+        how = (f"Train further (from the directory it was started in); past lr_decay_iters={lr_decay_iters} the learning "
+               f"rate stays at min_lr, add --lr_decay_iters={2 * max_iters} to decay over the longer run instead:")
+    else:
+        how = f"{'Resume' if has_last else 'No last.pt yet: redo'} the run (from the directory it was started in):"
+    lines += ["- curves: curves.png", "", how, "", f"    {command}", ""]
     with open(os.path.join(out_dir, 'report.md'), 'w') as f:
         f.write('\n'.join(lines))
-    plot_curves(train, evals, os.path.join(out_dir, 'curves.png'), f"{os.path.basename(os.path.normpath(out_dir))}: {word}")
+    plot_curves(train, evals, os.path.join(out_dir, 'curves.png'), f"{os.path.basename(os.path.normpath(out_dir))}: {word}",
+                config['log_interval']['value'])
 
 
 if __name__ == '__main__':

@@ -450,7 +450,7 @@ if master:
         'hardware': {'platform': platform.platform(), 'cpu': perf.cpu_name(), 'cpu_count': os.cpu_count(),
                      'torch_threads': torch.get_num_threads(),
                      'cuda_devices': [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]},
-        'dataset': {**dataset_id, 'tokenizer': dataset_id['tokenizer']['kind'], 'dir': dataset_dir},
+        'dataset': {**dataset_id, 'tokenizer': dataset_id['tokenizer']['kind'], 'dir': dataset_dir, 'split_rule': data_meta.get('split_rule', '')},
     }
     checkpoint.atomic_write(os.path.join(out_dir, 'meta.json'), lambda f: f.write(json_bytes(run_meta)))
     checkpoint.atomic_write(os.path.join(out_dir, 'config.json'), lambda f: f.write(json_bytes(

@@ -33,7 +33,9 @@ def test_finished_run(finished):
     assert f"best val loss {test['best_val_loss']:.4f}" in text and f"at iteration {test['best_iter']}" in text
     assert f"test loss {test['test_loss']:.4f}" in text
     assert '| max_iters | **20** | command line |' in text and '| beta1 | 0.9 | default |' in text
-    assert '--max_iters=20' in text and text.count('--init_from=') == 1 and '--init_from=resume' in text
+    # a finished run has nothing left at its max_iters: the command raises it, and says what lr_decay_iters does
+    command = next(line.strip() for line in text.splitlines() if line.startswith('    python train.py'))
+    assert command.endswith('--init_from=resume --max_iters=40') and '--lr_decay_iters=40' in text
     png = os.path.join(finished, 'curves.png')
     with open(png, 'rb') as f:
         assert f.read(8) == b'\x89PNG\r\n\x1a\n'
@@ -71,15 +73,17 @@ def test_diagnoses_from_made_up_metrics(tmp_path):
     out = str(tmp_path / 'run')
     os.makedirs(out)
     config = {'max_iters': {'value': 100, 'source': 'command line'}, 'cost_per_hour': {'value': 3.6, 'source': 'default'},
+              'log_interval': {'value': 1, 'source': 'default'}, 'lr_decay_iters': {'value': 100, 'source': 'default'},
               'resolved': {'device': 'cpu', 'dtype': 'float32'}}
-    meta = {'command': ['train.py', 'config/tiny.py', '--init_from=auto', '--resume_from=x.pt'], 'world_size': 2}
+    meta = {'command': ['train.py', 'config/tiny.py', '--init_from=auto', '--resume_from=x.pt'], 'world_size': 2,
+            'dataset': {'split_rule': 'contiguous: test [0, 0.05n), train [0.05n, 0.9n), val [0.9n, n) characters'}}
     # killed after iteration 30 and resumed 4000 s later: 30 s + 10 s of training, on 2 processes
     records = ([{'kind': 'start', 'step': 0, 'time': 1000.0}] + [train_record(s, 1000.0 + s) for s in range(1, 31)]
                + [{'kind': 'start', 'step': 30, 'time': 5000.0}] + [train_record(s, 4970.0 + s) for s in range(31, 41)])
     records += [{'kind': 'eval', 'step': s, 'train_loss': t, 'val_loss': v, 'best_val_loss': 0, 'val_bits_per_token': 0}
                 for s, t, v in ((10, 2.0, 2.05), (20, 1.4, 1.5), (30, 1.2, 1.6), (40, 1.0, 1.7))]
     records += [{'kind': 'smoke_test', 'steps': 40, 'first_loss': 3.0, 'final_loss': 2.9, 'passed': False},
-                {'kind': 'test', 'step': 40, 'best_iter': 20, 'best_val_loss': 1.5, 'test_loss': 1.55}]
+                {'kind': 'test', 'step': 40, 'best_iter': 20, 'best_val_loss': 1.5, 'test_loss': 1.2}]
     for name, content in (('config.json', json.dumps(config)), ('meta.json', json.dumps(meta)),
                           ('metrics.jsonl', ''.join(json.dumps(r) + '\n' for r in records))):
         with open(os.path.join(out, name), 'w') as f:
@@ -89,7 +93,8 @@ def test_diagnoses_from_made_up_metrics(tmp_path):
     assert 'Status: **early-stopped**: at iteration 40 of 100' in text
     assert 'overfitting from iteration 20' in text and 'leakage' not in text
     assert 'Smoke test: **FAILED**' in text
-    assert 'median MFU 25.0%' in text and 'peak memory 123 MB' in text
+    assert 'median MFU 25.0%' in text and "peak memory 123 MB by the last training log line: rank 0's peak resident set" in text
+    assert 'test loss sits well below val loss: with a single text, test is its first 5%' in text
     assert '(40 s), 0.02 compute hours (2 process(es))' in text and 'estimated cost 0.08' in text
     assert 'float16 steps skipped: 1' in text and 'spikes (> 5x the running median): 1, at iterations 25' in text
     # no last.pt: init_from=auto redoes the run from what it started from

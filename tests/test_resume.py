@@ -130,3 +130,42 @@ def test_refuses_mismatched_or_corrupt_checkpoints(tmp_path, data_dir):
     result = run_train(out, data_dir, '--init_from=resume', '--max_iters=20', check=False)
     assert result.returncode != 0 and result.stderr.count('\n') == 1 and 'Traceback' not in result.stderr
     assert last in result.stderr and 'unreadable' in result.stderr
+
+
+def test_checkpoint_of_an_older_layout_resumes_and_a_newer_one_is_refused(tmp_path, data_dir):
+    quick = ['--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10', '--test_eval=False', '--sample_tokens=0',
+             '--write_report=False']
+    straight, old = str(tmp_path / 'straight'), str(tmp_path / 'old')
+    run_train(straight, data_dir, *quick)
+    run_train(old, data_dir, *quick, '--max_iters=10')
+    # rewrite last.pt as format 1 wrote it: no format number, no training time, none of the config keys added since
+    last = os.path.join(old, 'last.pt')
+    ckpt = torch.load(last, weights_only=True)
+    for key in ('format', 'train_seconds'):
+        del ckpt[key]
+    for key in ('checkpoint_interval', 'test_eval', 'sample_tokens', 'write_report'):
+        del ckpt['config'][key]
+    torch.save(ckpt, last)
+    result = run_train(old, data_dir, *quick, '--init_from=resume')
+    assert trajectory(old) == trajectory(straight)
+    assert 'all 20 iterations in a time unknown (an older checkpoint)' in result.stdout
+    # a resumed run's last line counts this session and all of them
+    run_train(old, data_dir, *quick, '--init_from=resume', '--max_iters=30', '--lr_decay_iters=20')
+    done = next(l for l in open(os.path.join(old, 'train.log')).read().splitlines()[::-1] if l.startswith('done:'))
+    assert done.startswith('done: iterations 21-30 in ') and 'all 30 iterations in a time unknown' in done
+    ckpt = torch.load(last, weights_only=True)
+    torch.save({**ckpt, 'format': 99}, last)
+    result = run_train(old, data_dir, *quick, '--init_from=resume', '--max_iters=40', check=False)
+    assert result.returncode == 2 and 'has format 99, newer than this code' in result.stderr
+
+
+def test_resumed_run_reports_this_session_and_the_total(tmp_path, data_dir):
+    out = str(tmp_path / 'run')
+    quick = ['--lr_decay_iters=20', '--eval_interval=10', '--test_eval=False', '--sample_tokens=0', '--write_report=False']
+    run_train(out, data_dir, *quick, '--max_iters=10')
+    first = read_metrics(out, 'test')[0]['wall_seconds']
+    run_train(out, data_dir, *quick, '--max_iters=20', '--init_from=resume')
+    test = read_metrics(out, 'test')[-1]
+    assert test['total_seconds'] > test['wall_seconds'] and test['total_seconds'] >= first
+    done = [l for l in open(os.path.join(out, 'train.log')).read().splitlines() if l.startswith('done:')][-1]
+    assert done.startswith('done: iterations 11-20 in ') and 'all 20 iterations in ' in done

@@ -4,6 +4,7 @@ import importlib.util
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 
@@ -39,7 +40,8 @@ def test_run_learns_and_records_everything(tmp_path, data_dir):
     assert {'git_sha', 'git_dirty', 'command', 'versions', 'hardware', 'seed', 'start_time'} <= meta.keys()
     assert meta['versions']['torch'] == torch.__version__
     log = open(os.path.join(out, 'train.log')).read()
-    assert log.strip().splitlines() == [line for line in result.stdout.strip().splitlines() if not line.startswith('preparing')]
+    stdout = result.stdout.strip().splitlines()  # start-up lines come before the run directory exists
+    assert log.strip().splitlines() == stdout[next(i for i, l in enumerate(stdout) if l.startswith('starting from scratch')):]
     best = torch.load(os.path.join(out, 'best.pt'), weights_only=True)
     last = torch.load(os.path.join(out, 'last.pt'), weights_only=True)
     assert last['iter_num'] == 60 and best['iter_num'] == test['best_iter']
@@ -90,7 +92,7 @@ def test_existing_run_is_not_overwritten(tmp_path, data_dir):
     run_train(out, data_dir, '--max_iters=20', '--lr_decay_iters=20')
     before = sha(os.path.join(out, 'last.pt')), sha(os.path.join(out, 'metrics.jsonl'))
     result = run_train(out, data_dir, '--max_iters=20', '--lr_decay_iters=20', check=False)
-    assert result.returncode != 0 and 'already holds a run' in result.stderr
+    assert result.returncode == 2 and 'already holds a checkpoint' in result.stderr
     assert (sha(os.path.join(out, 'last.pt')), sha(os.path.join(out, 'metrics.jsonl'))) == before
 
 
@@ -137,3 +139,57 @@ def test_nanogpt_config_runs_unchanged(tmp_path, data_dir):
     config = json.load(open(os.path.join(out, 'config.json')))
     assert config['dropout'] == {'value': 0.2, 'source': 'config/shakespeare_char.py'}
     assert os.path.exists(os.path.join(out, 'best.pt')) and os.path.exists(os.path.join(out, 'last.pt'))
+
+
+QUICK = ['--test_eval=False', '--sample_tokens=0', '--write_report=False']
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--device=mps'], "error: device='mps' is not supported: use device=cpu, cuda, cuda:N or auto"),
+    (['--device=cuda'], "error: device='cuda' but CUDA is not available here: use device=cpu"),
+    (['--checkpoint_interval=-1'], "error: checkpoint_interval=-1 must be 0 (only at evaluations) or positive"),
+])
+def test_mistakes_are_one_line_exit_2_nothing_written(tmp_path, data_dir, args, message):
+    if args == ['--device=cuda'] and torch.cuda.is_available():
+        pytest.skip('this machine has CUDA')
+    result = run_train(str(tmp_path / 'never'), data_dir, *args, check=False)
+    assert result.returncode == 2 and result.stderr == message + '\n'
+    assert not (tmp_path / 'never').exists()
+
+
+def test_zero_learning_rate_without_warmup_runs(tmp_path, data_dir):
+    out = str(tmp_path / 'lr0')
+    run_train(out, data_dir, '--learning_rate=0', '--warmup_iters=0', '--max_iters=3', '--eval_interval=3', *QUICK)
+    assert [r['lr'] for r in read_metrics(out, 'train')] == [0.0, 0.0, 0.0]
+
+
+def test_start_up_says_what_it_does_and_how_long_the_run_will_take(tmp_path, data_dir):
+    result = run_train(str(tmp_path / 'run'), data_dir, '--max_iters=4', '--eval_interval=4', '--gradient_accumulation_steps=2', *QUICK)
+    lines = result.stdout.splitlines()
+    first_iter = next(i for i, l in enumerate(lines) if l.startswith('iter 1/'))
+    assert any(l.startswith('building the model') for l in lines[:first_iter])
+    estimate = next(l for l in lines[:first_iter] if l.startswith('the first micro-batch took'))
+    assert 's per iteration' in estimate and 'h for the 4 left' in estimate
+
+
+def test_eta_is_the_median_of_recent_iterations_without_the_first(tmp_path, data_dir):
+    out = str(tmp_path / 'run')
+    run_train(out, data_dir, '--max_iters=30', '--eval_interval=30', *QUICK)
+    steps = read_metrics(out, 'train')
+    tokens_per_iter = 8 * 32
+    seconds = [tokens_per_iter / r['tokens_per_sec'] for r in steps]  # each record's own interval: one iteration
+    assert steps[0]['eta_seconds'] == pytest.approx(29 * seconds[0], rel=1e-6)  # only the first: warm-up included
+    for k in range(1, 30):
+        recent = seconds[max(1, k - 19):k + 1]  # the last 20 intervals, never the first
+        assert steps[k]['eta_seconds'] == pytest.approx((30 - steps[k]['step']) * statistics.median(recent), rel=1e-6, abs=1e-9)
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_again(tmp_path, data_dir):
+    out = tmp_path / 'run'
+    out.mkdir()
+    (out / 'metrics.jsonl').write_text('{"kind": "start", "step": 0, "time": 0}\n')  # what a run killed at start-up leaves
+    result = run_train(str(out), data_dir, '--init_from=resume', '--max_iters=2', check=False)
+    assert result.returncode == 2 and 'does not exist, so there is nothing to resume' in result.stderr
+    assert 'init_from=scratch or auto' in result.stderr
+    run_train(str(out), data_dir, '--max_iters=2', '--eval_interval=2', *QUICK)  # scratch reuses it
+    assert [r['kind'] for r in read_metrics(str(out))][0] == 'start' and len(read_metrics(str(out), 'start')) == 1
