@@ -107,7 +107,7 @@ def build(cfg):
                                     cfg.batch_size * cfg.gradient_accumulation_steps, cfg.seed, rank, world_size)
     except data.DataError as e:
         sys.exit(f"error: {e}")
-    batches = iter(data.make_loader(windows, sampler, cfg.num_workers, cfg.seed + rank, device_type == 'cuda'))
+    batches = data.endless_batches(windows, sampler, cfg.num_workers, cfg.seed + rank, device_type == 'cuda')
     torch.manual_seed(cfg.seed)
     raw_model = GPT(GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size, bias=cfg.bias,
                               vocab_size=meta['vocab_size'], dropout=cfg.dropout)).to(device)

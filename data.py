@@ -9,6 +9,7 @@ sees. A window is named by its start position in the split: x = tokens[s : s+T],
 - EvalSampler: non-overlapping windows 0, T, 2T, ... that predict every token of the split
   exactly once; the last window is partial and its padding targets are ignored (-100).
 """
+import atexit
 import functools
 import os
 import random
@@ -139,3 +140,13 @@ def make_loader(dataset, batch_sampler, num_workers, seed, pin_memory):
     return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers, pin_memory=pin_memory,
                       worker_init_fn=seed_worker,
                       generator=torch.Generator().manual_seed(seed))
+
+
+def endless_batches(dataset, batch_sampler, num_workers, seed, pin_memory):
+    """An iterator over a TrainSampler's batches. Its workers ignore SIGINT and SIGTERM (seed_worker), so at exit
+    they are shut down the DataLoader's own way, before multiprocessing would terminate() them: atexit runs the
+    last registered first."""
+    batches = iter(make_loader(dataset, batch_sampler, num_workers, seed, pin_memory))
+    if num_workers > 0:
+        atexit.register(batches._shutdown_workers)
+    return batches

@@ -121,13 +121,10 @@ try:
 except ConfigError as e:
     check(False, e)
 globals().update(config)
-
-
 check(init_from in ('scratch', 'resume', 'auto'), f"init_from='{init_from}': use 'scratch', 'resume' or 'auto'")
 check(dtype in ('auto', 'float32', 'bfloat16', 'float16'), f"dtype='{dtype}': use 'auto', 'float32', 'bfloat16' or 'float16'")
 check(backend in ('auto', 'nccl', 'gloo'), f"backend='{backend}': use 'auto', 'nccl' or 'gloo'")
 check(parallel in ('ddp', 'fsdp'), f"parallel='{parallel}': use 'ddp' or 'fsdp'")
-check(not (parallel == 'fsdp' and dtype == 'float16'), "parallel='fsdp' trains in float32 or bfloat16: set dtype=bfloat16")
 check(checkpoint_interval >= 0, f"checkpoint_interval={checkpoint_interval} must be 0 (only at evaluations) or positive")
 for key in ('eval_interval', 'log_interval', 'gradient_accumulation_steps', 'batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'max_iters'):
     check(config[key] > 0, f"{key}={config[key]} must be positive")
@@ -395,7 +392,6 @@ np.random.seed(seed + rank)
 torch.manual_seed(seed + rank)  # every device, CUDA included
 if resuming and len(ckpt['rng']) == world_size:
     checkpoint.set_rng_state(ckpt['rng'][rank])
-train_loader = data.make_loader(splits['train'], train_sampler, num_workers, seed + rank, pin_memory)
 
 # -----------------------------------------------------------------------------
 # the run directory: created only now that the config, data and checkpoint are known to be good
@@ -587,17 +583,7 @@ signal.signal(signal.SIGTERM, request_stop)
 
 # -----------------------------------------------------------------------------
 # training loop
-train_batches = iter(train_loader)
-
-
-def close_loader():
-    """At exit, before multiprocessing's own handler (atexit runs the last registered first): dropping the iterator
-    shuts its workers down the DataLoader's way. They ignore SIGTERM, so multiprocessing's terminate() would hang."""
-    global train_batches
-    train_batches = None
-
-
-atexit.register(close_loader)
+train_batches = data.endless_batches(splits['train'], train_sampler, num_workers, seed + rank, pin_memory)
 fixed_batch = next(train_batches) if overfit_one_batch else None
 t_start = t_last = time.time()
 iters_since_log, first_loss, save_seconds_total = 0, None, 0.0
