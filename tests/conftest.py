@@ -13,6 +13,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # measurements that train.py caches per machine (peak FLOP/s, the dtype 'auto' picks) go to a folder of this
 # session's, inherited by every train.py the tests start: the user's ~/.cache stays untouched
 os.environ.setdefault('HONESTGPT_CACHE', tempfile.mkdtemp(prefix='honestgpt-cache-'))
+# one thread in every process the tests start: the test models gain nothing from a second, tests run some runs side
+# by side, and a run resumed on another thread count sums in another order (bitwise comparisons need the same count)
+os.environ['OMP_NUM_THREADS'] = '1'
 sys.path.insert(0, REPO)
 RUN_CONFIG = os.path.join(REPO, 'tests', 'run_config.py')
 PROBE = os.path.join(REPO, 'tests', 'ddp_probe.py')
@@ -62,11 +65,11 @@ def torchrun(out_dir, data_dir, *overrides, probe=False, **kwargs):
 
 
 def torchrun_script(script, *args, nproc=2, env_extra=None, torchrun_args=(), timeout=300):
-    """torchrun SCRIPT tests/run_config.py ARGS on nproc CPU processes with gloo, one thread each; script is a
+    """torchrun SCRIPT tests/run_config.py ARGS on nproc CPU processes with gloo; script is a
     list: the script and its own arguments before the config."""
     cmd = [sys.executable, '-m', 'torch.distributed.run', *(torchrun_args or ['--standalone']), f'--nproc_per_node={nproc}',
            *script, RUN_CONFIG, *args]
-    env = {**os.environ, 'OMP_NUM_THREADS': '1', **(env_extra or {})}
+    env = {**os.environ, **(env_extra or {})}
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     try:

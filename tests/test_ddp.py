@@ -59,8 +59,7 @@ def test_two_nodes_on_loopback(tmp_path, data_dir):
                 '--rdzv_id=loopback', '--master_addr=127.0.0.1', f'--master_port={port}']
         cmd = [sys.executable, '-m', 'torch.distributed.run', *args, '--nproc_per_node=1', 'train.py', RUN_CONFIG,
                f'--data_dir={data_dir}', f'--out_dir={two}', *SAME]
-        nodes.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      env={**os.environ, 'OMP_NUM_THREADS': '1'}))
+        nodes.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=300)[0] for p in nodes]
     assert all(p.returncode == 0 for p in nodes), outputs
     assert_same_run(one, two)

@@ -12,8 +12,7 @@ import torch
 from conftest import REPO, RUN_CONFIG, read_metrics, run_train, torchrun, torchrun_script
 
 # dropout and loader workers on: the RNG streams and the loader position must both survive the stop
-ARGS = ['--max_iters=300', '--lr_decay_iters=300', '--eval_interval=100', '--dropout=0.1', '--num_workers=2',
-        '--test_eval=False', '--sample_tokens=0', '--write_report=False']
+ARGS = ['--max_iters=300', '--lr_decay_iters=300', '--eval_interval=100', '--dropout=0.1', '--num_workers=2']
 
 
 def trajectory(out_dir):
@@ -34,10 +33,10 @@ def wait_for_step(out_dir, step, proc, timeout=120):
     raise AssertionError(f"{out_dir} never reached step {step}")
 
 
-def start(cmd, env=None):
+def start(cmd):
     # a session of its own, as a terminal's foreground job: killpg reaches the loader workers as Ctrl-C does
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=env)
+                            start_new_session=True)
 
 
 def train_cmd(out_dir, data_dir, *args):
@@ -94,9 +93,8 @@ def test_two_ranks_stop_together_on_sigterm_and_resume_bitwise(tmp_path, data_di
     straight, stopped = str(tmp_path / 'straight'), str(tmp_path / 'stopped')
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py', RUN_CONFIG,
            f'--data_dir={data_dir}']
-    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
-    straight_proc = start([*cmd, f'--out_dir={straight}', *args], env)
-    proc = start([*cmd, f'--out_dir={stopped}', *args], env)
+    straight_proc = start([*cmd, f'--out_dir={straight}', *args])
+    proc = start([*cmd, f'--out_dir={stopped}', *args])
     wait_for_step(stopped, 60, proc)
     proc.send_signal(signal.SIGTERM)  # to torchrun, as a cluster does: it passes SIGTERM on to every rank
     stdout, stderr = proc.communicate(timeout=120)

@@ -59,8 +59,7 @@ def test_float16_resume_is_exact(tmp_path, data_dir):
 
 def test_auto_dtype_is_measured_on_cpu_and_can_be_forced(tmp_path, data_dir):
     out = str(tmp_path / 'auto')
-    run_train(out, data_dir, '--dtype=auto', '--device=cpu', '--max_iters=2', '--eval_interval=2', '--test_eval=False',
-              '--sample_tokens=0', '--write_report=False')
+    run_train(out, data_dir, '--dtype=auto', '--device=cpu', '--max_iters=2', '--eval_interval=2')
     meta = json.load(open(os.path.join(out, 'meta.json')))
     choice = meta['dtype_choice']
     if torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported():
@@ -71,14 +70,13 @@ def test_auto_dtype_is_measured_on_cpu_and_can_be_forced(tmp_path, data_dir):
     assert json.load(open(os.path.join(out, 'config.json')))['resolved'] == {'device': 'cpu', 'dtype': meta['dtype']}
     for forced in ('float32', 'bfloat16'):  # the switch that runs the suite either way on any machine
         out = str(tmp_path / forced)
-        run_train(out, data_dir, '--dtype=auto', '--device=cpu', '--max_iters=2', '--eval_interval=2', '--test_eval=False',
-                  '--sample_tokens=0', '--write_report=False', env={**os.environ, 'HONESTGPT_AUTO_DTYPE': forced})
+        run_train(out, data_dir, '--dtype=auto', '--device=cpu', '--max_iters=2', '--eval_interval=2', env={**os.environ, 'HONESTGPT_AUTO_DTYPE': forced})
         assert json.load(open(os.path.join(out, 'meta.json')))['dtype'] == forced
 
 
 def test_float16_on_cpu_warns_with_the_measured_slowdown(tmp_path, data_dir):
     result = run_train(str(tmp_path / 'fp16'), data_dir, '--dtype=float16', '--device=cpu', '--n_embd=128', '--max_iters=1',
-                       '--eval_interval=1', '--test_eval=False', '--sample_tokens=0', '--write_report=False')
+                       '--eval_interval=1')
     warning = [line for line in result.stderr.splitlines() if line.startswith('warning: dtype=float16 on this CPU')]
     assert len(warning) == 1 and 'x slower' in warning[0] and 'use dtype=bfloat16 or float32' in warning[0], result.stderr
 

@@ -15,7 +15,7 @@ from conftest import REPO, read_metrics, run_train
 @pytest.fixture(scope='module')
 def finished(tmp_path_factory, data_dir):
     out = str(tmp_path_factory.mktemp('report') / 'finished')
-    run_train(out, data_dir, '--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10')
+    run_train(out, data_dir, '--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10', '--test_eval=True', '--write_report=True')
     return out
 
 

@@ -133,8 +133,7 @@ def test_refuses_mismatched_or_corrupt_checkpoints(tmp_path, data_dir):
 
 
 def test_checkpoint_of_an_older_layout_resumes_and_a_newer_one_is_refused(tmp_path, data_dir):
-    quick = ['--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10', '--test_eval=False', '--sample_tokens=0',
-             '--write_report=False']
+    quick = ['--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10']
     straight, old = str(tmp_path / 'straight'), str(tmp_path / 'old')
     run_train(straight, data_dir, *quick)
     run_train(old, data_dir, *quick, '--max_iters=10')
@@ -161,7 +160,7 @@ def test_checkpoint_of_an_older_layout_resumes_and_a_newer_one_is_refused(tmp_pa
 
 def test_resumed_run_reports_this_session_and_the_total(tmp_path, data_dir):
     out = str(tmp_path / 'run')
-    quick = ['--lr_decay_iters=20', '--eval_interval=10', '--test_eval=False', '--sample_tokens=0', '--write_report=False']
+    quick = ['--lr_decay_iters=20', '--eval_interval=10']
     run_train(out, data_dir, *quick, '--max_iters=10')
     first = read_metrics(out, 'test')[0]['wall_seconds']
     run_train(out, data_dir, *quick, '--max_iters=20', '--init_from=resume')

@@ -16,7 +16,8 @@ from conftest import REPO, read_metrics, run_train
 
 def test_run_learns_and_records_everything(tmp_path, data_dir):
     out = str(tmp_path / 'run')
-    result = run_train(out, data_dir, '--max_iters=60', '--lr_decay_iters=60', '--eval_interval=20')
+    result = run_train(out, data_dir, '--max_iters=60', '--lr_decay_iters=60', '--eval_interval=20', '--test_eval=True',
+                       '--sample_tokens=20')
     evals = read_metrics(out, 'eval')
     assert [e['step'] for e in evals] == [20, 40, 60]
     vocab_size = json.load(open(os.path.join(data_dir, 'toy', 'meta.json')))['vocab_size']
@@ -31,7 +32,7 @@ def test_run_learns_and_records_everything(tmp_path, data_dir):
     test = read_metrics(out, 'test')[0]
     assert test['best_iter'] == min(evals, key=lambda e: e['val_loss'])['step'] and math.isfinite(test['test_loss'])
     assert 0 < test['save_seconds'] < test['wall_seconds']  # the save cost is measured, inside the run's time
-    assert 'best val loss' in result.stdout and 'test loss' in result.stdout
+    assert 'best val loss' in result.stdout and 'test loss' in result.stdout and 'a sample from the best weights' in result.stdout
     # the run directory: resolved config with sources, run metadata, state_dict-only checkpoints
     config = json.load(open(os.path.join(out, 'config.json')))
     assert config['max_iters'] == {'value': 60, 'source': 'command line'}
@@ -141,8 +142,6 @@ def test_nanogpt_config_runs_unchanged(tmp_path, data_dir):
     assert os.path.exists(os.path.join(out, 'best.pt')) and os.path.exists(os.path.join(out, 'last.pt'))
 
 
-QUICK = ['--test_eval=False', '--sample_tokens=0', '--write_report=False']
-
 
 @pytest.mark.parametrize('args, message', [
     (['--device=mps'], "error: device='mps' is not supported: use device=cpu, cuda, cuda:N or auto"),
@@ -159,12 +158,12 @@ def test_mistakes_are_one_line_exit_2_nothing_written(tmp_path, data_dir, args, 
 
 def test_zero_learning_rate_without_warmup_runs(tmp_path, data_dir):
     out = str(tmp_path / 'lr0')
-    run_train(out, data_dir, '--learning_rate=0', '--warmup_iters=0', '--max_iters=3', '--eval_interval=3', *QUICK)
+    run_train(out, data_dir, '--learning_rate=0', '--warmup_iters=0', '--max_iters=3', '--eval_interval=3')
     assert [r['lr'] for r in read_metrics(out, 'train')] == [0.0, 0.0, 0.0]
 
 
 def test_start_up_says_what_it_does_and_how_long_the_run_will_take(tmp_path, data_dir):
-    result = run_train(str(tmp_path / 'run'), data_dir, '--max_iters=4', '--eval_interval=4', '--gradient_accumulation_steps=2', *QUICK)
+    result = run_train(str(tmp_path / 'run'), data_dir, '--max_iters=4', '--eval_interval=4', '--gradient_accumulation_steps=2')
     lines = result.stdout.splitlines()
     first_iter = next(i for i, l in enumerate(lines) if l.startswith('iter 1/'))
     assert any(l.startswith('building the model') for l in lines[:first_iter])
@@ -174,7 +173,7 @@ def test_start_up_says_what_it_does_and_how_long_the_run_will_take(tmp_path, dat
 
 def test_eta_is_the_median_of_recent_iterations_without_the_first(tmp_path, data_dir):
     out = str(tmp_path / 'run')
-    run_train(out, data_dir, '--max_iters=30', '--eval_interval=30', *QUICK)
+    run_train(out, data_dir, '--max_iters=30', '--eval_interval=30')
     steps = read_metrics(out, 'train')
     tokens_per_iter = 8 * 32
     seconds = [tokens_per_iter / r['tokens_per_sec'] for r in steps]  # each record's own interval: one iteration
@@ -191,5 +190,5 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again(tmp_path, data_d
     result = run_train(str(out), data_dir, '--init_from=resume', '--max_iters=2', check=False)
     assert result.returncode == 2 and 'does not exist, so there is nothing to resume' in result.stderr
     assert 'init_from=scratch or auto' in result.stderr
-    run_train(str(out), data_dir, '--max_iters=2', '--eval_interval=2', *QUICK)  # scratch reuses it
+    run_train(str(out), data_dir, '--max_iters=2', '--eval_interval=2')  # scratch reuses it
     assert [r['kind'] for r in read_metrics(str(out))][0] == 'start' and len(read_metrics(str(out), 'start')) == 1
