@@ -25,7 +25,7 @@ FROM_HF_ACTIVATION = {hf: ours for ours, hf in HF_ACTIVATION.items()} | {'gelu_p
 CONV1D_WEIGHTS = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')  # stored (in, out)
 # config.json settings this GPT has no switch for: they must have GPT-2's values
 GPT2_FIXED = {'model_type': 'gpt2', 'layer_norm_epsilon': 1e-5, 'scale_attn_weights': True,
-              'scale_attn_by_inverse_layer_idx': False, 'add_cross_attention': False}
+              'scale_attn_by_inverse_layer_idx': False, 'add_cross_attention': False, 'tie_word_embeddings': True}
 
 
 class HFError(Exception):
@@ -75,19 +75,19 @@ def file_sha256(path):
 def fetch(name):
     """config.json and model.safetensors of OpenAI's GPT-2 `name`: from the Hugging Face cache, else downloaded
     into it (huggingface_hub honours HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE)."""
-    how = (f"run once online with huggingface_hub installed (pip install huggingface_hub; or hf download {name} "
-           f"config.json model.safetensors), or put those two files of {name} in a folder and pass init_from=FOLDER")
+    how = (f"get them once online: pip install huggingface_hub, then hf download {name} config.json model.safetensors "
+           f"(or any run with init_from={name}); or put those two files of {name} in a folder and pass init_from=FOLDER")
     try:
-        from huggingface_hub import hf_hub_download
+        from huggingface_hub import constants, hf_hub_download
     except ImportError:
         raise HFError(f"init_from={name} looks GPT-2 up in the Hugging Face cache with the huggingface_hub package, "
                       f"which is not installed: {how}") from None
     try:
         return [hf_hub_download(name, filename) for filename in ('config.json', 'model.safetensors')]
     except Exception as e:  # offline, no network, a broken cache: the advice is the same
-        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise HFError(f"GPT-2 weights '{name}' are not in the Hugging Face cache and could not be downloaded "
-                      f"({first_line}): {how}") from None
+        why = 'HF_HUB_OFFLINE is set' if constants.HF_HUB_OFFLINE else (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise HFError(f"GPT-2 weights '{name}' are not in the Hugging Face cache {constants.HF_HUB_CACHE} and could not "
+                      f"be downloaded ({why}): {how}") from None
 
 
 def find_files(source):
@@ -118,10 +118,10 @@ def read_tensors(path):
         raise HFError(f"cannot read the weights in {path} ({first_line}): download the file again") from None
 
 
-def load_gpt2(source, block_size):
+def load_gpt2(source, block_size, vocab_size):
     """GPT-2 weights as (model_args for GPTConfig, state_dict for GPT, a record of where they came from).
     The shape comes from the weights; block_size crops the position embedding, as a finetune on short
-    windows needs. dropout is left out of model_args: it is the caller's."""
+    windows needs; vocab_size is the dataset's, which must be the weights'. dropout is left to the caller."""
     config_path, weights_path = find_files(source)
     hf_config = {}
     if config_path:
@@ -133,22 +133,27 @@ def load_gpt2(source, block_size):
     head = tensors.pop('lm_head.weight', None)
     if 'wte.weight' not in tensors or 'wpe.weight' not in tensors:
         raise HFError(f"{weights_path} holds no GPT-2 embeddings (wte.weight, wpe.weight): pass a GPT-2 model")
-    vocab_size, n_embd = tensors['wte.weight'].shape
+    n_vocab, n_embd = tensors['wte.weight'].shape
     n_positions = tensors['wpe.weight'].shape[0]
     n_layer = len({k.split('.')[1] for k in tensors if k.startswith('h.')})
-    differences = layout_differences(tensors, gpt2_shapes(n_layer, n_embd, vocab_size, n_positions))
+    differences = layout_differences(tensors, gpt2_shapes(n_layer, n_embd, n_vocab, n_positions))
     activation = FROM_HF_ACTIVATION.get(hf_config.get('activation_function', 'gelu_new'))
     unsupported = [f"{k}={hf_config[k]!r}" for k, v in GPT2_FIXED.items() if k in hf_config and hf_config[k] != v]
-    unsupported += [f"activation_function={hf_config['activation_function']!r}"] * (activation is None)
-    unsupported += ['an output head not tied to wte'] * (head is not None and not torch.equal(head, tensors['wte.weight']))
+    if activation is None:
+        unsupported.append(f"activation_function={hf_config['activation_function']!r}")
+    if head is not None and not torch.equal(head, tensors['wte.weight']):
+        unsupported.append('an output head not tied to wte')
     problems = ([differences] if differences else []) + unsupported
     if problems:
         raise HFError(f"{weights_path} is not a GPT-2 this GPT can load ({'; '.join(problems)}): "
                       f"pass a GPT2LMHeadModel with GPT-2's layout")
-    n_head = hf_config.get('n_head', n_embd // 64)  # a single file without config.json: GPT-2's head size, 64
+    n_head = hf_config.get('n_head', max(1, n_embd // 64))  # a single file without config.json: GPT-2's head size, 64
     if block_size > n_positions:
         raise HFError(f"block_size={block_size} exceeds the {n_positions} positions of the weights in {weights_path}: "
                       f"set block_size={n_positions} or less")
+    if vocab_size != n_vocab:
+        raise HFError(f"the weights in {weights_path} know {n_vocab} tokens, the dataset {vocab_size}: prepare it with "
+                      f"their tokenizer, for GPT-2: prepare.py NAME --input PATH --tokenizer gpt2 (or PATH.tiktoken)")
     if n_embd % n_head:
         raise HFError(f"{weights_path}: n_embd={n_embd} is not divisible by n_head={n_head}: fix n_head in its config.json")
     state = {}
