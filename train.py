@@ -242,7 +242,8 @@ if init_from not in ('scratch', 'resume', 'auto'):
     except hf.HFError as e:
         sys.exit(f"error: {e}")
 if pretrained:  # the shape comes from the weights, on resume too; config.json and checkpoints record it resolved
-    shape = {k: (ckpt['model_args'] if resuming else pretrained_args)[k] for k in ('n_layer', 'n_head', 'n_embd', 'bias', 'activation')}
+    weights_args = ckpt['model_args'] if resuming else pretrained_args
+    shape = {k: weights_args[k] for k in ('n_layer', 'n_head', 'n_embd', 'bias', 'activation')}
     config |= shape
     config_sources |= dict.fromkeys(shape, f"weights of {pretrained['init_from']}")
     globals().update(shape)
@@ -465,7 +466,8 @@ if master:
 
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 record({'kind': 'start', 'step': iter_num, 'time': time.time()})
-start_point = f"resuming from {ckpt_path} at iteration {iter_num}" if resuming else f"starting from {pretrained['weights'] if pretrained else 'scratch'}"
+start_point = (f"resuming from {ckpt_path} at iteration {iter_num}" if resuming else
+               f"starting from {pretrained['weights'] if pretrained else 'scratch'}")
 log(f"{start_point}: "
     f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, {world_size} process(es), "
     f"{tokens_per_iter:,} tokens per iteration ({gradient_accumulation_steps} x {batch_size} x {block_size})")
