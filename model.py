@@ -5,6 +5,7 @@ The loss lives in train.py; the model maps token ids to logits and nothing else.
 """
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -21,6 +22,13 @@ class GPTConfig:
     n_embd: int = 384
     dropout: float = 0.0
     bias: bool = True  # bias in Linears and LayerNorms, like GPT-2; False is a bit better and faster
+    activation: str = 'gelu'  # the MLP's nonlinearity, a key of ACTIVATIONS
+
+
+ACTIVATIONS = {
+    'gelu': F.gelu,  # exact (erf), nanoGPT's choice
+    'gelu_tanh': partial(F.gelu, approximate='tanh'),  # the tanh approximation GPT-2 was trained with
+}
 
 
 class CausalSelfAttention(nn.Module):
@@ -51,10 +59,11 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.act = ACTIVATIONS[config.activation]
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))  # (B, T, C) -> (B, T, 4C) -> (B, T, C)
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))  # (B, T, C) -> (B, T, 4C) -> (B, T, C)
 
 
 class Block(nn.Module):
@@ -77,6 +86,8 @@ class GPT(nn.Module):
         super().__init__()
         if config.n_embd % config.n_head != 0:
             raise ValueError(f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}: pick n_embd as a multiple of n_head")
+        if config.activation not in ACTIVATIONS:
+            raise ValueError(f"activation='{config.activation}' is unknown: use one of {', '.join(ACTIVATIONS)}")
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)

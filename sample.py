@@ -3,6 +3,7 @@ Sample from a trained model with the run's own tokenizer:
 
     python sample.py --out_dir=out/tiny --start="def " --num_samples=3
     python sample.py --out_dir=out/tiny --start=FILE:prompt.txt --top_k=1   # greedy
+    python sample.py --out_dir=out/tiny --export_hf=out/tiny/hf   # a folder transformers loads as GPT2LMHeadModel
 
 Samples go to stdout, each followed by a line of dashes; what was loaded goes to stderr. The same
 --seed gives the same samples. An empty prompt starts where documents start: a newline for a
@@ -17,6 +18,7 @@ from contextlib import nullcontext
 import torch
 
 import checkpoint
+import hf
 import prepare
 from configurator import ConfigError, configure
 from model import GPT, GPTConfig
@@ -33,6 +35,7 @@ seed = 1337  # sample i uses seed + i, so it does not depend on num_samples
 device = 'auto'  # 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...
 dtype = 'auto'  # 'auto' (bfloat16 on CUDA where supported, else float16; float32 on CPU), 'float32', 'bfloat16', 'float16'
 export = ''  # write the weights to this single .pt file (e.g. from an fsdp run's shards) and exit without sampling
+export_hf = ''  # write a Hugging Face GPT2LMHeadModel folder (config.json, model.safetensors) here and exit without sampling
 # -----------------------------------------------------------------------------
 
 
@@ -117,6 +120,13 @@ if __name__ == '__main__':
         checkpoint.save({'model': model.state_dict(), 'model_args': saved['model_args'], 'dataset': saved['dataset'],
                          'config': saved['config'], 'iter_num': saved['iter_num']}, export)
         print(f"wrote the weights of {ckpt_path} (iteration {saved['iter_num']}) to {export}", file=sys.stderr)
+        sys.exit(0)
+    if export_hf:
+        try:
+            hf.export_gpt2(model, export_hf, saved['dataset']['tokenizer'].get('eot_id'))
+        except hf.HFError as e:
+            sys.exit(f"error: {e}")
+        print(f"wrote {ckpt_path} (iteration {saved['iter_num']}) as a GPT2LMHeadModel to {export_hf}", file=sys.stderr)
         sys.exit(0)
     start = start or default_start(saved['dataset']['tokenizer'])
     print(f"sampling {ckpt_path} (iteration {saved.get('iter_num', '?')}) on {device} {dtype}", file=sys.stderr)

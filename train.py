@@ -37,12 +37,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 import data
+import hf
 import perf
 import prepare
 import report
 import sample
 from configurator import ConfigError, configure
-from model import GPT, GPTConfig
+from model import ACTIVATIONS, GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -52,7 +53,9 @@ log_interval = 1
 eval_iters = 200  # eval batches per split and evaluation (evenly spread windows); 0 = the whole split
 always_save_checkpoint = True  # write last.pt at every evaluation; False: only at a new best val loss and at the end
 checkpoint_interval = 0  # also write last.pt every this many iterations, without evaluating; 0: only at evaluations
-init_from = 'scratch'  # 'scratch', 'resume' (out_dir/last.pt or resume_from) or 'auto' (resume if last.pt exists)
+# 'scratch', 'resume' (out_dir/last.pt or resume_from), 'auto' (resume if last.pt exists, else scratch), or GPT-2's
+# weights to finetune: 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', or a Hugging Face model folder or .safetensors file
+init_from = 'scratch'
 resume_from = ''  # a checkpoint to resume from instead of out_dir/last.pt, e.g. out/best.pt
 # at the end of the run, with the best weights
 test_eval = True  # evaluate them on the test split
@@ -77,6 +80,7 @@ n_head = 12
 n_embd = 768
 dropout = 0.0
 bias = False
+activation = 'gelu'  # the MLP's: 'gelu' or 'gelu_tanh' (GPT-2's). GPT-2 weights set it and the shape keys above
 # AdamW
 learning_rate = 6e-4
 max_iters = 600000  # iterations (optimizer steps attempted, each of gradient_accumulation_steps micro-batches)
@@ -121,7 +125,10 @@ try:
 except ConfigError as e:
     check(False, e)
 globals().update(config)
-check(init_from in ('scratch', 'resume', 'auto'), f"init_from='{init_from}': use 'scratch', 'resume' or 'auto'")
+check(init_from in ('scratch', 'resume', 'auto') or hf.is_source(init_from),
+      f"init_from='{init_from}': use 'scratch', 'resume', 'auto', a GPT-2 name ({', '.join(hf.GPT2_NAMES)}) "
+      f"or the path of a Hugging Face model folder or .safetensors file")
+check(activation in ACTIVATIONS, f"activation='{activation}': use one of {', '.join(ACTIVATIONS)}")
 check(dtype in ('auto', 'float32', 'bfloat16', 'float16'), f"dtype='{dtype}': use 'auto', 'float32', 'bfloat16' or 'float16'")
 check(backend in ('auto', 'nccl', 'gloo'), f"backend='{backend}': use 'auto', 'nccl' or 'gloo'")
 check(parallel in ('ddp', 'fsdp'), f"parallel='{parallel}': use 'ddp' or 'fsdp'")
@@ -233,8 +240,34 @@ except data.DataError as e:
     check(False, e)
 
 # -----------------------------------------------------------------------------
+# where the weights come from: a checkpoint, GPT-2's weights, or a random init
+ckpt_path = resume_from or os.path.join(out_dir, 'last.pt')
+resuming = init_from == 'resume' or (init_from == 'auto' and os.path.exists(ckpt_path))
+pretrained_state = None
+if resuming:
+    try:
+        ckpt = checkpoint.load(ckpt_path)
+    except checkpoint.CheckpointError as e:
+        check(False, e)
+else:  # a new run must not overwrite a checkpoint; a run stopped before its first one may start again
+    check(init_from == 'auto' or not any(os.path.exists(os.path.join(out_dir, f)) for f in ('last.pt', 'best.pt')),
+          f"out_dir '{out_dir}' already holds a checkpoint: resume it with init_from=resume (or auto), or pick a new out_dir")
+pretrained = ckpt.get('pretrained') if resuming else None  # {'init_from', 'weights', 'sha256'} of a GPT-2 start
+if init_from not in ('scratch', 'resume', 'auto'):
+    try:
+        pretrained_args, pretrained_state, pretrained = hf.load_gpt2(init_from, block_size, data_meta['vocab_size'])
+    except hf.HFError as e:
+        check(False, e)
+if pretrained:  # the shape comes from the weights, on resume too; config.json and checkpoints record it resolved
+    weights_args = ckpt['model_args'] if resuming else pretrained_args
+    shape = {k: weights_args[k] for k in ('n_layer', 'n_head', 'n_embd', 'bias', 'activation')}
+    config |= shape
+    config_sources |= dict.fromkeys(shape, f"weights of {pretrained['init_from']}")
+    globals().update(shape)
+
+# -----------------------------------------------------------------------------
 # model, precision, optimizer, schedule
-model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
+model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias, activation=activation,
                   vocab_size=data_meta['vocab_size'], dropout=dropout)
 dtype_how = {'rule': 'set in the config'}
 if dtype == 'auto':  # rank 0 decides (by measuring, on some CPUs) and every rank trains in its choice
@@ -255,7 +288,10 @@ autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type=d
 
 log(f"building the model: {n_layer} layers, {n_head} heads, {n_embd} wide, block {block_size}, vocab {model_args['vocab_size']}")
 torch.manual_seed(seed)  # the same initial weights on every rank
-model = GPT(GPTConfig(**model_args)).to(device)
+model = GPT(GPTConfig(**model_args))
+if pretrained_state is not None:
+    model.load_state_dict(pretrained_state)
+model = model.to(device)
 model.activation_checkpointing = activation_checkpointing
 if sharded:
     model.fully_shard(ptdtype)
@@ -291,8 +327,6 @@ RESUMABLE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'max_iters', 'ev
              'learning_rate', 'decay_lr', 'warmup_iters', 'lr_decay_iters', 'min_lr', 'grad_clip',
              'wandb_log', 'wandb_project', 'wandb_run_name'}
 dataset_id = {k: data_meta[k] for k in ('name', 'source_sha256', 'vocab_size', 'tokenizer')}
-ckpt_path = resume_from or os.path.join(out_dir, 'last.pt')
-resuming = init_from == 'resume' or (init_from == 'auto' and os.path.exists(ckpt_path))
 iter_num, best_val_loss, best_iter, evals_since_best, skipped_steps, consecutive_skips = 0, float('inf'), 0, 0, 0, 0
 seconds_before = 0.0  # training wall time of the sessions before this one (None: unknown, an older checkpoint)
 
@@ -315,10 +349,6 @@ def restore(module, ckpt, ckpt_path, with_optimizer):
 
 
 if resuming:
-    try:
-        ckpt = checkpoint.load(ckpt_path)
-    except checkpoint.CheckpointError as e:
-        check(False, e)
     # a key this checkpoint's code did not have yet counts as its default, which keeps the behaviour of that code
     changed = [f"{k}={ckpt['config'].get(k, defaults[k])!r} there, {config[k]!r} here" for k in config
                if k not in RESUMABLE and ckpt['config'].get(k, defaults[k]) != config[k]]
@@ -339,9 +369,6 @@ if resuming:
     check(iter_num < max_iters or init_from == 'auto',
           f"{ckpt_path} is at iteration {iter_num}: max_iters={max_iters} leaves nothing to do: raise max_iters "
           f"(past lr_decay_iters={lr_decay_iters} the learning rate stays at min_lr: raise lr_decay_iters too to decay over the longer run)")
-elif init_from == 'scratch':  # must not overwrite a checkpoint; a run stopped before its first one may start again
-    check(not any(os.path.exists(os.path.join(out_dir, f)) for f in ('last.pt', 'best.pt')),
-          f"out_dir '{out_dir}' already holds a checkpoint: resume it with init_from=resume (or auto), or pick a new out_dir")
 start_iter = iter_num
 
 
@@ -439,10 +466,10 @@ if master:
     run_meta = {
         'command': sys.argv, 'start_time': time.strftime('%Y-%m-%dT%H:%M:%S%z'), 'git_sha': sha, 'git_dirty': dirty,
         'seed': seed, 'dtype': dtype, 'dtype_choice': dtype_how, 'device': device, 'world_size': world_size,
-        'resumed_from': f"{ckpt_path} at iteration {iter_num}" if resuming else None,
+        'resumed_from': f"{ckpt_path} at iteration {iter_num}" if resuming else None, 'pretrained': pretrained,
         'peak_flops': {'per_process': peak_flops, 'how': peak_how},
         'versions': {'python': platform.python_version(), 'torch': torch.__version__, 'numpy': np.__version__,
-                     'tiktoken': importlib.metadata.version('tiktoken')},
+                     'tiktoken': importlib.metadata.version('tiktoken'), 'safetensors': importlib.metadata.version('safetensors')},
         'hardware': {'platform': platform.platform(), 'cpu': perf.cpu_name(), 'cpu_count': os.cpu_count(),
                      'torch_threads': torch.get_num_threads(),
                      'cuda_devices': [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]},
@@ -468,7 +495,9 @@ def record(entry):
 
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 record({'kind': 'start', 'step': iter_num, 'time': time.time()})
-log(f"{'resuming from ' + ckpt_path + ' at iteration ' + str(iter_num) if resuming else 'starting from scratch'}: "
+start_point = (f"resuming from {ckpt_path} at iteration {iter_num}" if resuming else
+               f"starting from {pretrained['weights'] if pretrained else 'scratch'}")
+log(f"{start_point}: "
     f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, {world_size} process(es), "
     f"{tokens_per_iter:,} tokens per iteration ({gradient_accumulation_steps} x {batch_size} x {block_size})")
 log(f"MFU is measured against {peak_flops / 1e9:,.1f} GFLOP/s per process ({peak_how})")
@@ -523,7 +552,8 @@ def save_checkpoint(names, rng):
             'sampler': train_sampler.state_dict(), 'rng': rng, 'iter_num': iter_num, 'best_val_loss': best_val_loss,
             'best_iter': best_iter, 'evals_since_best': evals_since_best, 'skipped_steps': skipped_steps,
             'consecutive_skips': consecutive_skips, 'config': config, 'model_args': model_args, 'dataset': dataset_id,
-            'seed': seed, 'out_dir': out_dir, 'log_bytes': {'metrics.jsonl': metrics_file.tell(), 'train.log': log_file.tell()},
+            'pretrained': pretrained, 'seed': seed, 'out_dir': out_dir,
+            'log_bytes': {'metrics.jsonl': metrics_file.tell(), 'train.log': log_file.tell()},
             'train_seconds': None if seconds_before is None else seconds_before + time.time() - t_start,
         }
         state |= {'shards': shards} if sharded else {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict()}

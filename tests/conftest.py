@@ -1,4 +1,5 @@
 """Shared fixtures: a small generated corpus, prepared once, and a way to run train.py as users do."""
+import base64
 import json
 import os
 import random
@@ -33,6 +34,13 @@ def make_corpus(folder, num_docs=40, seed=0):
         with open(os.path.join(folder, f'doc{d:03d}.txt'), 'w') as f:
             f.write('\n'.join(lines) + '\n')
     return folder
+
+
+def write_ranks(path, merges):
+    """A tiny GPT-2-style BPE as a local .tiktoken ranks file: the 256 bytes, then the merges in order."""
+    lines = [f'{base64.b64encode(bytes([i])).decode()} {i}' for i in range(256)]
+    lines += [f'{base64.b64encode(m).decode()} {256 + k}' for k, m in enumerate(merges)]
+    path.write_text('\n'.join(lines) + '\n')
 
 
 @pytest.fixture(scope='session')

@@ -1,4 +1,3 @@
-import base64
 import hashlib
 import json
 import os
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 
 import prepare
+from conftest import write_ranks
 
 PREPARE_PY = os.path.abspath(prepare.__file__)
 
@@ -123,12 +123,6 @@ def test_single_file_contiguous_split(tmp_path):
     assert meta['source_sha256'] == hashlib.sha256(text.encode()).hexdigest()
     assert meta['split_rule'].startswith('contiguous')
     assert meta['dtype'] == 'uint16' and meta['duplicates_dropped'] == 0
-
-
-def write_ranks(path, merges):
-    lines = [f'{base64.b64encode(bytes([i])).decode()} {i}' for i in range(256)]
-    lines += [f'{base64.b64encode(m).decode()} {256 + k}' for k, m in enumerate(merges)]
-    path.write_text('\n'.join(lines) + '\n')
 
 
 def test_bpe_from_local_tiktoken_file(tmp_path, monkeypatch):

@@ -137,13 +137,14 @@ def test_checkpoint_of_an_older_layout_resumes_and_a_newer_one_is_refused(tmp_pa
     straight, old = str(tmp_path / 'straight'), str(tmp_path / 'old')
     run_train(straight, data_dir, *quick)
     run_train(old, data_dir, *quick, '--max_iters=10')
-    # rewrite last.pt as format 1 wrote it: no format number, no training time, none of the config keys added since
+    # rewrite last.pt as format 1 wrote it: no format number, training time or pretrained start, none of the keys added since
     last = os.path.join(old, 'last.pt')
     ckpt = torch.load(last, weights_only=True)
-    for key in ('format', 'train_seconds'):
+    for key in ('format', 'train_seconds', 'pretrained'):
         del ckpt[key]
-    for key in ('checkpoint_interval', 'test_eval', 'sample_tokens', 'write_report'):
+    for key in ('checkpoint_interval', 'test_eval', 'sample_tokens', 'write_report', 'activation'):
         del ckpt['config'][key]
+    del ckpt['model_args']['activation']
     torch.save(ckpt, last)
     result = run_train(old, data_dir, *quick, '--init_from=resume')
     assert trajectory(old) == trajectory(straight)
