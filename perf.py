@@ -61,18 +61,26 @@ def machine(device):
     return f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
-def cached(key, measure):
-    """measure()'s JSON-able result, stored under key in the cache file; 'cached' says which run measured it."""
-    folder = os.environ.get('HONESTGPT_CACHE', os.path.join(os.path.expanduser('~'), '.cache', 'honestgpt'))
-    path = os.path.join(folder, 'perf.json')
+def read_cache(path):
     try:
         with open(path) as f:
-            entries = json.load(f)
+            return json.load(f)
     except (OSError, ValueError):  # no cache yet, or a broken one: measure again
-        entries = {}
-    if key in entries:
+        return {}
+
+
+def cached(key, measure):
+    """measure()'s JSON-able result, stored under key in the cache file; 'cached' says which run measured it. Processes
+    that measure at once keep the first result written, so runs started together agree (a resume needs the same dtype)."""
+    folder = os.environ.get('HONESTGPT_CACHE', os.path.join(os.path.expanduser('~'), '.cache', 'honestgpt'))
+    path = os.path.join(folder, 'perf.json')
+    if key in read_cache(path):
+        return read_cache(path)[key] | {'cached': path}
+    entry = measure() | {'measured_at': time.strftime('%Y-%m-%dT%H:%M:%S%z')}
+    entries = read_cache(path)
+    if key in entries:  # another process measured meanwhile: its figure stands
         return entries[key] | {'cached': path}
-    entries[key] = measure() | {'measured_at': time.strftime('%Y-%m-%dT%H:%M:%S%z')}
+    entries[key] = entry
     try:
         os.makedirs(folder, exist_ok=True)
         with open(f'{path}.{os.getpid()}.tmp', 'w') as f:  # a whole file or none: another process may read it now
@@ -80,7 +88,7 @@ def cached(key, measure):
         os.replace(f'{path}.{os.getpid()}.tmp', path)
     except OSError:
         pass  # a read-only home: measure again next time
-    return entries[key] | {'cached': None}
+    return entry | {'cached': None}
 
 
 # -----------------------------------------------------------------------------

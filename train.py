@@ -270,6 +270,8 @@ if pretrained:  # the shape comes from the weights, on resume too; config.json a
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias, activation=activation,
                   vocab_size=data_meta['vocab_size'], dropout=dropout)
 dtype_how = {'rule': 'set in the config'}
+if dtype == 'auto' and resuming and 'dtype' in ckpt:  # a resume continues in the dtype the run chose, whatever is measured now
+    dtype, dtype_how = ckpt['dtype'], {'rule': f"dtype='auto' as resolved by the run resumed from {ckpt_path}"}
 if dtype == 'auto':  # rank 0 decides (by measuring, on some CPUs) and every rank trains in its choice
     log("choosing the dtype for dtype='auto'")
     choice = [perf.auto_dtype(device, model_args, batch_size) if master else None]
@@ -548,7 +550,7 @@ def save_checkpoint(names, rng):
                  checkpoint_id=os.path.join(out_dir, shards))
     if master:
         state = {
-            'format': checkpoint.FORMAT, 'scheduler': scheduler.state_dict(), 'scaler': scaler.state_dict(),
+            'format': checkpoint.FORMAT, 'dtype': dtype, 'scheduler': scheduler.state_dict(), 'scaler': scaler.state_dict(),
             'sampler': train_sampler.state_dict(), 'rng': rng, 'iter_num': iter_num, 'best_val_loss': best_val_loss,
             'best_iter': best_iter, 'evals_since_best': evals_since_best, 'skipped_steps': skipped_steps,
             'consecutive_skips': consecutive_skips, 'config': config, 'model_args': model_args, 'dataset': dataset_id,

@@ -12,23 +12,27 @@ import torch
 from conftest import REPO, RUN_CONFIG, read_metrics, run_train, torchrun, torchrun_script
 
 # dropout and loader workers on: the RNG streams and the loader position must both survive the stop
-ARGS = ['--max_iters=300', '--lr_decay_iters=300', '--eval_interval=100', '--dropout=0.1', '--num_workers=2']
+ARGS = ['--max_iters=600', '--lr_decay_iters=600', '--eval_interval=100', '--dropout=0.1', '--num_workers=1']
 
 
 def trajectory(out_dir):
     return [(r['step'], r['loss'], r['lr'], r['grad_norm']) for r in read_metrics(out_dir, 'train')]
 
 
+def reached(out_dir, step):
+    """Whether metrics.jsonl has a training record at or past step."""
+    try:
+        with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
+            return any(json.loads(line).get('step', 0) >= step for line in f if line.endswith('\n') and '"train"' in line)
+    except FileNotFoundError:
+        return False
+
+
 def wait_for_step(out_dir, step, proc, timeout=120):
-    """Block until metrics.jsonl has a training record at or past step."""
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
-        try:
-            with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
-                if any(json.loads(line).get('step', 0) >= step for line in f if line.endswith('\n') and '"train"' in line):
-                    return
-        except FileNotFoundError:
-            pass
+        if reached(out_dir, step):
+            return
         time.sleep(0.05)
     raise AssertionError(f"{out_dir} never reached step {step}")
 
@@ -44,19 +48,27 @@ def train_cmd(out_dir, data_dir, *args):
 
 
 def test_sigterm_ctrl_c_and_sigkill_then_resume_bitwise(tmp_path, data_dir):
-    straight = str(tmp_path / 'straight')
-    straight_proc = start(train_cmd(straight, data_dir, *ARGS))
     # SIGTERM: a cluster's notice; SIGINT to the process group: Ctrl-C; SIGKILL: no notice, so only what
-    # checkpoint_interval saved between evaluations (every 25 iterations, evaluations every 100) survives
-    for signum, code, at, extra in ((signal.SIGTERM, 143, 130, []), (signal.SIGINT, 130, 230, []),
-                                    (signal.SIGKILL, -9, 130, ['--checkpoint_interval=25'])):
-        out = str(tmp_path / signal.Signals(signum).name)
-        proc = start(train_cmd(out, data_dir, *ARGS, *extra))
-        wait_for_step(out, at, proc)
-        if signum == signal.SIGINT:
-            os.killpg(proc.pid, signum)  # Ctrl-C reaches the whole group: the training process and its loader workers
-        else:
-            proc.send_signal(signum)  # a cluster's SIGTERM goes to the job's main process
+    # checkpoint_interval saved between evaluations (every 25 iterations, evaluations every 100) survives.
+    # The straight run and the three interrupted ones run side by side, then the three resumes.
+    cases = {signal.SIGTERM: (143, 60, []), signal.SIGINT: (130, 90, []), signal.SIGKILL: (-9, 130, ['--checkpoint_interval=25'])}
+    straight = str(tmp_path / 'straight')
+    procs = {None: start(train_cmd(straight, data_dir, *ARGS))}
+    outs = {signum: str(tmp_path / signal.Signals(signum).name) for signum in cases}
+    procs |= {signum: start(train_cmd(outs[signum], data_dir, *ARGS, *extra)) for signum, (_, _, extra) in cases.items()}
+    waiting, deadline = dict(cases), time.time() + 120
+    while waiting and time.time() < deadline:  # signal each run as soon as it passes its step: they all run at once
+        for signum in list(waiting):
+            if reached(outs[signum], waiting[signum][1]):
+                if signum == signal.SIGINT:
+                    os.killpg(procs[signum].pid, signum)  # Ctrl-C reaches the whole group: the training process and its workers
+                else:
+                    procs[signum].send_signal(signum)  # a cluster's SIGTERM goes to the job's main process
+                del waiting[signum]
+        time.sleep(0.02)
+    assert not waiting, waiting
+    for signum, (code, at, extra) in cases.items():
+        out, proc = outs[signum], procs[signum]
         stdout, stderr = proc.communicate(timeout=120)
         assert proc.returncode == code, stderr
         last = torch.load(os.path.join(out, 'last.pt'), weights_only=True)
@@ -69,9 +81,11 @@ def test_sigterm_ctrl_c_and_sigkill_then_resume_bitwise(tmp_path, data_dir):
             line = next(l for l in stdout.splitlines() if l.startswith(f"stopped by {signal.Signals(signum).name}"))
             resume = line.split('resume with: ')[1]
             assert resume.startswith('python train.py') and resume.endswith('--init_from=resume'), line
-        run_train(out, data_dir, *ARGS, *extra, '--init_from=resume')
-        if straight_proc.poll() is None:
-            assert straight_proc.wait(timeout=300) == 0
+    resumes = [start(train_cmd(outs[signum], data_dir, *ARGS, *extra, '--init_from=resume')) for signum, (_, _, extra) in cases.items()]
+    for proc in [procs[None], *resumes]:
+        stderr = proc.communicate(timeout=300)[1]  # reading the pipes: a full one would stop the run
+        assert proc.returncode == 0, stderr
+    for out in outs.values():
         assert trajectory(out) == trajectory(straight)
 
 
@@ -104,5 +118,6 @@ def test_two_ranks_stop_together_on_sigterm_and_resume_bitwise(tmp_path, data_di
     assert torch.load(os.path.join(stopped, 'last.pt'), weights_only=True)['iter_num'] == stop[0]['step']
     resumed = torchrun(stopped, data_dir, *args, '--init_from=resume')
     assert resumed.returncode == 0, resumed.stderr
-    assert straight_proc.wait(timeout=300) == 0
+    straight_proc.communicate(timeout=300)
+    assert straight_proc.returncode == 0
     assert trajectory(stopped) == trajectory(straight)
