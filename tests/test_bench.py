@@ -80,6 +80,7 @@ def held_mb(text):
     return {int(r): tuple(float(x.replace(',', '')) for x in mb) for r, *mb in lines}
 
 
+@pytest.mark.slow
 def test_bench_under_torchrun_shows_fsdp_holding_a_shard_per_rank(data_dir):
     # fsdp and ddp on 2 ranks, and 1 process, take the same global batches: the same losses (printed to 4 decimals)
     result = ok(torchrun_script(['bench.py'], f'--data_dir={data_dir}', '--bench_iters=3', '--bench_warmup=2', '--profile=False', '--dtype=float32',

@@ -5,9 +5,12 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from conftest import REPO, RUN_CONFIG, ok, read_metrics, run_train, torchrun
+
+pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
 
 # dropout 0 so one process and two ranks compute the same function; 4 micro-batches per step in total
 SAME = ['--gradient_accumulation_steps=4', '--max_iters=30', '--lr_decay_iters=30', '--eval_interval=10', '--dtype=float32']

@@ -4,12 +4,15 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import data
 from conftest import REPO, ok, read_metrics, run_train, torchrun
 from model import GPT, GPTConfig
+
+pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
 
 SAME = ['--gradient_accumulation_steps=4', '--max_iters=30', '--lr_decay_iters=30', '--eval_interval=10', '--dtype=float32']
 # FSDP reduce-scatters gradients where one process sums them locally: the same sums in another order, so float32

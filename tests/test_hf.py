@@ -201,6 +201,7 @@ def test_gpt2_by_name_from_the_cache_finetunes_and_resumes_exactly(root, bpe_dat
     assert config['n_embd'] == {'value': 64, 'source': 'weights of gpt2'} and config['bias']['value'] is True
 
 
+@pytest.mark.slow
 def test_nanogpt_finetune_config_runs_unchanged(bpe_data, tiny_gpt2, tmp_path):
     config = os.path.join(REPO, 'config', 'finetune_shakespeare.py')
     cmd = [sys.executable, 'train.py', config, f'--data_dir={bpe_data}', f'--out_dir={tmp_path / "out"}']

@@ -7,9 +7,12 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from conftest import REPO, RUN_CONFIG, read_metrics, run_train, torchrun, torchrun_script
+
+pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
 
 # dropout and loader workers on: the RNG streams and the loader position must both survive the stop
 ARGS = ['--max_iters=600', '--lr_decay_iters=600', '--eval_interval=100', '--dropout=0.1', '--num_workers=1']

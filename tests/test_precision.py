@@ -5,9 +5,12 @@ import resource
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import REPO, RUN_CONFIG, read_metrics, run_train
+
+pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
 
 
 def test_float16_skipped_steps_do_not_advance_the_schedule(tmp_path, data_dir):

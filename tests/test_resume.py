@@ -12,6 +12,8 @@ import torch
 
 from conftest import REPO, RUN_CONFIG, read_metrics, run_train
 
+pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
+
 # dropout, loader workers and gradient accumulation all on: each one has broken someone's resume
 HARD = ['--dropout=0.1', '--num_workers=2', '--gradient_accumulation_steps=2', '--max_iters=30',
         '--lr_decay_iters=30', '--eval_interval=10']

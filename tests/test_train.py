@@ -49,6 +49,7 @@ def test_run_learns_and_records_everything(tmp_path, data_dir):
     assert not any(k.startswith(('module.', '_orig_mod.')) for k in last['model'])
 
 
+@pytest.mark.slow
 def test_overfit_one_batch(tmp_path, data_dir):
     out = str(tmp_path / 'overfit')
     result = run_train(out, data_dir, '--overfit_one_batch=True', '--max_iters=150', '--decay_lr=False',
@@ -62,6 +63,7 @@ def sha(path):
     return hashlib.sha256(open(path, 'rb').read()).hexdigest()
 
 
+@pytest.mark.slow
 def test_nan_aborts_with_context_and_keeps_checkpoints(tmp_path, data_dir):
     out = str(tmp_path / 'nan')
     run_train(out, data_dir)
@@ -88,6 +90,7 @@ def test_bad_config_and_missing_data_create_nothing(tmp_path, data_dir):
         assert not out.exists()
 
 
+@pytest.mark.slow
 def test_existing_run_is_not_overwritten(tmp_path, data_dir):
     out = str(tmp_path / 'run')
     run_train(out, data_dir, '--max_iters=20', '--lr_decay_iters=20')
@@ -97,6 +100,7 @@ def test_existing_run_is_not_overwritten(tmp_path, data_dir):
     assert (sha(os.path.join(out, 'last.pt')), sha(os.path.join(out, 'metrics.jsonl'))) == before
 
 
+@pytest.mark.slow
 def test_smoke_test_passes_or_refuses_to_start(tmp_path, data_dir):
     out = str(tmp_path / 'smoke')
     result = run_train(out, data_dir, '--smoke_test=True', '--max_iters=20', '--lr_decay_iters=20')
@@ -111,6 +115,7 @@ def test_smoke_test_passes_or_refuses_to_start(tmp_path, data_dir):
     assert result.returncode != 0 and result.stderr.startswith('error: smoke test failed') and not never.exists()
 
 
+@pytest.mark.slow
 def test_live_log_line(tmp_path, data_dir):
     result = run_train(str(tmp_path / 'run'), data_dir, '--max_iters=10', '--lr_decay_iters=10', '--eval_interval=10')
     line = next(l for l in result.stdout.splitlines() if l.startswith('iter 5/10'))
@@ -129,6 +134,7 @@ def test_missing_logging_package_is_a_one_line_error(tmp_path, data_dir, key, pa
     assert not (tmp_path / 'run').exists()
 
 
+@pytest.mark.slow
 def test_nanogpt_config_runs_unchanged(tmp_path, data_dir):
     # nanoGPT's own shakespeare_char config file, shrunk from the command line to test size
     out = str(tmp_path / 'nano')
@@ -156,12 +162,14 @@ def test_mistakes_are_one_line_exit_2_nothing_written(tmp_path, data_dir, args, 
     assert not (tmp_path / 'never').exists()
 
 
+@pytest.mark.slow
 def test_zero_learning_rate_without_warmup_runs(tmp_path, data_dir):
     out = str(tmp_path / 'lr0')
     run_train(out, data_dir, '--learning_rate=0', '--warmup_iters=0', '--max_iters=3', '--eval_interval=3')
     assert [r['lr'] for r in read_metrics(out, 'train')] == [0.0, 0.0, 0.0]
 
 
+@pytest.mark.slow
 def test_start_up_says_what_it_does_and_how_long_the_run_will_take(tmp_path, data_dir):
     result = run_train(str(tmp_path / 'run'), data_dir, '--max_iters=4', '--eval_interval=4', '--gradient_accumulation_steps=2')
     lines = result.stdout.splitlines()
@@ -171,6 +179,7 @@ def test_start_up_says_what_it_does_and_how_long_the_run_will_take(tmp_path, dat
     assert 's per iteration' in estimate and 'h for the 4 left' in estimate
 
 
+@pytest.mark.slow
 def test_eta_is_the_median_of_recent_iterations_without_the_first(tmp_path, data_dir):
     out = str(tmp_path / 'run')
     run_train(out, data_dir, '--max_iters=30', '--eval_interval=30')
@@ -183,6 +192,7 @@ def test_eta_is_the_median_of_recent_iterations_without_the_first(tmp_path, data
         assert steps[k]['eta_seconds'] == pytest.approx((30 - steps[k]['step']) * statistics.median(recent), rel=1e-6, abs=1e-9)
 
 
+@pytest.mark.slow
 def test_a_run_stopped_before_its_first_checkpoint_starts_again(tmp_path, data_dir):
     out = tmp_path / 'run'
     out.mkdir()
