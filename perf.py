@@ -54,6 +54,27 @@ def cpu_name():
     return f"{name} ({', '.join(units) or 'no bf16 units'})"
 
 
+def resolve_device(device, local_rank=0):
+    """'auto' -> cuda if there is one, else cpu; under torchrun each rank takes its own GPU. Returns (device, type);
+    ValueError names the fix for a device this code cannot use."""
+    if device == 'auto':
+        device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    if local_rank and device.startswith('cuda'):
+        device = f'cuda:{local_rank}'
+    try:
+        device_type = torch.device(device).type
+    except RuntimeError:
+        device_type = 'unknown'
+    if device_type not in ('cpu', 'cuda'):
+        raise ValueError(f"device='{device}' is not supported: use device=cpu, cuda, cuda:N or auto")
+    if device_type == 'cuda' and not torch.cuda.is_available():
+        raise ValueError(f"device='{device}' but CUDA is not available here: use device=cpu")
+    if device_type == 'cuda' and (torch.device(device).index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device='{device}' but this machine has {torch.cuda.device_count()} GPU(s): "
+                         f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return device, device_type
+
+
 def machine(device):
     """The cache key's machine part: a measurement holds for this processor, torch build and thread count."""
     if torch.device(device).type == 'cuda':

@@ -19,6 +19,7 @@ import torch
 
 import checkpoint
 import hf
+import perf
 import prepare
 from configurator import ConfigError, configure
 from model import GPT, GPTConfig
@@ -33,7 +34,7 @@ temperature = 0.8  # below 1 sharpens the distribution, above 1 flattens it
 top_k = 200  # sample among the k likeliest tokens only; 1 is greedy decoding
 seed = 1337  # sample i uses seed + i, so it does not depend on num_samples
 device = 'auto'  # 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...
-dtype = 'auto'  # 'auto' (bfloat16 on CUDA where supported, else float16; float32 on CPU), 'float32', 'bfloat16', 'float16'
+dtype = 'auto'  # 'auto' (as train.py decides it, for this model on this device), 'float32', 'bfloat16', 'float16'
 export = ''  # write the weights to this single .pt file (e.g. from an fsdp run's shards) and exit without sampling
 export_hf = ''  # write a Hugging Face GPT2LMHeadModel folder (config.json, model.safetensors) here and exit without sampling
 # -----------------------------------------------------------------------------
@@ -93,14 +94,10 @@ if __name__ == '__main__':
         sys.exit(f"error: temperature={temperature} must be positive: for greedy decoding use top_k=1")
     if dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
         sys.exit(f"error: dtype='{dtype}': use 'auto', 'float32', 'bfloat16' or 'float16'")
-    if device == 'auto':
-        device = 'cuda' if torch.cuda.is_available() else 'cpu'
-    device_type = 'cuda' if device.startswith('cuda') else 'cpu'
-    if device_type == 'cuda' and not torch.cuda.is_available():
-        sys.exit(f"error: device='{device}' but CUDA is not available: use device=cpu")
-    if dtype == 'auto':
-        dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if device_type == 'cuda' else 'float32'
-    autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
+    try:
+        device, device_type = perf.resolve_device(device)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
 
     if start.startswith('FILE:'):
         try:
@@ -128,6 +125,9 @@ if __name__ == '__main__':
             sys.exit(f"error: {e}")
         print(f"wrote {ckpt_path} (iteration {saved['iter_num']}) as a GPT2LMHeadModel to {export_hf}", file=sys.stderr)
         sys.exit(0)
+    if dtype == 'auto':  # train.py's rule, for this model's shape on this device
+        dtype = perf.auto_dtype(device, {**saved['model_args'], 'dropout': 0.0}, 1)[0]
+    autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
     start = start or default_start(saved['dataset']['tokenizer'])
     print(f"sampling {ckpt_path} (iteration {saved.get('iter_num', '?')}) on {device} {dtype}", file=sys.stderr)
     for i in range(num_samples):

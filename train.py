@@ -153,18 +153,10 @@ if sharded:  # a second of imports that only sharded runs need
                                                          set_model_state_dict, set_optimizer_state_dict)
 rank, local_rank, world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if ddp else (0, 0, 1)
 master = rank == 0
-if device == 'auto':
-    device = 'cuda' if torch.cuda.is_available() else 'cpu'
-if ddp and device.startswith('cuda'):
-    device = f'cuda:{local_rank}'
 try:
-    device_type = torch.device(device).type
-except RuntimeError:
-    device_type = 'unknown'
-check(device_type in ('cpu', 'cuda'), f"device='{device}' is not supported: use device=cpu, cuda, cuda:N or auto")
-check(device_type == 'cpu' or torch.cuda.is_available(), f"device='{device}' but CUDA is not available here: use device=cpu")
-check(device_type == 'cpu' or (torch.device(device).index or 0) < torch.cuda.device_count(),
-      f"device='{device}' but this machine has {torch.cuda.device_count()} GPU(s): use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    device, device_type = perf.resolve_device(device, local_rank)
+except ValueError as e:
+    check(False, e)
 if device_type == 'cuda':
     torch.cuda.set_device(device)
 check(gradient_accumulation_steps % world_size == 0,
