@@ -60,6 +60,17 @@ def run_train(out_dir, data_dir, *overrides, check=True, env=None, timeout=300):
     return result
 
 
+def run_trains(data_dir, *runs):
+    """Several independent train.py runs side by side, each (out_dir, [overrides]): on two cores two one-thread runs
+    take the time of one."""
+    procs = [subprocess.Popen([sys.executable, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for out_dir, overrides in runs]
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        if proc.returncode != 0:
+            raise AssertionError(f"train.py failed ({proc.returncode}):\n{stdout}\n{stderr}")
+
+
 def read_metrics(out_dir, kind=None):
     with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
         records = [json.loads(line) for line in f]

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, RUN_CONFIG, read_metrics, run_train
+from conftest import REPO, RUN_CONFIG, read_metrics, run_train, run_trains
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
 
@@ -52,8 +52,7 @@ def test_every_dtype_learns_like_float32(tmp_path, data_dir):
 def test_float16_resume_is_exact(tmp_path, data_dir):
     args = ['--dtype=float16', f'--init_scale={2.0 ** 24}', '--max_iters=30', '--lr_decay_iters=30', '--eval_interval=10']
     straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
-    run_train(straight, data_dir, *args)
-    run_train(split, data_dir, *args, '--max_iters=12')
+    run_trains(data_dir, (straight, args), (split, [*args, '--max_iters=12']))
     run_train(split, data_dir, *args, '--init_from=resume')
     fields = lambda d: [(r['step'], r['loss'], r['lr'], r['grad_norm'], r['scale'], r['skipped']) for r in read_metrics(d, 'train')]
     assert fields(split) == fields(straight)

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, RUN_CONFIG, read_metrics, run_train
+from conftest import REPO, RUN_CONFIG, read_metrics, run_train, run_trains
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
 
@@ -26,9 +26,8 @@ def trajectory(out_dir):
 
 def test_bfloat16_resume_mid_epoch_between_evaluations_is_bitwise(tmp_path, data_dir):
     straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
-    run_train(straight, data_dir, *HARD, '--dtype=bfloat16')
     # stop at 14: in the middle of an epoch, between evaluations, after an extra final evaluation
-    run_train(split, data_dir, *HARD, '--dtype=bfloat16', '--max_iters=14')
+    run_trains(data_dir, (straight, [*HARD, '--dtype=bfloat16']), (split, [*HARD, '--dtype=bfloat16', '--max_iters=14']))
     run_train(split, data_dir, *HARD, '--dtype=bfloat16', '--init_from=resume')
     assert trajectory(split) == trajectory(straight)
     evals = lambda d: [(r['step'], r['val_loss']) for r in read_metrics(d, 'eval') if r['step'] % 10 == 0]
@@ -40,8 +39,8 @@ def test_bfloat16_resume_mid_epoch_between_evaluations_is_bitwise(tmp_path, data
 
 def test_float32_resume_after_evaluation_and_from_best_is_bitwise(tmp_path, data_dir):
     straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
-    run_train(straight, data_dir, *HARD, '--dtype=float32')
-    run_train(split, data_dir, *HARD, '--dtype=float32', '--max_iters=20')  # stops right after the evaluation at 20
+    # the split run stops right after the evaluation at 20
+    run_trains(data_dir, (straight, [*HARD, '--dtype=float32']), (split, [*HARD, '--dtype=float32', '--max_iters=20']))
     best_at_20 = str(tmp_path / 'best_at_20.pt')
     shutil.copy(os.path.join(split, 'best.pt'), best_at_20)
     run_train(split, data_dir, *HARD, '--dtype=float32', '--init_from=resume')
@@ -137,8 +136,7 @@ def test_refuses_mismatched_or_corrupt_checkpoints(tmp_path, data_dir):
 def test_checkpoint_of_an_older_layout_resumes_and_a_newer_one_is_refused(tmp_path, data_dir):
     quick = ['--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10']
     straight, old = str(tmp_path / 'straight'), str(tmp_path / 'old')
-    run_train(straight, data_dir, *quick)
-    run_train(old, data_dir, *quick, '--max_iters=10')
+    run_trains(data_dir, (straight, quick), (old, [*quick, '--max_iters=10']))
     # rewrite last.pt as format 1 wrote it: no format number, training time or pretrained start, none of the keys added since
     last = os.path.join(old, 'last.pt')
     ckpt = torch.load(last, weights_only=True)
