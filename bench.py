@@ -1,248 +1,272 @@
 """
-Measure training speed: train.py's optimizer step on the same data, model and settings, timed after a
-warm-up, with model FLOPs utilization (MFU) and a profiler breakdown of one step; under torchrun, the
-memory each rank holds, to compare DDP's replicas with FSDP's shards.
+Measure training speed by running train.py as users run it and reading back what it records: per setting, the
+median time per iteration after a warm-up, tokens/s, model FLOPs utilization (MFU) against the peak train.py
+measured, the whole process's wall time, what each rank holds, and a profile of one iteration. Every figure
+printed also goes to a JSON file.
 
     python bench.py config/tiny.py --batch_size=8
-    python bench.py config/tiny.py --compare='--dtype=bfloat16 --compile=True'
-    torchrun --standalone --nproc_per_node=2 bench.py config/tiny.py --parallel=fsdp --gradient_accumulation_steps=2
+    python bench.py config/tiny.py --compare='--compile=True'
+    python bench.py config/tiny.py --nproc=2 --parallel=fsdp --gradient_accumulation_steps=2 --compare=--parallel=ddp
+    python bench.py config/tiny.py --reference='cd ../nanoGPT && python train.py config/train_shakespeare_char.py ...'
 
-Takes every train.py key, so any training config works unchanged, plus the bench keys below. With
-compare, a second setting B (the same config plus those overrides) is built next to A and both are
-timed in alternating rounds, A B A B ..., so that other load on the machine hits both alike.
+Takes every train.py key (passed on to train.py) plus the keys below. Each run of train.py gets a fresh out_dir in
+a temporary folder and bench_warmup + bench_iters iterations, each one logged; its one evaluation (of 1 batch) and
+checkpoint come after the last iteration, outside the timed ones. With compare, a setting B (the same arguments plus
+those overrides) runs too; with reference, that shell command runs as B instead, timed by the lines it prints in
+nanoGPT's format, "iter N: loss X, time Y ms". The settings run in turns, A B A B ..., one process each, so that
+other load on the machine hits both alike.
 """
 import ast
-import atexit
-import json
+import glob
 import os
+import re
+import runpy
 import shlex
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
-from contextlib import contextmanager, nullcontext
-from types import SimpleNamespace
+from json import dump, load, loads
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.profiler import ProfilerActivity, record_function
-
-import data
-import perf
 from configurator import ConfigError, configure
-from model import GPT, GPTConfig
 
-bench_iters = 20  # timed optimizer steps per setting
-bench_warmup = 5  # untimed optimizer steps first, the first included: compilation, allocator, loader workers
-profile = True  # break one more optimizer step down with torch.profiler
-trace = ''  # write that step's chrome trace (chrome://tracing, ui.perfetto.dev) here; with compare, NAME_A.json and NAME_B.json
-compare = ''  # overrides for a second setting B, e.g. '--compile=True': timed interleaved with A
-bench_keys = ['bench_iters', 'bench_warmup', 'profile', 'trace', 'compare']
-ROUNDS = 10  # A B alternations: short rounds, so that a spell of other load on the machine hits both settings
-PHASES = ('data', 'forward', 'backward', 'optimizer')
+bench_iters = 20  # timed iterations per process
+bench_warmup = 5  # iterations dropped at the start of every process: one-time work, allocator, loader workers, compilation
+rounds = 3  # processes per setting, run in turns with the other setting's
+compare = ''  # overrides that make a setting B, e.g. '--compile=True'
+reference = ''  # a shell command run as B instead, e.g. nanoGPT's train.py with the same shapes and --log_interval=1
+reference_tokens_per_iter = 0  # tokens per iteration of the reference; 0: as many as ours (the shapes match)
+nproc = 1  # processes per run of train.py, under torchrun
+profile = True  # break one iteration of each setting down with torch.profiler: one more run of train.py, in this process
+trace = ''  # write that iteration's chrome trace (chrome://tracing, ui.perfetto.dev) here; with compare, NAME_A.json, NAME_B.json
+json = ''  # write every figure to this file too; '' writes bench.json in the runs' temporary folder
+bench_keys = ['bench_iters', 'bench_warmup', 'rounds', 'compare', 'reference', 'reference_tokens_per_iter', 'nproc', 'profile',
+              'trace', 'json']
+TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')
+ITER_LINE = re.compile(r'^iter (\d+): loss [^,]*, time ([\d.]+) ?ms', re.M)  # nanoGPT's log line
+# events PyTorch records by itself that mark an iteration's phases; forward (with the loss) is the time from a
+# fetched batch to its backward, and 'other' what is left: clipping, the loss sync, the scheduler, logging
+LANDMARKS = (('enumerate(DataLoader)', 'data'), ('autograd::engine::evaluate_function', 'backward'),
+             ('Optimizer.step', 'optimizer'), ('Optimizer.zero_grad', 'optimizer'))
+PHASES = ('data', 'forward', 'backward', 'optimizer', 'other')
+
+
+def stop(message, code=2):
+    """A mistake in the arguments (exit code 2) or a run that failed (1): one line, or the run's last lines."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
 
 
 def train_defaults():
-    """train.py's defaults, read from its source (importing it would start a run): the constants above config_keys."""
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')) as f:
+    """train.py's keys and defaults, read from its source (importing it would start a run): the constants above config_keys."""
+    with open(TRAIN) as f:
         assigns = [(node.targets[0].id, node.value) for node in ast.parse(f.read()).body
                    if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)]
     names = [name for name, _ in assigns]
     return {name: ast.literal_eval(value) for name, value in assigns[:names.index('config_keys')]}
 
 
-defaults = train_defaults() | {k: globals()[k] for k in bench_keys}
+train_keys = train_defaults()
 try:
-    config, _ = configure(defaults, sys.argv[1:])
-    configs = {'A': config}
-    if config['compare']:
-        configs['B'] = configure(defaults, sys.argv[1:] + shlex.split(config['compare']))[0]
+    config, _ = configure(train_keys | {k: globals()[k] for k in bench_keys}, sys.argv[1:])
+    configure(train_keys, shlex.split(config['compare']))  # B's overrides are checked now, not after A's runs
 except ConfigError as e:
-    sys.exit(f"error: {e}")
+    stop(e)
 globals().update({k: config[k] for k in bench_keys})
-for cfg in configs.values():  # the checks train.py makes on these keys
-    if cfg['parallel'] not in ('ddp', 'fsdp') or cfg['backend'] not in ('auto', 'nccl', 'gloo'):
-        sys.exit(f"error: parallel='{cfg['parallel']}', backend='{cfg['backend']}': use parallel 'ddp' or 'fsdp', "
-                 f"backend 'auto', 'nccl' or 'gloo'")
-
-# under torchrun every rank builds and times the same settings; rank 0 alone prints and writes the trace
-distributed = 'RANK' in os.environ
-rank, local_rank, world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if distributed else (0, 0, 1)
-on_cuda = config['device'].startswith('cuda') or (config['device'] == 'auto' and torch.cuda.is_available())
-if distributed:
-    if on_cuda:
-        torch.cuda.set_device(local_rank)  # collectives and FSDP's mesh use the current device: one GPU per rank
-    dist.init_process_group(backend=config['backend'] if config['backend'] != 'auto' else 'nccl' if on_cuda else 'gloo')
-    # on every exit path, errors too; the pause hands gloo's threads the GIL first (see shut_down_process_group in train.py)
-    atexit.register(lambda: (time.sleep(0.1), dist.destroy_process_group()))
-say = print if rank == 0 else lambda *args: None
+if compare and reference:
+    stop("compare and reference are both set: give one, a setting B (compare) or a command to run as B (reference)")
+for key in ('bench_iters', 'bench_warmup', 'rounds', 'nproc'):
+    if config[key] < 1:
+        stop(f"{key}={config[key]} must be at least 1")
+train_args = [a for a in sys.argv[1:] if not (a.startswith('--') and a[2:].partition('=')[0] in bench_keys)]
+settings = {'A': train_args} | ({'B': train_args + shlex.split(compare)} if compare else {})
+names = list(settings) + (['reference'] if reference else [])
+folder = tempfile.mkdtemp(prefix='bench-')
+json = json or os.path.join(folder, 'bench.json')
 
 
-def build(cfg):
-    """One setting as train.py builds it: returns (step, info); step() runs one optimizer step and returns its loss."""
-    device = cfg.device if cfg.device != 'auto' else 'cuda' if torch.cuda.is_available() else 'cpu'
-    device = f'cuda:{local_rank}' if distributed and device.startswith('cuda') else device  # as train.py: one GPU per rank
-    device_type = 'cuda' if device.startswith('cuda') else 'cpu'
-    dataset_dir = os.path.join(cfg.data_dir, cfg.dataset)
-    if not os.path.exists(os.path.join(dataset_dir, 'meta.json')):
-        sys.exit(f"error: dataset '{cfg.dataset}' is not prepared in {dataset_dir}: run python prepare.py {cfg.dataset} (or set data_dir)")
-    with open(os.path.join(dataset_dir, 'meta.json')) as f:
-        meta = json.load(f)
-    dtype = cfg.dtype if cfg.dtype != 'auto' else perf.auto_dtype(device, dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size, bias=cfg.bias, vocab_size=meta['vocab_size'], dropout=cfg.dropout), cfg.batch_size)[0]
-    sharded = distributed and cfg.parallel == 'fsdp'
-    if sharded and dtype == 'float16':
-        sys.exit("error: parallel='fsdp' trains in float32 or bfloat16: set dtype=bfloat16")
-    if cfg.gradient_accumulation_steps % world_size:
-        sys.exit(f"error: gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by the {world_size} "
-                 f"processes: make it a multiple of {world_size}")
-    accum_steps = cfg.gradient_accumulation_steps // world_size
-    autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
-    if device_type == 'cuda':
-        torch.set_float32_matmul_precision('high')  # as train.py: TF32 for what autocast leaves in float32
-    windows = data.TokenWindows(os.path.join(dataset_dir, 'train.bin'), meta['dtype'], cfg.block_size)
-    try:
-        sampler = data.TrainSampler(windows.num_tokens, cfg.block_size, cfg.batch_size,
-                                    cfg.batch_size * cfg.gradient_accumulation_steps, cfg.seed, rank, world_size)
-    except data.DataError as e:
-        sys.exit(f"error: {e}")
-    batches = data.endless_batches(windows, sampler, cfg.num_workers, cfg.seed + rank, device_type == 'cuda')
-    torch.manual_seed(cfg.seed)
-    raw_model = GPT(GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size, bias=cfg.bias,
-                              vocab_size=meta['vocab_size'], dropout=cfg.dropout)).to(device)
-    raw_model.activation_checkpointing = cfg.activation_checkpointing
-    if sharded:
-        raw_model.fully_shard(getattr(torch, dtype))
-    model = torch.compile(raw_model) if cfg.compile else raw_model
-    if distributed and not sharded:
-        model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
-    torch.manual_seed(cfg.seed + rank)  # as train.py: the same initial weights everywhere, dropout masks per rank
-    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2))
-    scaler = torch.amp.GradScaler(device_type, init_scale=cfg.init_scale, enabled=dtype == 'float16')
-
-    @contextmanager
-    def phase(name, sync):
-        with record_function(name):
-            yield
-            if sync:  # CUDA kernels run behind the host: wait, so the range holds the device's work
-                torch.cuda.synchronize(device)
-
-    def step(sync_phases=False):
-        sync = sync_phases and device_type == 'cuda'
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=device)
-        for micro_step in range(accum_steps):
-            with phase('data', sync):
-                x, y, _ = next(batches)
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            if sharded:  # as train.py: gradients are reduced on the last micro-batch only
-                model.set_requires_gradient_sync(micro_step == accum_steps - 1)
-            elif distributed:
-                model.require_backward_grad_sync = micro_step == accum_steps - 1
-            with phase('forward', sync), autocast:
-                logits = model(x)
-                loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-                loss_sum += loss.detach()
-            with phase('backward', sync):
-                scaler.scale(loss / accum_steps).backward()
-        with phase('optimizer', sync):
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float('inf'))
-            grad_norm = grad_norm.full_tensor() if sharded else grad_norm
-            if distributed:
-                dist.all_reduce(loss_sum)
-            loss_mean, _ = torch.stack([loss_sum / cfg.gradient_accumulation_steps, grad_norm.float()]).tolist()  # train.py's sync
-            scaler.step(optimizer)
-            scaler.update()
-        if device_type == 'cuda':  # the clock must see the finished step, not its launch
-            torch.cuda.synchronize(device)
-        return loss_mean
-
-    def state_mb():
-        """MB of weights, gradients and optimizer state this rank holds: FSDP's shards, or DDP's full replicas."""
-        local = lambda tensors: sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors) / 2**20
-        return {'weights': local(raw_model.parameters()), 'grads': local(p.grad for p in raw_model.parameters() if p.grad is not None),
-                'AdamW': local(v for s in optimizer.state.values() for v in s.values())}
-
-    info = SimpleNamespace(device=device, dtype=dtype, flops_per_token=raw_model.flops_per_token(), params=raw_model.num_params(),
-                           tokens_per_step=cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps,
-                           parallel=cfg.parallel if distributed else 'one process', state_mb=state_mb)
-    return step, info
+def train_argv(args, out_dir, iters):
+    """train.py's command line: the arguments given, then the bench's own, which win."""
+    return [TRAIN, *args, f'--out_dir={out_dir}', f'--max_iters={iters}', f'--eval_interval={iters + 1}', '--eval_iters=1',
+            '--log_interval=1', '--checkpoint_interval=0', '--init_from=scratch', '--test_eval=False', '--sample_tokens=0',
+            '--write_report=False', '--wandb_log=False', '--tensorboard_log=False']
 
 
-def timed(step, n):
-    """(seconds, loss) of each of n optimizer steps."""
-    results = []
-    for _ in range(n):
-        start = time.perf_counter()
-        loss = step()
-        results.append((time.perf_counter() - start, loss))
-    return results
+def run(command, log_path, shell=False):
+    """(wall seconds, stdout) of a command, start-up included; all its output goes to log_path."""
+    start = time.perf_counter()
+    result = subprocess.run(command, shell=shell, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    with open(log_path, 'w') as f:
+        f.write(result.stdout + result.stderr)
+    if result.returncode:
+        last_lines = '\n'.join((result.stdout + result.stderr).strip().splitlines()[-5:])
+        stop(f"{command if shell else 'train.py'} failed with exit code {result.returncode}; its output ends:\n{last_lines}\n"
+             f"(all of it in {log_path})", 1)
+    return seconds, result.stdout
 
 
-def breakdown(step, device, trace_path):
-    """Milliseconds of one optimizer step per phase, and 'other' (zero_grad, the profiler, idle): what the step's wall time leaves."""
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith('cuda') else [])
-    with torch.profiler.profile(activities=activities) as prof:
-        with record_function('step'):
-            step(sync_phases=True)
-    if trace_path:
-        prof.export_chrome_trace(trace_path)
-    ms = {e.key: e.cpu_time_total / 1e3 for e in prof.key_averages() if e.key in PHASES + ('step',)}
-    return {**{p: ms[p] for p in PHASES}, 'other': ms['step'] - sum(ms[p] for p in PHASES)}, ms['step']
+def run_ours(name, round):
+    """One run of train.py: its iteration times after the warm-up, read from metrics.jsonl, and what it recorded."""
+    out_dir = os.path.join(folder, f'{name}{round}')
+    launcher = [sys.executable] + (['-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}'] if nproc > 1 else [])
+    wall_seconds, _ = run(launcher + train_argv(settings[name], out_dir, bench_warmup + bench_iters), out_dir + '.log')
+    for path in glob.glob(os.path.join(out_dir, '*.pt')) + glob.glob(os.path.join(out_dir, 'shards-*')):
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)  # a big model's checkpoints take gigabytes
+    with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
+        records = [loads(line) for line in f]
+    with open(os.path.join(out_dir, 'meta.json')) as f:
+        meta = load(f)
+    with open(os.path.join(out_dir, 'config.json')) as f:
+        used = {k: v['value'] for k, v in load(f).items() if k != 'resolved'}
+    train = [r for r in records if r['kind'] == 'train']
+    times = [r['time'] for r in records if r['kind'] == 'start'] + [r['time'] for r in train]  # log_interval=1: one per iteration
+    seconds = [end - start for start, end in zip(times, times[1:])]
+    peak = meta['peak_flops']['per_process']
+    return {'seconds': seconds[bench_warmup:], 'first_seconds': seconds[0], 'wall_seconds': wall_seconds,
+            'losses': [r['loss'] for r in train],
+            'memory_ranks': next(r['ranks'] for r in records if r['kind'] == 'memory'),
+            'tokens_per_iter': used['gradient_accumulation_steps'] * used['batch_size'] * used['block_size'],
+            # train.py's MFU is tokens/s * FLOPs per token / (peak * processes): its FLOPs per token, read back
+            'flops_per_token': train[-1]['mfu'] * peak * meta['world_size'] / train[-1]['tokens_per_sec'],
+            'peak_flops': peak, 'peak_how': meta['peak_flops']['how'], 'world_size': meta['world_size'], 'device': meta['device'],
+            'dtype': meta['dtype'], 'dtype_choice': meta['dtype_choice'], 'cpu': meta['hardware']['cpu'],
+            'torch': meta['versions']['torch'], 'compile': used['compile'], 'out_dir': out_dir}
 
 
-def per_rank(value):
-    """value from every rank, in rank order."""
-    if not distributed:
-        return [value]
-    values = [None] * world_size
-    dist.all_gather_object(values, value)
-    return values
+def run_reference(round):
+    """One run of the reference command: the times of its iterations after the warm-up, from its log lines."""
+    wall_seconds, stdout = run(reference, os.path.join(folder, f'reference{round}.log'), shell=True)
+    ms = [float(t) for _, t in ITER_LINE.findall(stdout)]
+    if len(ms) <= bench_warmup:
+        stop(f"the reference printed {len(ms)} lines like 'iter N: loss X, time Y ms', and the first bench_warmup={bench_warmup} "
+             f"are dropped: run it with --log_interval=1 and enough iterations (nanoGPT: --max_iters={bench_warmup + bench_iters - 1})")
+    return {'seconds': [t / 1e3 for t in ms[bench_warmup:]], 'first_seconds': ms[0] / 1e3, 'wall_seconds': wall_seconds,
+            'iters': len(ms), 'tokens_per_iter': reference_tokens_per_iter or runs['A'][-1]['tokens_per_iter']}  # A ran first
 
 
-# other processes competing for the cores slow every step (and the peak measurement): say how busy the machine is
-say(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs with load average {os.getloadavg()[0]:.2f} "
-    f"before this run; {world_size} process(es); A: {' '.join(sys.argv[1:])}" + (f"; B: A {compare}" if compare else ''))
-runs = {}
-for name, cfg in configs.items():  # all built before any is timed: every setting is in memory at once
-    cfg = SimpleNamespace(**cfg)
-    step, info = build(cfg)
-    peak, how = perf.peak_flops(info.device, getattr(torch, info.dtype))
-    first = timed(step, 1)[0][0]
-    timed(step, bench_warmup - 1)
-    runs[name] = SimpleNamespace(cfg=cfg, step=step, info=info, peak=peak, how=how, first=first, steps=[])
-chunk = max(1, bench_iters // ROUNDS)
-while len(runs['A'].steps) < bench_iters:
-    for run in runs.values():
-        run.steps += timed(run.step, min(chunk, bench_iters - len(run.steps)))
+def summary(setting_runs):
+    """A setting's figures over all its runs: the median iteration and each round's tokens/s; for ours, the MFU."""
+    first, tokens_per_iter = setting_runs[0], setting_runs[0]['tokens_per_iter']
+    median = statistics.median(s for run in setting_runs for s in run['seconds'])
+    result = {'tokens_per_iter': tokens_per_iter, 'ms_per_iter': median * 1e3, 'tokens_per_sec': tokens_per_iter / median,
+              'round_tokens_per_sec': [tokens_per_iter / statistics.median(run['seconds']) for run in setting_runs],
+              'wall_seconds': statistics.median(run['wall_seconds'] for run in setting_runs),
+              'first_seconds': statistics.median(run['first_seconds'] for run in setting_runs), 'runs': setting_runs}
+    if 'peak_flops' in first:  # train.py's, the same in every round
+        result |= {k: first[k] for k in ('device', 'dtype', 'dtype_choice', 'world_size', 'compile', 'cpu', 'torch', 'flops_per_token',
+                                         'peak_flops', 'peak_how', 'memory_ranks')}
+        result['achieved_flops'] = first['flops_per_token'] * result['tokens_per_sec']
+        result['mfu'] = result['achieved_flops'] / (first['peak_flops'] * first['world_size'])
+    return result
 
-for name, run in runs.items():
-    cfg, info = run.cfg, run.info
-    run.seconds = [s for s, _ in run.steps]
-    run.tokens_per_sec = info.tokens_per_step / statistics.median(run.seconds)
-    run.fastest_tokens_per_sec = info.tokens_per_step / min(run.seconds)
-    achieved = info.flops_per_token * run.tokens_per_sec
-    say(f"\n{name}: {info.device} {info.dtype}, {'compiled' if cfg.compile else 'eager'}, {info.params / 1e6:.2f}M parameters, "
-        f"{info.parallel}, {info.tokens_per_step:,} tokens per step ({cfg.gradient_accumulation_steps} x {cfg.batch_size} x "
-        f"{cfg.block_size}), num_workers={cfg.num_workers}; loss {run.steps[-1][1]:.4f} after {bench_warmup + len(run.seconds)} steps")
-    say(f"  first step: {run.first:.2f} s{' (includes compilation)' if cfg.compile else ''}")
-    say(f"  ms/step: median {statistics.median(run.seconds) * 1e3:.1f}, min {min(run.seconds) * 1e3:.1f} over {len(run.seconds)} steps")
-    say(f"  tokens/s: {run.tokens_per_sec:,.0f}")
-    say(f"  model FLOPs/token: {info.flops_per_token / 1e6:.2f}M; achieved {achieved / 1e9:.2f} GFLOP/s")
-    say(f"  MFU: {achieved / (run.peak * world_size):.1%} of {run.peak / 1e9:.1f} GFLOP/s peak per process ({run.how})")
-    for r, mb in enumerate(per_rank(info.state_mb())):
-        say(f"  rank {r} holds: weights {mb['weights']:,.2f} MB, grads {mb['grads']:,.2f} MB, AdamW {mb['AdamW']:,.2f} MB; "
-            f"total {sum(mb.values()):,.2f} MB")
-    if profile:
-        trace_path = f"{os.path.splitext(trace)[0]}_{name}.json" if trace and compare else trace
-        phase_ms, step_ms = breakdown(run.step, info.device, trace_path if rank == 0 else '')
-        say(f"  profile of one step ({step_ms:.1f} ms): " + ', '.join(f"{p} {ms / step_ms:.1%}" for p, ms in phase_ms.items()))
-peaks = per_rank(perf.peak_memory_mb(runs['A'].info.device))
-say("\npeak memory: " + ', '.join(f"rank {r} {mb:,.0f} MB" for r, mb in enumerate(peaks)) +
-    (" (each process held both settings: compare memory in separate runs)" if compare else ''))
-if compare:
-    ratio = runs['B'].tokens_per_sec / runs['A'].tokens_per_sec
-    fastest = runs['B'].fastest_tokens_per_sec / runs['A'].fastest_tokens_per_sec
-    say(f"tokens/s B/A: {ratio:.3f} (B is {abs(ratio - 1):.1%} {'faster' if ratio > 1 else 'slower'}); fastest steps: {fastest:.3f}")
+
+def breakdown(events):
+    """(ms of the profiled iteration, {phase: ms}) from the profiler's events. The iteration runs from one optimizer
+    step to the next; each backward pass spans its first autograd node to its last; 'other' is what is left."""
+    window = next(e for e in events if e.name.startswith('ProfilerStep'))
+    marks = sorted((e.time_range.start, e.time_range.end, phase) for e in events if e.cpu_parent in (None, window)
+                   for prefix, phase in LANDMARKS if e.name.startswith(prefix))
+    ms = dict.fromkeys(PHASES, 0.0)
+    previous = None
+    for start, end, phase in marks:
+        if phase == 'backward' and previous and previous[2] == 'data':
+            ms['forward'] += (start - previous[1]) / 1e3
+        joined = phase == 'backward' and previous and previous[2] == 'backward'  # the next node of the same pass
+        ms[phase] += (end - (previous[1] if joined else start)) / 1e3
+        previous = (start, end, phase)
+    iteration_ms = window.time_range.elapsed_us() / 1e3
+    ms['other'] = iteration_ms - sum(ms.values())
+    return iteration_ms, ms
+
+
+def profile_iteration(name):
+    """Run train.py in this process under torch.profiler and break down its iteration bench_warmup + 2, after the
+    profiler's own warm-up step. The profiler steps at every optimizer step, from a global hook: train.py is unchanged."""
+    import torch  # this process needs torch only here: a mistake in the arguments fails at once
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    out_dir = os.path.join(folder, f'{name}_profile')
+    trace_path = f"{os.path.splitext(trace)[0]}_{name}.json" if trace and compare else trace
+    events = []
+
+    def save(prof):
+        events.extend(prof.events())
+        if trace_path:
+            prof.export_chrome_trace(trace_path)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = torch.profiler.profile(activities=activities, on_trace_ready=save,
+                                  schedule=torch.profiler.schedule(wait=bench_warmup, warmup=1, active=1))
+    hook = register_optimizer_step_post_hook(lambda *_: prof.step())
+    sys.argv = train_argv(settings[name], out_dir, bench_warmup + 2) + ['--smoke_test=False']  # its steps would count
+    code = 0
+    with open(out_dir + '.log', 'w') as log, prof:
+        terminal = os.dup(1), os.dup(2)
+        os.dup2(log.fileno(), 1)  # file descriptors, not sys.stdout: the profiler's C++ side prints too
+        os.dup2(log.fileno(), 2)
+        try:
+            runpy.run_path(TRAIN, run_name='__main__')
+        except SystemExit as e:  # train.py's exit on a stop, an abort or a mistake
+            code = e.code
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(terminal[0], 1)
+            os.dup2(terminal[1], 2)
+    hook.remove()
+    if code:
+        stop(f"train.py failed under the profiler with exit code {code}: see {out_dir}.log", 1)
+    return breakdown(events)
+
+
+load_average = os.getloadavg()[0]
+print(f"{len(names)} setting(s), {rounds} round(s) of {bench_warmup} + {bench_iters} iterations, {nproc} process(es) per run; "
+      f"load average {load_average:.2f} on {os.cpu_count()} CPUs before the runs; runs in {folder}")
+print(f"A: train.py {shlex.join(train_args)}" + (f"\nB: A {compare}" if compare else '') + (f"\nreference: {reference}" if reference else ''),
+      flush=True)
+runs = {name: [] for name in names}
+for round in range(1, rounds + 1):
+    for name in names:
+        runs[name].append(run_reference(round) if name == 'reference' else run_ours(name, round))
+    print(f"round {round}/{rounds}: " + ', '.join(f"{name} {statistics.median(runs[name][-1]['seconds']) * 1e3:.1f} ms/iter"
+                                                  for name in names), flush=True)
+results = {name: summary(runs[name]) for name in names}
+report = {'command': sys.argv, 'cpu': runs['A'][0]['cpu'], 'torch': runs['A'][0]['torch'], 'cpu_count': os.cpu_count(),
+          'load_average_before': load_average, 'bench_iters': bench_iters, 'bench_warmup': bench_warmup, 'rounds': rounds,
+          'nproc': nproc, 'settings': results}
+if len(names) == 2:  # B over A, or ours over the reference
+    over, under = ('A', 'reference') if reference else ('B', 'A')
+    per_round = [a / b for a, b in zip(results[over]['round_tokens_per_sec'], results[under]['round_tokens_per_sec'])]
+    report['ratio'] = {'of': f'{over}/{under}', 'tokens_per_sec': results[over]['tokens_per_sec'] / results[under]['tokens_per_sec'],
+                       'rounds': per_round}
+if profile and nproc == 1:
+    report['profile'] = {}
+    for name in settings:
+        iteration_ms, ms = profile_iteration(name)
+        report['profile'][name] = {'iteration_ms': iteration_ms, 'ms': ms, 'shares': {p: t / iteration_ms for p, t in ms.items()}}
+
+print(f"\non {report['cpu']}, torch {report['torch']}: median of {rounds} x {bench_iters} iterations per setting")
+for name, r in results.items():
+    print(f"{name}: {r['ms_per_iter']:.1f} ms/iter, {r['tokens_per_sec']:,.0f} tokens/s (rounds {min(r['round_tokens_per_sec']):,.0f}-"
+          f"{max(r['round_tokens_per_sec']):,.0f}) at {r['tokens_per_iter']:,} tokens/iter; whole process {r['wall_seconds']:.1f} s, "
+          f"first iteration {r['first_seconds']:.2f} s")
+    if name == 'reference':
+        continue
+    print(f"   {r['device']} {r['dtype']}, {'compiled' if r['compile'] else 'eager'}, {r['world_size']} process(es): MFU {r['mfu']:.1%}, "
+          f"{r['achieved_flops'] / 1e9:,.2f} GFLOP/s ({r['flops_per_token'] / 1e6:,.2f} MFLOP/token) of {r['peak_flops'] / 1e9:,.1f} "
+          f"per process ({r['peak_how']}); loss {r['runs'][0]['losses'][-1]:.4f} at iteration {len(r['runs'][0]['losses'])}")
+    for rank, held in enumerate(r['memory_ranks']):
+        print(f"   rank {rank} holds weights {held['weights_mb']:,.2f} MB, grads {held['grads_mb']:,.2f} MB, optimizer state "
+              f"{held['optimizer_mb']:,.2f} MB; peak memory {held['peak_mb']:,.0f} MB after the first iteration")
+    if name in report.get('profile', {}):
+        p = report['profile'][name]
+        print(f"   profile of one iteration ({p['iteration_ms']:.1f} ms): " + ', '.join(f"{k} {v:.1%}" for k, v in p['shares'].items()))
+if 'ratio' in report:
+    ratio = report['ratio']
+    print(f"tokens/s {ratio['of']}: {ratio['tokens_per_sec']:.3f} (rounds {min(ratio['rounds']):.3f}-{max(ratio['rounds']):.3f})")
+if profile and nproc > 1:
+    print("no profile: it runs one process (nproc=1)")
+with open(json, 'w') as f:
+    dump(report, f, indent=1)
+print(f"all figures: {json}")

@@ -195,7 +195,6 @@ def measure_flops(device, dtype, budget=0.1):
         n *= 2
 
 
-@functools.cache  # one peak per process: settings compared in one run are rated against the same number
 def peak_flops(device, dtype):
     """(FLOP/s, how it was obtained) for a torch dtype: the datasheet on known GPUs, else measured once per machine."""
     if torch.device(device).type == 'cuda':

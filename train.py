@@ -607,7 +607,24 @@ signal.signal(signal.SIGTERM, request_stop)
 
 # -----------------------------------------------------------------------------
 # training loop
+def record_memory():
+    """What each rank holds after the session's first optimizer step, MB: weights, gradients and optimizer state
+    (an fsdp rank its shards, a ddp rank full replicas), and its peak memory so far. Every rank must call it."""
+    def mb(tensors):  # a DTensor's own part is its to_local()
+        return sum((t.to_local() if sharded and isinstance(t, torch.distributed.tensor.DTensor) else t).nbytes
+                   for t in tensors) / 2**20
+    held = {'weights_mb': mb(raw_model.parameters()), 'grads_mb': mb(p.grad for p in raw_model.parameters() if p.grad is not None),
+            'optimizer_mb': mb(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)),
+            'peak_mb': perf.peak_memory_mb(device)}
+    ranks = [held] * world_size
+    if ddp:
+        dist.all_gather_object(ranks, held)
+    record({'kind': 'memory', 'step': iter_num, 'ranks': ranks})
+
+
 train_batches = data.endless_batches(splits['train'], train_sampler, num_workers, seed + rank, pin_memory)
+
+
 fixed_batch = next(train_batches) if overfit_one_batch else None
 t_start = t_last = time.time()
 iters_since_log, first_loss, save_seconds_total = 0, None, 0.0
@@ -659,6 +676,8 @@ while iter_num < max_iters:
         scheduler.step()  # the schedule counts optimizer steps that really happened
     skipped_steps, consecutive_skips = skipped_steps + skipped, (consecutive_skips + 1) * skipped
     iter_num += 1
+    if iter_num == start_iter + 1:
+        record_memory()
     if consecutive_skips >= max_consecutive_skips:
         message = (f"float16 gradients overflowed {consecutive_skips} optimizer steps in a row (up to iteration {iter_num}, "
                    f"loss scale now {scaler.get_scale():g}): the model diverged or float16's range is too small for it; "

@@ -1,7 +1,9 @@
-"""bench.py run as users run it on the toy dataset, its printed figures checked against each other; perf's peaks."""
+"""bench.py run as users run it on the toy dataset, its JSON figures checked against each other and against the model's
+shapes; the reference mode against a fake nanoGPT; perf's peaks."""
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 
@@ -9,107 +11,144 @@ import pytest
 import torch
 
 import perf
-from conftest import REPO, RUN_CONFIG, ok, torchrun_script
+from conftest import REPO, RUN_CONFIG
 from model import GPT, GPTConfig
 
+QUICK = ['--bench_iters=5', '--bench_warmup=2', '--rounds=1', '--dtype=float32']
 
-def run_bench(data_dir, *overrides):
-    cmd = [sys.executable, 'bench.py', RUN_CONFIG, f'--data_dir={data_dir}', '--bench_iters=5', '--bench_warmup=2', '--dtype=float32', *overrides]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+def run_bench(tmp_path, data_dir, *overrides, env=None):
+    """bench.py on tests/run_config.py; its JSON report."""
+    report = tmp_path / 'bench.json'
+    cmd = [sys.executable, 'bench.py', RUN_CONFIG, f'--data_dir={data_dir}', *QUICK, f'--json={report}', *overrides]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, f"bench.py failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
-    return result.stdout
+    assert f"all figures: {report}" in result.stdout
+    return json.loads(report.read_text())
 
 
-def sections(stdout):
-    """{'A': text, 'B': text}: each setting's block of lines."""
-    return dict(re.findall(r'^(A|B): (.*?)(?=^\n|\Z)', stdout, re.M | re.S))
-
-
-def number(pattern, text):
-    return float(re.search(pattern, text).group(1).replace(',', ''))
-
-
-def check_setting(text, flops_per_token):
-    median, fastest = number(r'median ([\d.]+)', text), number(r'min ([\d.]+) over 5 steps', text)
-    assert 0 < fastest <= median
-    tokens_per_step, tokens_per_sec = number(r'([\d,]+) tokens per step', text), number(r'tokens/s: ([\d,]+)', text)
-    # tokens/s comes from the median step, printed rounded to 0.1 ms
-    assert tokens_per_step / (median + 0.05) * 1e3 - 1 <= tokens_per_sec <= tokens_per_step / (median - 0.05) * 1e3 + 1
-    assert number(r'model FLOPs/token: ([\d.]+)M', text) == pytest.approx(flops_per_token / 1e6, abs=0.01)
-    achieved = number(r'achieved ([\d.]+) GFLOP/s', text)
-    assert achieved == pytest.approx(flops_per_token * tokens_per_sec / 1e9, rel=0.02, abs=0.01)
-    mfu, peak = number(r'MFU: ([\d.]+)%', text), number(r'of ([\d.]+) GFLOP/s peak per process \(measured: \d+x\d+ float32 matmul', text)
-    # MFU comes from unrounded values; achieved and peak are printed to 0.01 and 0.1 GFLOP/s (a peak measured while
-    # the host was starved was once 0.1, so that rounding alone moved MFU by 15%)
-    assert 100 * (achieved - 0.005) / (peak + 0.05) - 0.05 <= mfu <= 100 * (achieved + 0.005) / (peak - 0.05) + 0.05
-    shares = re.search(r'profile of one step \([\d.]+ ms\): data ([\d.]+)%, forward ([\d.]+)%, backward ([\d.]+)%, '
-                       r'optimizer ([\d.]+)%, other (-?[\d.]+)%', text).groups()
-    shares = [float(s) for s in shares]
-    assert all(s >= 0 for s in shares) and shares[1] > 0 and shares[2] > 0
-    assert sum(shares) == pytest.approx(100, abs=0.3)
-    return tokens_per_sec, tokens_per_step / fastest, number(r'loss ([\d.]+) after 7 steps', text)
-
-
-def toy_model(data_dir):
-    """The GPT that bench.py builds from tests/run_config.py on the toy data."""
+def toy_params(data_dir):
+    """The parameters of the GPT that train.py builds from tests/run_config.py on the toy data (tied head once)."""
     run_config = {}
     exec(open(RUN_CONFIG).read(), run_config)
     shape = {k: run_config[k] for k in ('n_layer', 'n_head', 'n_embd', 'block_size')}
     vocab_size = json.load(open(os.path.join(data_dir, 'toy', 'meta.json')))['vocab_size']
-    return GPT(GPTConfig(**shape, bias=False, vocab_size=vocab_size))  # bias: train.py's default
+    model = GPT(GPTConfig(**shape, bias=False, vocab_size=vocab_size))  # bias: train.py's default
+    return model, list(model.parameters())
 
 
-def test_bench_compares_two_settings_with_speed_mfu_and_profile(tmp_path, data_dir):
-    # B trains the same model on the same batches, loaded in a worker process: the same losses, another speed
-    stdout = run_bench(data_dir, '--compare=--num_workers=1', f"--trace={tmp_path / 'step.json'}")
-    a, b = sections(stdout)['A'], sections(stdout)['B']
-    assert 'num_workers=0' in a and 'num_workers=1' in b
-    (a_median, a_fastest, a_loss), (b_median, b_fastest, b_loss) = (check_setting(s, toy_model(data_dir).flops_per_token()) for s in (a, b))
-    assert a_loss == b_loss
-    assert number(r'tokens/s B/A: ([\d.]+)', stdout) == pytest.approx(b_median / a_median, rel=0.01)
-    assert number(r'fastest steps: ([\d.]+)', stdout) == pytest.approx(b_fastest / a_fastest, rel=0.05)  # ms rounded to 0.1
-    assert number(r'peak memory: rank 0 ([\d,]+) MB', stdout) > 0
-    for name in ('step_A.json', 'step_B.json'):
-        events = {e.get('name') for e in json.load(open(tmp_path / name))['traceEvents']}
-        assert {'data', 'forward', 'backward', 'optimizer'} <= events
-
-
-def held_mb(text):
-    """{rank: (weights, grads, AdamW, total)} from a setting's 'rank R holds' lines."""
-    lines = re.findall(r'rank (\d+) holds: weights ([\d,.]+) MB, grads ([\d,.]+) MB, AdamW ([\d,.]+) MB; total ([\d,.]+) MB', text)
-    return {int(r): tuple(float(x.replace(',', '')) for x in mb) for r, *mb in lines}
+def check_setting(s, iters, tokens_per_iter, flops_per_token):
+    """One setting's figures agree with its per-iteration times and with each other."""
+    seconds = [t for run in s['runs'] for t in run['seconds']]
+    assert len(seconds) == iters * len(s['runs']) and all(t > 0 for t in seconds)
+    assert s['ms_per_iter'] == pytest.approx(statistics.median(seconds) * 1e3)
+    assert s['tokens_per_sec'] == pytest.approx(s['tokens_per_iter'] / statistics.median(seconds))
+    assert s['tokens_per_iter'] == tokens_per_iter
+    assert s['flops_per_token'] == pytest.approx(flops_per_token)
+    assert s['achieved_flops'] == pytest.approx(flops_per_token * s['tokens_per_sec'])
+    assert s['peak_flops'] > 0 and s['peak_how'].startswith('measured: ') and s['dtype'] == 'float32'
+    assert s['mfu'] == pytest.approx(s['achieved_flops'] / (s['peak_flops'] * s['world_size']))
+    for run in s['runs']:  # the whole process holds every iteration, the warm-up's included
+        assert run['wall_seconds'] > run['first_seconds'] + sum(run['seconds'])
 
 
 @pytest.mark.slow
-def test_bench_under_torchrun_shows_fsdp_holding_a_shard_per_rank(data_dir):
-    # fsdp and ddp on 2 ranks, and 1 process, take the same global batches: the same losses (printed to 4 decimals)
-    result = ok(torchrun_script(['bench.py'], f'--data_dir={data_dir}', '--bench_iters=3', '--bench_warmup=2', '--profile=False', '--dtype=float32',
-                                '--parallel=fsdp', '--gradient_accumulation_steps=2', '--compare=--parallel=ddp'))
-    fsdp, ddp = sections(result.stdout)['A'], sections(result.stdout)['B']
-    assert ', fsdp, ' in fsdp and ', ddp, ' in ddp and '2 process(es)' in result.stdout
-    one_process = sections(run_bench(data_dir, '--bench_iters=3', '--profile=False', '--gradient_accumulation_steps=2'))['A']
-    losses = [number(r'loss ([\d.]+) after 5 steps', text) for text in (fsdp, ddp, one_process)]
-    assert losses == pytest.approx([losses[2]] * 3, abs=2e-4)
+def test_bench_compares_two_settings_with_speed_mfu_memory_and_profile(tmp_path, data_dir):
+    # B trains the same model on the same batches, loaded in a worker process: the same losses, another speed
+    report = run_bench(tmp_path, data_dir, '--compare=--num_workers=1', f"--trace={tmp_path / 'iteration.json'}")
+    a, b = report['settings']['A'], report['settings']['B']
+    model, params = toy_params(data_dir)
+    for s in (a, b):
+        check_setting(s, 5, 8 * 32, model.flops_per_token())  # batch_size x block_size of run_config
+    assert a['runs'][0]['losses'] == b['runs'][0]['losses'] and len(a['runs'][0]['losses']) == 2 + 5
+    assert report['ratio']['of'] == 'B/A'
+    assert report['ratio']['tokens_per_sec'] == pytest.approx(b['tokens_per_sec'] / a['tokens_per_sec'])
+    # what the one process holds after its first step: float32 weights and grads, AdamW's two moments and a step count per tensor
+    replica = sum(p.numel() for p in params) * 4 / 2**20
+    held = a['memory_ranks'][0]
+    assert (held['weights_mb'], held['grads_mb']) == pytest.approx((replica, replica))
+    assert held['optimizer_mb'] == pytest.approx(2 * replica + 4 * len(params) / 2**20)
+    assert held['peak_mb'] > 100  # at least Python and torch
+    for name in ('A', 'B'):
+        profile = report['profile'][name]
+        ms = profile['ms']
+        assert all(ms[phase] > 0 for phase in ('data', 'forward', 'backward', 'optimizer'))
+        assert ms['other'] >= 0  # the phases' spans do not overlap
+        assert sum(ms.values()) == pytest.approx(profile['iteration_ms'])
+        assert sum(profile['shares'].values()) == pytest.approx(1)
+        events = {e.get('name', '') for e in json.load(open(tmp_path / f'iteration_{name}.json'))['traceEvents']}
+        assert any(e.startswith('enumerate(DataLoader)') for e in events) and 'Optimizer.step#AdamW.step' in events
+        assert any(e.startswith('autograd::engine::evaluate_function') for e in events)
+
+
+FAKE_NANOGPT = '''
+import time
+# nanoGPT's log lines; the first two iterations are slow, as compilation and warm-up make them
+print("tokens per iteration will be: 512")
+for it, ms in enumerate([100, 100, 20, 30, 25, 35, 20]):
+    time.sleep(ms / 1e3)
+    print(f"iter {it}: loss {4.2 - it / 10:.4f}, time {ms:.2f}ms, mfu -100.00%")
+'''
+
+
+@pytest.mark.slow
+def test_bench_against_a_reference_command_in_rounds(tmp_path, data_dir):
+    fake = tmp_path / 'fake_nanogpt.py'
+    fake.write_text(FAKE_NANOGPT)
+    report = run_bench(tmp_path, data_dir, f'--reference={sys.executable} {fake}', '--reference_tokens_per_iter=512',
+                       '--rounds=2', '--profile=False')
+    ours, ref = report['settings']['A'], report['settings']['reference']
+    model, _ = toy_params(data_dir)
+    check_setting(ours, 5, 8 * 32, model.flops_per_token())
+    assert len(ref['runs']) == 2 and all(run['iters'] == 7 for run in ref['runs'])
+    assert [run['seconds'] for run in ref['runs']] == [pytest.approx([0.020, 0.030, 0.025, 0.035, 0.020])] * 2  # warm-up dropped
+    assert ref['ms_per_iter'] == pytest.approx(25) and ref['first_seconds'] == pytest.approx(0.1)
+    assert ref['tokens_per_sec'] == pytest.approx(512 / 0.025)
+    assert all(run['wall_seconds'] >= 0.33 for run in ref['runs'])  # it slept that long
+    ratio = report['ratio']
+    assert ratio['of'] == 'A/reference' and ratio['tokens_per_sec'] == pytest.approx(ours['tokens_per_sec'] / (512 / 0.025))
+    assert ratio['rounds'] == pytest.approx([tokens / (512 / 0.025) for tokens in ours['round_tokens_per_sec']])
+
+
+def test_bench_mistakes_fail_in_one_line_before_any_run(tmp_path):
+    for args, message in ((['--bench_itres=5'], "unknown config key 'bench_itres': did you mean bench_iters"),
+                          (['--compare=--batch_sise=4'], "unknown config key 'batch_sise': did you mean batch_size"),
+                          (['--compare=--compile=True', '--reference=true'], "compare and reference are both set")):
+        result = subprocess.run([sys.executable, 'bench.py', RUN_CONFIG, *args], cwd=REPO, capture_output=True, text=True)
+        assert result.returncode == 2 and result.stdout == '', result.stdout + result.stderr
+        assert result.stderr.startswith(f"error: {message}") and result.stderr.count('\n') == 1
+
+
+@pytest.mark.slow
+def test_bench_under_torchrun_shows_fsdp_holding_a_shard_per_rank(tmp_path, data_dir):
+    report = run_bench(tmp_path, data_dir, '--nproc=2', '--bench_iters=3', '--profile=False', '--parallel=fsdp',
+                       '--gradient_accumulation_steps=2', '--compare=--parallel=ddp', env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    fsdp, ddp = report['settings']['A'], report['settings']['B']
+    assert fsdp['world_size'] == ddp['world_size'] == 2 and 'profile' not in report
+    model, params = toy_params(data_dir)
+    for s in (fsdp, ddp):
+        check_setting(s, 3, 2 * 8 * 32, model.flops_per_token())
+    # the same global batches: the same losses, up to the order of the reductions
+    assert fsdp['runs'][0]['losses'] == pytest.approx(ddp['runs'][0]['losses'], rel=1e-4)
     # what each rank holds, from the model's shapes: a DDP replica is all of it, an FSDP rank its dim-0 chunk
-    params = list(toy_model(data_dir).parameters())  # the tied head appears once
     replica = sum(p.numel() for p in params) * 4 / 2**20
     rows = lambda p, r: max(0, min(-(-p.size(0) // 2), p.size(0) - r * -(-p.size(0) // 2)))
     shard = [sum(rows(p, r) * p[0].numel() for p in params) * 4 / 2**20 for r in (0, 1)]
-    fsdp_mb, ddp_mb = held_mb(fsdp), held_mb(ddp)
-    for r in (0, 1):  # weights, grads, AdamW (two moments, plus a 4-byte step count per tensor)
-        assert ddp_mb[r][:3] == pytest.approx((replica, replica, 2 * replica), abs=0.006)
-        assert fsdp_mb[r][:3] == pytest.approx((shard[r], shard[r], 2 * shard[r]), abs=0.006)
-    assert set(fsdp_mb) == set(ddp_mb) == {0, 1}
-    peaks = re.search(r'peak memory: rank 0 ([\d,]+) MB, rank 1 ([\d,]+) MB', result.stdout).groups()
-    assert all(float(mb.replace(',', '')) > 100 for mb in peaks)  # at least Python and torch
+    step_counts = 4 * len(params) / 2**20  # AdamW's float32 step count per tensor, on every rank
+    assert len(fsdp['memory_ranks']) == len(ddp['memory_ranks']) == 2
+    for r in (0, 1):
+        held_fsdp, held_ddp = fsdp['memory_ranks'][r], ddp['memory_ranks'][r]
+        assert (held_ddp['weights_mb'], held_ddp['grads_mb'], held_ddp['optimizer_mb']) == pytest.approx((replica, replica, 2 * replica + step_counts))
+        assert (held_fsdp['weights_mb'], held_fsdp['grads_mb'], held_fsdp['optimizer_mb']) == pytest.approx((shard[r], shard[r], 2 * shard[r] + step_counts))
+        assert held_fsdp['peak_mb'] > 100 and held_ddp['peak_mb'] > 100  # at least Python and torch
 
 
 def test_peak_flops_is_measured_once_per_machine(tmp_path, monkeypatch):
     monkeypatch.setenv('HONESTGPT_CACHE', str(tmp_path))
-    flops, how = perf.peak_flops.__wrapped__('cpu', torch.float32)
+    flops, how = perf.peak_flops('cpu', torch.float32)
     assert flops > 1e7 and re.fullmatch(r'measured: (\d+)x\1 float32 matmul, the fastest of 3 layouts and sizes 128 to \d+', how)
     # the next run on this machine reads the same figure: the same speed gives the same MFU
-    assert perf.peak_flops.__wrapped__('cpu', torch.float32) == (flops, f"{how} (cached in {tmp_path / 'perf.json'})")
+    assert perf.peak_flops('cpu', torch.float32) == (flops, f"{how} (cached in {tmp_path / 'perf.json'})")
 
 
 def test_peak_flops_table_takes_the_gpu_whose_name_matches_first(monkeypatch):
@@ -118,5 +157,5 @@ def test_peak_flops_table_takes_the_gpu_whose_name_matches_first(monkeypatch):
                 'NVIDIA H100 PCIe': 756e12, 'NVIDIA H100 80GB HBM3': 989e12}
     for name, peak in expected.items():
         monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device: name)
-        assert perf.peak_flops.__wrapped__('cuda', torch.bfloat16) == (peak, f"table: {name}")
-    assert perf.peak_flops.__wrapped__('cuda', torch.float32)[0] == pytest.approx(989e12 / 2, rel=0.01)  # TF32, dense
+        assert perf.peak_flops('cuda', torch.bfloat16) == (peak, f"table: {name}")
+    assert perf.peak_flops('cuda', torch.float32)[0] == pytest.approx(989e12 / 2, rel=0.01)  # TF32, dense
