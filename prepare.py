@@ -114,7 +114,7 @@ def source_sha256(content):
 def split_contiguous(text):
     """One text: contiguous blocks. Val is the last 10% and train ends where it begins, exactly as in nanoGPT,
     so val losses compare: the text just before val shares its scenes and speakers, and holding it out as test
-    raised the val loss of nanoGPT's shakespeare_char recipe well above nanoGPT's (README: Data).
+    raised the val loss of nanoGPT's shakespeare_char recipe well above nanoGPT's (docs/design.md).
     So test is the first 5%."""
     n = len(text)
     char_ranges = {'train': (int(0.05 * n), int(0.9 * n)), 'val': (int(0.9 * n), n), 'test': (0, int(0.05 * n))}

@@ -38,12 +38,14 @@ def loss_text(loss):
 def status(records, max_iters):
     """(one word, the rest of the sentence)."""
     # a test or abort record ends the run only if no training record follows it (a later resume)
-    end = next((r for r in reversed(records) if r['kind'] in ('train', 'eval', 'test', 'abort')), None)
+    end = next((r for r in reversed(records) if r['kind'] in ('train', 'eval', 'test', 'abort', 'stop')), None)
     if end is None or end['kind'] in ('train', 'eval'):
         last_step = max((r['step'] for r in records if 'step' in r), default=0)
         return 'incomplete', f"the run did not finish (killed or still running?) at iteration {last_step}"
     if end['kind'] == 'abort':
         return 'aborted', f"at iteration {end['step']}: {end['message']}"
+    if end['kind'] == 'stop':
+        return 'stopped', f"by {end['signal']} at iteration {end['step']} of {max_iters}: last.pt holds it, resume it"
     return 'early-stopped' if end['step'] < max_iters else 'finished', f"at iteration {end['step']} of {max_iters}"
 
 

@@ -103,8 +103,8 @@ dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 uses a Gra
 compile = False  # torch.compile the model
 backend = 'auto'  # distributed backend: 'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'
 parallel = 'ddp'  # with several processes: 'ddp' (replicate the model) or 'fsdp' (shard weights, grads and optimizer state)
-activation_checkpointing = False  # recompute activations in backward, block by block: less memory, ~30% more compute
-init_scale = 65536.0  # float16 GradScaler's first loss scale (tests set it huge to force overflows)
+activation_checkpointing = False  # recompute activations in backward, block by block: less memory, more compute
+init_scale = 65536.0  # float16 GradScaler's first loss scale
 max_consecutive_skips = 20  # abort when float16 overflow skips this many optimizer steps in a row
 seed = 1337
 deterministic = False  # torch.use_deterministic_algorithms: bitwise repeatable runs where kernels allow
@@ -168,8 +168,7 @@ accum_steps = gradient_accumulation_steps // world_size  # micro-batches per opt
 def shut_down_process_group():
     """Runs at exit, on every path. The pause comes first: gloo's worker threads free a finished collective's
     tensors after the caller has moved on, which takes the GIL, and a thread that takes the GIL while Python shuts
-    down aborts the process ("terminate called without an active exception", pytorch/pytorch#190489); that hit 1
-    run in 30 on 2 busy CPU ranks. A last barrier is no cure: gloo's barrier keeps the collectives before it alive
+    down aborts the process ("terminate called without an active exception", pytorch/pytorch#190489). A last barrier is no cure: gloo's barrier keeps the collectives before it alive
     until its own thread frees it."""
     time.sleep(0.1)
     dist.destroy_process_group()
@@ -177,7 +176,7 @@ def shut_down_process_group():
 
 if ddp:
     # torchrun keeps its store across --max-restarts; without a per-attempt prefix, a restarted group can
-    # read the dead attempt's addresses and fail to connect (seen with gloo in torch 2.13)
+    # read the dead attempt's addresses and fail to connect
     store, _, _ = next(dist.rendezvous('env://'))
     store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     dist.init_process_group(backend=(('nccl' if device_type == 'cuda' else 'gloo') if backend == 'auto' else backend),

@@ -15,7 +15,7 @@ bias = False
 
 batch_size = 16
 gradient_accumulation_steps = 1
-num_workers = 0  # measured 3-9% faster than a worker process on a 2-core CPU (README: Measured speed)
+num_workers = 0  # batches this small load faster in the training process (docs/benchmarks.md)
 learning_rate = 2e-3
 max_iters = 1500
 lr_decay_iters = 1500

@@ -4,7 +4,7 @@ PROBE_NAN=R:N     makes rank R's loss NaN from its N-th micro-batch on
 PROBE_KILL=R:N    SIGKILLs rank R at its N-th micro-batch, on torchrun's first attempt only
 Always: the GIL changes hands at most once a second unless its holder releases it (sys.setswitchinterval), so
 a collective's tensors that gloo's worker thread frees late reach Python's shutdown unless train.py's exit gives
-way (shut_down_process_group): without that, about half the ranks aborted at exit.
+way (shut_down_process_group).
 Usage: torchrun ... tests/ddp_probe.py train.py ARGS..."""
 import atexit
 import os

@@ -62,6 +62,17 @@ def test_killed_run(finished, tmp_path):
     assert 'the run did not finish (killed or still running?) at iteration 20' in read_report(out)
 
 
+def test_a_run_stopped_by_a_signal(finished, tmp_path):
+    out = str(tmp_path / 'stopped')
+    shutil.copytree(finished, out)
+    records = [r for r in read_metrics(out) if r['kind'] != 'test'] + [{'kind': 'stop', 'step': 20, 'time': 0.0, 'signal': 'SIGTERM'}]
+    with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:
+        f.write(''.join(json.dumps(r) + '\n' for r in records))
+    report.write_report(out)
+    text = read_report(out)
+    assert 'Status: **stopped**: by SIGTERM at iteration 20 of 20' in text and '--init_from=resume' in text
+
+
 def train_record(step, time):
     # step 12 overflowed in float16 (skipped, its norm inf); step 25's gradient norm spiked
     return {'kind': 'train', 'step': step, 'loss': 2.0, 'lr': 1e-3, 'grad_norm': {12: float('inf'), 25: 50.0}.get(step, 1.0),
