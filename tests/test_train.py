@@ -90,39 +90,33 @@ def test_bad_config_and_missing_data_create_nothing(tmp_path, data_dir):
         assert not out.exists()
 
 
-@pytest.mark.slow
-def test_existing_run_is_not_overwritten(tmp_path, data_dir):
-    out = str(tmp_path / 'run')
+@pytest.fixture(scope='module')
+def run_20(tmp_path_factory, data_dir):
+    """A finished 20-iteration run, read and never changed by the tests that share it."""
+    out = str(tmp_path_factory.mktemp('run20') / 'run')
     run_train(out, data_dir, '--max_iters=20', '--lr_decay_iters=20')
-    before = sha(os.path.join(out, 'last.pt')), sha(os.path.join(out, 'metrics.jsonl'))
-    result = run_train(out, data_dir, '--max_iters=20', '--lr_decay_iters=20', check=False)
-    assert result.returncode == 2 and 'already holds a checkpoint' in result.stderr
-    assert (sha(os.path.join(out, 'last.pt')), sha(os.path.join(out, 'metrics.jsonl'))) == before
+    return out
 
 
 @pytest.mark.slow
-def test_smoke_test_passes_or_refuses_to_start(tmp_path, data_dir):
+def test_existing_run_is_not_overwritten(run_20, data_dir):
+    before = sha(os.path.join(run_20, 'last.pt')), sha(os.path.join(run_20, 'metrics.jsonl'))
+    result = run_train(run_20, data_dir, '--max_iters=20', '--lr_decay_iters=20', check=False)
+    assert result.returncode == 2 and 'already holds a checkpoint' in result.stderr
+    assert (sha(os.path.join(run_20, 'last.pt')), sha(os.path.join(run_20, 'metrics.jsonl'))) == before
+
+
+@pytest.mark.slow
+def test_smoke_test_passes_or_refuses_to_start(tmp_path, data_dir, run_20):
     out = str(tmp_path / 'smoke')
     result = run_train(out, data_dir, '--smoke_test=True', '--max_iters=20', '--lr_decay_iters=20')
     smoke = read_metrics(out, 'smoke_test')[0]
     assert smoke['passed'] and smoke['final_loss'] < 0.7 * smoke['first_loss'] and 'smoke test passed' in result.stdout
     # the smoke test leaves no trace in the run: same losses as without it
-    plain = str(tmp_path / 'plain')
-    run_train(plain, data_dir, '--max_iters=20', '--lr_decay_iters=20')
-    assert [r['loss'] for r in read_metrics(out, 'train')] == [r['loss'] for r in read_metrics(plain, 'train')]
+    assert [r['loss'] for r in read_metrics(out, 'train')] == [r['loss'] for r in read_metrics(run_20, 'train')]
     never = tmp_path / 'never'
     result = run_train(str(never), data_dir, '--smoke_test=True', '--learning_rate=0', check=False)
     assert result.returncode != 0 and result.stderr.startswith('error: smoke test failed') and not never.exists()
-
-
-@pytest.mark.slow
-def test_live_log_line(tmp_path, data_dir):
-    result = run_train(str(tmp_path / 'run'), data_dir, '--max_iters=10', '--lr_decay_iters=10', '--eval_interval=10')
-    line = next(l for l in result.stdout.splitlines() if l.startswith('iter 5/10'))
-    for part in ('loss', 'lr', 'grad norm', 'tok/s', 'MFU', 'mem', 'MB', 'ETA'):
-        assert part in line, line
-    record = read_metrics(str(tmp_path / 'run'), 'train')[4]
-    assert 0 < record['mfu'] < 1 and record['peak_mem_mb'] > 0
 
 
 @pytest.mark.parametrize('key, package', [('tensorboard_log', 'tensorboard'), ('wandb_log', 'wandb')])
@@ -169,22 +163,37 @@ def test_zero_learning_rate_without_warmup_runs(tmp_path, data_dir):
     assert [r['lr'] for r in read_metrics(out, 'train')] == [0.0, 0.0, 0.0]
 
 
+@pytest.fixture(scope='module')
+def short_run(tmp_path_factory, data_dir):
+    """One run that the tests of its log lines and records share: 30 iterations of 2 micro-batches."""
+    out = str(tmp_path_factory.mktemp('short') / 'run')
+    return out, run_train(out, data_dir, '--max_iters=30', '--lr_decay_iters=30', '--eval_interval=30',
+                          '--gradient_accumulation_steps=2')
+
+
 @pytest.mark.slow
-def test_start_up_says_what_it_does_and_how_long_the_run_will_take(tmp_path, data_dir):
-    result = run_train(str(tmp_path / 'run'), data_dir, '--max_iters=4', '--eval_interval=4', '--gradient_accumulation_steps=2')
-    lines = result.stdout.splitlines()
+def test_start_up_says_what_it_does_and_how_long_the_run_will_take(short_run):
+    lines = short_run[1].stdout.splitlines()
     first_iter = next(i for i, l in enumerate(lines) if l.startswith('iter 1/'))
     assert any(l.startswith('building the model') for l in lines[:first_iter])
     estimate = next(l for l in lines[:first_iter] if l.startswith('the first micro-batch took'))
-    assert 's per iteration' in estimate and 'h for the 4 left' in estimate
+    assert 's per iteration' in estimate and 'h for the 30 left' in estimate
 
 
 @pytest.mark.slow
-def test_eta_is_the_median_of_recent_iterations_without_the_first(tmp_path, data_dir):
-    out = str(tmp_path / 'run')
-    run_train(out, data_dir, '--max_iters=30', '--eval_interval=30')
-    steps = read_metrics(out, 'train')
-    tokens_per_iter = 8 * 32
+def test_live_log_line(short_run):
+    out, result = short_run
+    line = next(l for l in result.stdout.splitlines() if l.startswith('iter 5/30'))
+    for part in ('loss', 'lr', 'grad norm', 'tok/s', 'MFU', 'mem', 'MB', 'ETA'):
+        assert part in line, line
+    record = read_metrics(out, 'train')[4]
+    assert 0 < record['mfu'] < 1 and record['peak_mem_mb'] > 0
+
+
+@pytest.mark.slow
+def test_eta_is_the_median_of_recent_iterations_without_the_first(short_run):
+    steps = read_metrics(short_run[0], 'train')
+    tokens_per_iter = 2 * 8 * 32
     seconds = [tokens_per_iter / r['tokens_per_sec'] for r in steps]  # each record's own interval: one iteration
     assert steps[0]['eta_seconds'] == pytest.approx(29 * seconds[0], rel=1e-6)  # only the first: warm-up included
     for k in range(1, 30):
