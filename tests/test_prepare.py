@@ -1,3 +1,4 @@
+import gzip
 import hashlib
 import json
 import os
@@ -256,3 +257,80 @@ def test_pystdlib_char(tmp_path):
     assert dirs and not any(d in ('site-packages', '__pycache__', 'idle_test') or d.startswith('test') for d in dirs)
     documents = sum(meta['splits'][s]['documents'] for s in prepare.SPLITS)
     assert documents + meta['duplicates_dropped'] == len(reader.files)
+
+
+def test_jsonl_and_gzip_records_split_like_the_same_documents_in_files(tmp_path):
+    texts = write_docs(tmp_path / 'docs')
+    records = [json.dumps({'id': k, 'body': texts[name]}) for k, name in enumerate(sorted(texts))]
+    (tmp_path / 'docs.jsonl').write_text('\n'.join(records) + '\n\n')  # a blank line is no record
+    with gzip.open(tmp_path / 'docs.jsonl.gz', 'wt') as f:
+        f.write('\n'.join(records) + '\n')
+    outs = [prepare.prepare('d', data_dir=tmp_path / f'out_{name}', input_path=tmp_path / name, text_key='body', num_proc=2)
+            for name in ('docs.jsonl', 'docs.jsonl.gz', 'docs')]
+    for split in prepare.SPLITS:  # the same distinct documents in the same order: the same splits
+        assert read_split(outs[0], split).tolist() == read_split(outs[1], split).tolist() == read_split(outs[2], split).tolist()
+    meta = read_meta(outs[0])
+    assert meta['duplicates_dropped'] == 2 and sorted(doc_tags(outs[0], 'train') + doc_tags(outs[0], 'val') +
+                                                       doc_tags(outs[0], 'test')) == [f'{i:02d}' for i in range(30)]
+    result = run_cli('x', '--input', 'docs.jsonl', cwd=tmp_path)  # --text_key defaults to 'text'
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1
+    assert "docs.jsonl:1 is not a JSON object with a 'text' field: pass --text_key" in result.stderr
+
+
+def test_parquet_without_pyarrow_is_one_line(tmp_path):
+    try:
+        import pyarrow  # noqa: F401
+        pytest.skip('pyarrow is installed: the error for its absence cannot show')
+    except ImportError:
+        pass
+    (tmp_path / 'd.parquet').write_bytes(b'PAR1')
+    result = run_cli('x', '--input', 'd.parquet', cwd=tmp_path)
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1
+    assert 'd.parquet is parquet, which needs pyarrow: pip install pyarrow' in result.stderr
+
+
+def test_small_shards_hold_the_same_tokens(tmp_path, monkeypatch):
+    rng = random.Random(0)
+    text = ''.join(rng.choice('abcdefghij \n') for _ in range(5000))
+    (tmp_path / 'in.txt').write_text(text, encoding='utf-8')
+    monkeypatch.setattr(prepare, 'BATCH_BYTES', 512)  # many pieces, cut at newlines, tokenized by 2 processes
+    one = prepare.prepare('t', data_dir=tmp_path / 'one', input_path=tmp_path / 'in.txt')
+    many = prepare.prepare('t', data_dir=tmp_path / 'many', input_path=tmp_path / 'in.txt', shard_size=1000, num_proc=2)
+    meta = read_meta(many)
+    assert meta['splits']['train']['shards'] == [f't_train_{i:06d}.bin' for i in range(5)]  # 4250 tokens
+    for split in prepare.SPLITS:
+        assert read_split(one, split).tolist() == read_split(many, split).tolist()
+        counts = [int(np.fromfile(os.path.join(many, f), dtype=np.int32, count=3)[2]) for f in meta['splits'][split]['shards']]
+        assert counts[:-1] == [1000] * (len(counts) - 1) and 0 < counts[-1] <= 1000
+    _, decode = prepare.load_tokenizer(meta)
+    assert decode(read_split(many, 'train').tolist()) == text[250:4500]
+
+
+def write_jsonl_corpus(path, megabytes):
+    rng = random.Random(0)
+    words = [''.join(rng.choice('abcdefghijklmnopqrstuvwxyz') for _ in range(rng.randint(2, 9))) for _ in range(5000)]
+    size = 0
+    with open(path, 'w') as f:
+        while size < megabytes * 1e6:
+            line = json.dumps({'text': ' '.join(rng.choices(words, k=rng.randint(100, 600))) + '.'}) + '\n'
+            f.write(line)
+            size += len(line)
+
+
+@pytest.mark.slow
+def test_peak_memory_does_not_grow_with_the_corpus(tmp_path):
+    """A prepare that held the corpus would grow by several bytes per character (text, code points, ids): 15 MB more
+    text would add 60 MB or more. Streaming keeps the peak flat; the set of document digests grows by ~70 bytes per
+    document (7,500 more here: 0.5 MB)."""
+    peaks = []
+    for megabytes in (5, 20):
+        corpus = tmp_path / f'c{megabytes}.jsonl'
+        write_jsonl_corpus(corpus, megabytes)
+        measure = ('import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, capture_output=True); '
+                   'print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)')  # KB: the largest process
+        result = subprocess.run([sys.executable, '-c', measure, sys.executable, PREPARE_PY, 'c', '--input', str(corpus),
+                                 '--data_dir', str(tmp_path / f'd{megabytes}'), '--num_proc', '2'],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        peaks.append(int(result.stdout) / 1024)
+    assert peaks[1] - peaks[0] < 10, f'peak RSS {peaks[0]:.0f} MB on 5 MB, {peaks[1]:.0f} MB on 20 MB'
