@@ -128,7 +128,8 @@ def text_chunks(path, start, end, progress):
         while start < end:
             block = rest + f.read(min(BATCH_BYTES, end - start))
             start += len(block) - len(rest)
-            cut = len(block) if start >= end else block.rfind(b'\n') + 1 or char_boundary(block, len(block) - 1)
+            # no character is longer than 4 bytes: one starts in the last 4
+            cut = len(block) if start >= end else block.rfind(b'\n') + 1 or char_boundary(block, max(len(block) - 4, 0))
             rest = block[cut:]
             progress.bytes_done = start - len(rest)
             if cut:
@@ -277,7 +278,7 @@ class DocumentSplitter:
     (seed, block) puts 2 in val, 1 in test, 17 in train. No list of all documents is needed, every block holds
     exactly 10% val and 5% test, so 20 documents make three splits. Exact copies are dropped (None), otherwise a
     copy in train would make the model look better on val than it is. seen holds a Python int per distinct
-    document: about 70 bytes each (docs/benchmarks.md)."""
+    document: about 70 bytes each (69.5 measured with tracemalloc over a million)."""
     BLOCK = ['val'] * 2 + ['test'] + ['train'] * 17
 
     def __init__(self, seed):
@@ -400,7 +401,7 @@ def run_pass(what, text_path, reader, num_proc, init_args, on_item):
             yield item
     for digest, split, has_text, result in processed(items(), num_proc, init_args):
         on_item(digest, split, has_text, result)
-        progress.update(1, len(result))
+        progress.update(1, len(result) if isinstance(result, np.ndarray) else 0)  # not a character set's size
     return h.hexdigest()
 
 

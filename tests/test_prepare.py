@@ -334,3 +334,13 @@ def test_peak_memory_does_not_grow_with_the_corpus(tmp_path):
         assert result.returncode == 0, result.stderr
         peaks.append(int(result.stdout) / 1024)
     assert peaks[1] - peaks[0] < 10, f'peak RSS {peaks[0]:.0f} MB on 5 MB, {peaks[1]:.0f} MB on 20 MB'
+
+
+def test_pieces_of_a_text_without_newlines_cut_between_characters(tmp_path, monkeypatch):
+    text = 'héllo wörld ☃ 𝄞 ' * 50  # characters of 1 to 4 bytes, no newline
+    (tmp_path / 'in.txt').write_text(text, encoding='utf-8')
+    monkeypatch.setattr(prepare, 'BATCH_BYTES', 7)
+    progress = prepare.Progress('test', 0)
+    size = os.path.getsize(tmp_path / 'in.txt')
+    pieces = [piece.decode('utf-8') for _, piece in prepare.text_chunks(tmp_path / 'in.txt', 0, size, progress)]
+    assert ''.join(pieces) == text and len(pieces) > 100
