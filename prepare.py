@@ -214,12 +214,16 @@ def load_tokenizer(meta):
 worker = {}  # this process's tokenizer and rules, set once by init_worker
 
 
-def init_worker(tokenizer, chars, eot_after_each_document):
-    encode = char_encoder(chars) if chars is not None else None
-    if tokenizer != 'char':
+def init_worker(tokenizer, chars, eot_after_each_document, dtype):
+    """Ids come back in the shards' dtype: half the bytes to send and to hold while in flight, for uint16."""
+    encode = None  # the first pass over a char-level dataset: no vocabulary yet, characters are collected
+    if chars is not None:
+        char_ids = char_encoder(chars)
+        encode = lambda text: char_ids(text).astype(dtype)
+    elif tokenizer != 'char':
         enc, _ = tiktoken_encoding(tokenizer)
         eot = [enc.eot_token] if eot_after_each_document else []
-        encode = lambda text: np.array(enc.encode_ordinary(text) + eot, dtype=np.uint32)
+        encode = lambda text: np.array(enc.encode_ordinary(text) + eot, dtype=dtype)
     worker['encode'] = encode
 
 
@@ -236,7 +240,6 @@ def process_batch(batch):
         else:
             text, data = decode_utf8(raw, doc_id, offset), raw
         digest = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), 'little')
-        # no encoder yet: the first pass over a char-level dataset collects characters
         result = ''.join(set(text)) if worker['encode'] is None else worker['encode'](text)
         out.append((digest, split, bool(text) and not text.isspace(), result))
     return out
@@ -434,7 +437,7 @@ def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, t
             def collect(digest, split, has_text, result):
                 if (split or splitter(digest)) == 'train':
                     chars.update(result)
-            run_pass('pass 1/2, characters', text_path, reader, num_proc, ('char', None, documents), collect)
+            run_pass('pass 1/2, characters', text_path, reader, num_proc, ('char', None, documents, None), collect)
             chars = sorted(chars)
             tokenizer_meta, vocab_size = {'kind': 'char', 'chars': chars, 'unk_id': 0}, len(chars) + 1
         else:
@@ -457,7 +460,7 @@ def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, t
             c['tokens'] += len(tokens)
             c['documents'] += documents or c['documents'] == 0  # a single text's chunks make one document per split
             c['unknown_chars'] += int(np.count_nonzero(tokens == 0)) if tokenizer == 'char' else 0
-        source_sha256 = run_pass('tokenizing', text_path, reader, num_proc, (tokenizer, chars, documents), write)
+        source_sha256 = run_pass('tokenizing', text_path, reader, num_proc, (tokenizer, chars, documents, dtype), write)
         for writer in writers.values():
             writer.close()
 

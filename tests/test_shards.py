@@ -100,7 +100,7 @@ def test_dataset_mistakes_are_one_line(tmp_path):
     (tmp_path / 'old').mkdir()
     (tmp_path / 'old' / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": "char", "name": "old"}')
     np.zeros(10, np.uint16).tofile(tmp_path / 'old' / 'train.bin')
-    assert 'prepared by an older prepare.py (train.bin, no shards): run python prepare.py old' in error('old')
+    assert 'prepared by an older prepare.py (train.bin, no shards): run python prepare.py old again' in error('old')
     (tmp_path / 'nometa').mkdir()
     assert 'has no' in error('nometa') and '"vocab_size": 50257' in error('nometa')
     assert 'no files match' in error('nometa/*.bin')
