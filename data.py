@@ -5,7 +5,6 @@ A dataset's shards, token windows over a split's shards, and the samplers that d
   names), as prepare.py writes them or as llm.c and modded-nanogpt publish them, or a glob of such files.
 - TokenWindows: a split's shards, memmapped lazily, read as one token stream. A window is named by its start
   position in that stream: x = tokens[s : s+T], y = tokens[s+1 : s+T+1], across a shard boundary if it falls there.
-
 - TrainSampler: each epoch, a random offset and a permutation drawn from (seed + epoch) alone,
   so every rank computes the same order, takes its own shard (perm[rank::world_size]) and any
   position can be reached in O(1) on resume. The loop, not the sampler's iterator, says what was
@@ -31,8 +30,6 @@ from prepare import HEADER_BYTES, SHARD_FORMATS
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 EMPTY_WINDOW = -1  # an eval window with no targets: pads a rank's batches without counting anything twice
-
-
 SHARD_NAME = re.compile(r'_(train|val|test)_(\d+)\.bin$')  # fineweb_train_000001.bin
 FINGERPRINT_BYTES = 4096  # the header and the first tokens: cheap to read, and they change with almost any edit
 
