@@ -115,13 +115,17 @@ def parquet_texts(path, text_key):
         import pyarrow.parquet
     except ImportError:
         raise PrepareError(f'{path} is parquet, which needs pyarrow: pip install pyarrow, or convert it to .jsonl') from None
-    for batch in pyarrow.parquet.ParquetFile(path).iter_batches(columns=[text_key]):
+    records = pyarrow.parquet.ParquetFile(path)
+    if text_key not in records.schema_arrow.names:
+        raise PrepareError(f'{path} has no column {text_key!r} (it has {", ".join(records.schema_arrow.names)}): '
+                           f'pass --text_key NAME of the column that holds the text')
+    for batch in records.iter_batches(columns=[text_key]):
         yield from (t or '' for t in batch.column(0).to_pylist())
 
 
 def text_chunks(path, start, end, progress):
-    """The bytes [start, end) of a file as (offset, piece) of about BATCH_BYTES each of about BATCH_BYTES, each cut after a newline (or, in a text
-    without newlines, at a character boundary), so no character is ever cut in two."""
+    """The bytes [start, end) of a file as (offset, piece) of about BATCH_BYTES each, cut after a newline (or, in a
+    text without newlines, where a character starts), so no character is ever cut in two."""
     with open(path, 'rb') as f:
         f.seek(start)
         rest = b''
