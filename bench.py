@@ -8,13 +8,15 @@ printed also goes to a JSON file.
     python bench.py config/tiny.py --compare='--compile=True'
     python bench.py config/tiny.py --nproc=2 --parallel=fsdp --gradient_accumulation_steps=2 --compare=--parallel=ddp
     python bench.py config/tiny.py --reference='cd ../nanoGPT && python train.py config/train_shakespeare_char.py ...'
+    python bench.py config/tiny.py --dataset=fineweb10B --loader=True --bench_iters=2000 --num_workers=2
 
 Takes every train.py key (passed on to train.py) plus the keys below. Each run of train.py gets a fresh out_dir in
 a temporary folder and bench_warmup + bench_iters iterations, each one logged; its one evaluation (of 1 batch) and
 checkpoint come after the last iteration, outside the timed ones. With compare, a setting B (the same arguments plus
 those overrides) runs too; with reference, that shell command runs as B instead, timed by the lines it prints in
 nanoGPT's format, "iter N: loss X, time Y ms". The settings run in turns, A B A B ..., one process each, so that
-other load on the machine hits both alike.
+other load on the machine hits both alike. With loader, no model runs: the batches/s of the loader train.py builds
+(its sampler, DataLoader and num_workers on its dataset's train shards), in this process, over bench_iters batches.
 """
 import ast
 import glob
@@ -42,8 +44,9 @@ nproc = 1  # processes per run of train.py, under torchrun
 profile = True  # break one iteration of each setting down with torch.profiler: one more run of train.py, in this process
 trace = ''  # write that iteration's chrome trace (chrome://tracing, ui.perfetto.dev) here; with compare, NAME_A.json, NAME_B.json
 json = ''  # write every figure to this file too; '' writes bench.json in the runs' temporary folder
+loader = False  # time the data loader alone: is the data path ever the bottleneck?
 bench_keys = ['bench_iters', 'bench_warmup', 'rounds', 'compare', 'reference', 'reference_tokens_per_iter', 'nproc', 'profile',
-              'trace', 'json']
+              'trace', 'json', 'loader']
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')
 ITER_LINE = re.compile(r'^iter (\d+): loss [^,]*, time ([\d.]+) ?ms', re.M)  # nanoGPT's log line
 # events PyTorch records by itself that mark an iteration's phases; forward (with the loss) is the time from a
@@ -220,6 +223,39 @@ def profile_iteration(name):
     return breakdown(events)
 
 
+def measure_loader():
+    """Windows/s of train.py's train loader on its dataset, timed over bench_iters batches after bench_warmup."""
+    import data  # torch: imported only in the modes that need it, so a mistake in the arguments fails at once
+    from perf import cpu_name
+    block_size, batch_size, num_workers, seed = (config[k] for k in ('block_size', 'batch_size', 'num_workers', 'seed'))
+    try:
+        _, shards = data.open_dataset(config['data_dir'], config['dataset'])
+        train = data.TokenWindows(shards['train'], block_size)
+        sampler = data.TrainSampler(train.num_tokens, block_size, batch_size, batch_size * config['gradient_accumulation_steps'], seed)
+    except data.DataError as e:
+        stop(e)
+    batches = data.endless_batches(train, sampler, num_workers, seed, pin_memory=False)
+    for _ in range(bench_warmup):
+        next(batches)
+    start = time.perf_counter()
+    for _ in range(bench_iters):
+        next(batches)
+    seconds = time.perf_counter() - start
+    result = {'batches': bench_iters, 'seconds': seconds, 'windows_per_sec': bench_iters * batch_size / seconds,
+              'tokens_per_sec': bench_iters * batch_size * block_size / seconds, 'batch_size': batch_size,
+              'block_size': block_size, 'num_workers': num_workers, 'train_shards': len(shards['train']),
+              'train_tokens': train.num_tokens}
+    print(f"loader on {cpu_name()}: {result['windows_per_sec']:,.0f} windows/s ({result['tokens_per_sec']:,.0f} tokens/s), "
+          f"{bench_iters} batches of {batch_size} x {block_size} with num_workers={num_workers} from {len(shards['train'])} "
+          f"train shard(s), {train.num_tokens:,} tokens")
+    with open(json, 'w') as f:
+        dump({'command': sys.argv, 'cpu': cpu_name(), 'loader': result}, f, indent=1)
+    print(f"all figures: {json}")
+
+
+if loader:
+    measure_loader()
+    sys.exit(0)
 load_average = os.getloadavg()[0]
 print(f"{len(names)} setting(s), {rounds} round(s) of {bench_warmup} + {bench_iters} iterations, {nproc} process(es) per run; "
       f"load average {load_average:.2f} on {os.cpu_count()} CPUs before the runs; runs in {folder}")

@@ -1,7 +1,10 @@
 """
-Token windows over a memmapped split file, and the samplers that decide which windows a rank
-sees. A window is named by its start position in the split: x = tokens[s : s+T], y = tokens[s+1 : s+T+1].
+A dataset's shards, token windows over a split's shards, and the samplers that decide which windows a rank sees.
 
+- A dataset is a folder with meta.json and shards in llm.c's format named NAME_SPLIT_000000.bin (modded-nanogpt's
+  names), as prepare.py writes them or as llm.c and modded-nanogpt publish them, or a glob of such files.
+- TokenWindows: a split's shards, memmapped lazily, read as one token stream. A window is named by its start
+  position in that stream: x = tokens[s : s+T], y = tokens[s+1 : s+T+1], across a shard boundary if it falls there.
 - TrainSampler: each epoch, a random offset and a permutation drawn from (seed + epoch) alone,
   so every rank computes the same order, takes its own shard (perm[rank::world_size]) and any
   position can be reached in O(1) on resume. The loop, not the sampler's iterator, says what was
@@ -11,36 +14,143 @@ sees. A window is named by its start position in the split: x = tokens[s : s+T],
 """
 import atexit
 import functools
+import glob
+import hashlib
+import json
 import os
 import random
+import re
 import signal
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from prepare import HEADER_BYTES, SHARD_FORMATS
+
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 EMPTY_WINDOW = -1  # an eval window with no targets: pads a rank's batches without counting anything twice
+SHARD_NAME = re.compile(r'_(train|val|test)_(\d+)\.bin$')  # fineweb_train_000001.bin
+FINGERPRINT_BYTES = 4096  # the header and the first tokens: cheap to read, and they change with almost any edit
 
 
 class DataError(Exception):
     pass
 
 
-class TokenWindows(Dataset):
+def read_shard_header(path):
+    """(numpy dtype, number of tokens, fingerprint) of a shard, its header checked against llm.c's layouts and the
+    file's size."""
+    size = os.path.getsize(path)
+    with open(path, 'rb') as f:
+        head = f.read(FINGERPRINT_BYTES)
+    if size < HEADER_BYTES:
+        raise DataError(f"{path} is {size} bytes, shorter than a shard's {HEADER_BYTES}-byte header: prepare or download it again")
+    magic, version, num_tokens = (int(v) for v in np.frombuffer(head[:12], dtype=np.int32))
+    versions = {m: (v, dtype) for dtype, (m, v) in SHARD_FORMATS.items()}
+    if magic not in versions:
+        raise DataError(f"{path} is not a token shard (magic {magic}, expected 20240520 or 20240801 as llm.c writes): "
+                        f"point the dataset at shard files, or prepare it again")
+    if version != versions[magic][0]:
+        raise DataError(f"{path} has shard version {version}, this code reads version {versions[magic][0]} for magic "
+                        f"{magic}: prepare it again with this prepare.py")
+    dtype = np.dtype(versions[magic][1])
+    if size != HEADER_BYTES + num_tokens * dtype.itemsize:
+        raise DataError(f"{path} is {size} bytes but its header says {num_tokens} {dtype.name} tokens "
+                        f"({HEADER_BYTES + num_tokens * dtype.itemsize} bytes): truncated? prepare or download it again")
+    return dtype, num_tokens, hashlib.sha256(head).hexdigest()[:16]
 
-    def __init__(self, path, dtype, block_size):
-        self.path, self.dtype, self.block_size = path, np.dtype(dtype), block_size
-        self.num_tokens = os.path.getsize(path) // self.dtype.itemsize
-        self.tokens = None  # opened lazily, once per process: a memmap must not be pickled into workers
+
+def open_dataset(data_dir, dataset):
+    """(meta, {split: [shard paths]}) of a dataset: a folder under data_dir, or a glob of shard files under data_dir
+    whose folder holds meta.json. The splits come from the file names; test may be missing (FineWeb's shards have
+    none), train and val may not. meta.json needs only vocab_size and tokenizer (char, gpt2 or PATH.tiktoken)."""
+    path = os.path.join(data_dir, dataset)
+    if any(c in dataset for c in '*?['):
+        files = sorted(glob.glob(path))
+        if not files:
+            raise DataError(f"no files match dataset='{dataset}' in {data_dir}: check the pattern")
+        folder = os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in files])
+    else:
+        folder, files = path, sorted(glob.glob(os.path.join(glob.escape(path), '*.bin')))
+    meta_path = os.path.join(folder, 'meta.json')
+    if not os.path.exists(meta_path):
+        raise DataError(f"dataset '{dataset}' has no {meta_path}: run python prepare.py {dataset} --input PATH (or set "
+                        f"data_dir); for downloaded shards write it, e.g. {{\"vocab_size\": 50257, \"tokenizer\": \"gpt2\"}}")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    missing = [k for k in ('vocab_size', 'tokenizer') if k not in meta]
+    if missing:
+        raise DataError(f"{meta_path} lacks {' and '.join(missing)}: add them, e.g. {{\"vocab_size\": 50257, \"tokenizer\": \"gpt2\"}}")
+    if isinstance(meta['tokenizer'], str):  # a hand-written meta.json: 'gpt2' or a .tiktoken path
+        meta['tokenizer'] = {'kind': 'char'} if meta['tokenizer'] == 'char' else {'kind': 'tiktoken', 'encoding': meta['tokenizer']}
+    meta.setdefault('name', os.path.basename(folder))
+    shards = {}
+    for f in files:
+        match = SHARD_NAME.search(os.path.basename(f))
+        if match is None and os.path.basename(f) in ('train.bin', 'val.bin', 'test.bin'):
+            raise DataError(f"{folder} was prepared by an older prepare.py (train.bin, no shards): run python prepare.py "
+                            f"{meta['name']} again, with the --input it had")
+        if match is None:
+            raise DataError(f"{f} is not named like NAME_SPLIT_000000.bin with SPLIT train, val or test: rename it or "
+                            f"narrow the dataset's glob")
+        shards.setdefault(match.group(1), []).append((int(match.group(2)), f))
+    for split in ('train', 'val'):
+        if split not in shards:
+            raise DataError(f"dataset '{dataset}' has no {split} shards (files like NAME_{split}_000000.bin in {folder})")
+    return meta, {split: [f for _, f in sorted(files)] for split, files in shards.items()}
+
+
+def data_change(recorded, current):
+    """Why a checkpoint's data (its recorded dataset id) is not this run's, or '' when it is the same. A checkpoint
+    written before shards were recorded is checked on what it recorded: name, source hash, vocabulary, tokenizer."""
+    differ = [k for k in recorded if k != 'shards' and recorded[k] != current.get(k)]
+    if differ:
+        return f"its {', '.join(differ)} differ"
+    if 'shards' not in recorded:
+        return ''
+    before, now = ({name: (tokens, fp) for name, tokens, fp in ident['shards']} for ident in (recorded, current))
+    changes = [f"{what} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}" for what, names in (
+        ('added', sorted(now.keys() - before.keys())), ('removed', sorted(before.keys() - now.keys())),
+        ('changed', sorted(n for n in before.keys() & now.keys() if before[n] != now[n]))) if names]
+    return f"shards {'; '.join(changes)}" if changes else ''
+
+
+class TokenWindows(Dataset):
+    """A split's shards read as one token stream. Shard i holds stream positions [offsets[i], offsets[i+1])."""
+
+    def __init__(self, paths, block_size):
+        self.paths, self.block_size = list(paths), block_size
+        headers = [read_shard_header(p) for p in self.paths]
+        if len({dtype for dtype, _, _ in headers}) > 1:
+            raise DataError(f"the shards of {os.path.dirname(self.paths[0])} mix uint16 and uint32 tokens: prepare them again")
+        self.dtype = headers[0][0]
+        self.shards = [[os.path.basename(p), n, fp] for p, (_, n, fp) in zip(self.paths, headers)]
+        self.offsets = np.cumsum([0] + [n for _, n, _ in headers])
+        self.num_tokens = int(self.offsets[-1])
+        self.tokens = [None] * len(self.paths)  # memmaps, opened lazily, once per process
+
+    def __getstate__(self):  # a memmap must not be pickled into workers: each process opens its own
+        return {**self.__dict__, 'tokens': [None] * len(self.paths)}
+
+    def read(self, start, stop):
+        """Tokens [start, stop) of the stream: one slice of a shard, or pieces of several across boundaries."""
+        pieces = []
+        while start < stop:
+            i = int(np.searchsorted(self.offsets, start, side='right')) - 1  # empty shards are never picked
+            if self.tokens[i] is None:
+                self.tokens[i] = np.memmap(self.paths[i], dtype=self.dtype, mode='r', offset=HEADER_BYTES,
+                                           shape=(int(self.offsets[i + 1] - self.offsets[i]),))
+            end = min(stop, int(self.offsets[i + 1]))
+            pieces.append(self.tokens[i][start - self.offsets[i]:end - self.offsets[i]])
+            start = end
+        return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
 
     def __getitem__(self, start):
-        if self.tokens is None:
-            self.tokens = np.memmap(self.path, dtype=self.dtype, mode='r')
         if start == EMPTY_WINDOW:
             chunk = torch.zeros(1, dtype=torch.long)  # no targets
         else:
-            chunk = torch.from_numpy(self.tokens[start:start + self.block_size + 1].astype(np.int64))
+            chunk = torch.from_numpy(self.read(start, min(start + self.block_size + 1, self.num_tokens)).astype(np.int64))
         x = torch.zeros(self.block_size, dtype=torch.long)
         y = torch.full((self.block_size,), IGNORE_INDEX, dtype=torch.long)
         x[:len(chunk) - 1] = chunk[:-1]  # short: the split's last window, or an empty one

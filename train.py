@@ -68,7 +68,7 @@ wandb_run_name = 'run'
 tensorboard_log = False  # event files in out_dir/tensorboard
 cost_per_hour = 0.0  # price of one process-hour, for the report's cost estimate; 0 leaves cost out
 # data
-dataset = 'pystdlib_char'  # a folder under data_dir written by prepare.py
+dataset = 'pystdlib_char'  # a folder of shards under data_dir (prepare.py's, or llm.c's with a meta.json), or a glob
 data_dir = 'data'
 gradient_accumulation_steps = 40  # global: divided by the number of processes
 batch_size = 12  # micro-batch per process
@@ -214,21 +214,21 @@ if dataset == 'pystdlib_char' and not os.path.exists(os.path.join(dataset_dir, '
             check(False, e)
     if ddp:
         dist.barrier()
-check(os.path.exists(os.path.join(dataset_dir, 'meta.json')),
-      f"dataset '{dataset}' is not prepared in {dataset_dir}: run python prepare.py {dataset} --input PATH (or set data_dir)")
-with open(os.path.join(dataset_dir, 'meta.json')) as f:
-    data_meta = json.load(f)
-splits = {s: data.TokenWindows(os.path.join(dataset_dir, f'{s}.bin'), data_meta['dtype'], block_size) for s in ('train', 'val', 'test')}
 pin_memory = device_type == 'cuda'
 try:
+    data_meta, shard_paths = data.open_dataset(data_dir, dataset)
+    splits = {s: data.TokenWindows(paths, block_size) for s, paths in shard_paths.items()}
     train_sampler = data.TrainSampler(splits['train'].num_tokens, block_size, batch_size, batch_size * gradient_accumulation_steps,
                                       seed, rank, world_size)
     # sharded weights are gathered in each forward: every rank must run as many eval batches as the others
     eval_loaders = {s: data.make_loader(splits[s], data.EvalSampler(splits[s].num_tokens, block_size, batch_size,
                                                                     eval_iters * batch_size, rank, world_size, sharded),
-                                        0, seed, pin_memory) for s in ('train', 'val', 'test')}
+                                        0, seed, pin_memory) for s in splits}
 except data.DataError as e:
     check(False, e)
+if 'test' not in splits and test_eval:
+    log(f"dataset '{dataset}' has no test split: the test evaluation is skipped")
+    test_eval = False  # config.json keeps what was asked
 
 # -----------------------------------------------------------------------------
 # where the weights come from: a checkpoint, GPT-2's weights, or a random init
@@ -319,7 +319,9 @@ RESUMABLE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'max_iters', 'ev
              'test_eval', 'sample_tokens', 'write_report',
              'learning_rate', 'decay_lr', 'warmup_iters', 'lr_decay_iters', 'min_lr', 'grad_clip',
              'wandb_log', 'wandb_project', 'wandb_run_name'}
-dataset_id = {k: data_meta[k] for k in ('name', 'source_sha256', 'vocab_size', 'tokenizer')}
+# what the checkpoint must have been trained on: a resume after shards were added or changed is refused
+dataset_id = {'name': data_meta['name'], 'source_sha256': data_meta.get('source_sha256'), 'vocab_size': data_meta['vocab_size'],
+              'tokenizer': data_meta['tokenizer'], 'shards': [shard for s in splits.values() for shard in s.shards]}
 iter_num, best_val_loss, best_iter, evals_since_best, skipped_steps, consecutive_skips = 0, float('inf'), 0, 0, 0, 0
 seconds_before = 0.0  # training wall time of the sessions before this one (None: unknown, an older checkpoint)
 
@@ -347,8 +349,8 @@ if resuming:
                if k not in RESUMABLE and ckpt['config'].get(k, defaults[k]) != config[k]]
     check(not changed, f"{ckpt_path} was trained with other settings ({'; '.join(changed)}): "
                        f"use the checkpoint's values or start a new out_dir")
-    check(ckpt['dataset'] == dataset_id, f"{ckpt_path} was trained on other data ({ckpt['dataset']['source_sha256'][:12]} "
-                                         f"vs {dataset_id['source_sha256'][:12]}): prepare the same dataset or start a new out_dir")
+    data_change = data.data_change(ckpt['dataset'], dataset_id)
+    check(not data_change, f"{ckpt_path} was trained on other data ({data_change}): prepare the same dataset or start a new out_dir")
     restore(model, ckpt, ckpt_path, with_optimizer=True)
     scheduler.load_state_dict(ckpt['scheduler'])
     scheduler.base_lrs = [learning_rate] * len(optimizer.param_groups)  # the schedule of this config, not the saved one

@@ -52,7 +52,7 @@ def test_exported_state_dict_gives_the_runs_own_val_loss(tmp_path, data_dir):
     model.eval()
     # recompute the run's last val loss with a plain GPT: same windows, same sums
     cfg = ckpt['config']
-    val = data.TokenWindows(os.path.join(data_dir, 'toy', 'val.bin'), 'uint16', cfg['block_size'])
+    val = data.TokenWindows(data.open_dataset(data_dir, 'toy')[1]['val'], cfg['block_size'])
     sampler = data.EvalSampler(val.num_tokens, cfg['block_size'], cfg['batch_size'], cfg['eval_iters'] * cfg['batch_size'])
     loss_sum, count = 0.0, 0
     with torch.inference_mode():

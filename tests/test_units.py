@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import data
+import prepare
 from configurator import ConfigError, configure
 from model import GPT, GPTConfig
 
@@ -50,16 +51,18 @@ def test_init_and_param_groups():
 
 @pytest.fixture
 def token_file(tmp_path):
+    """A split of 1000 tokens in shards of 300, 0, 450 and 250: windows cross shard boundaries."""
     tokens = np.arange(1000, dtype=np.uint16) % 7
-    path = tmp_path / 'split.bin'
-    tokens.tofile(path)
-    return str(path), tokens
+    paths = [tmp_path / f'x_train_{i:06d}.bin' for i in range(4)]
+    for path, piece in zip(paths, np.split(tokens, [300, 300, 750])):
+        path.write_bytes(prepare.shard_header(len(piece), np.uint16) + piece.tobytes())
+    return paths, tokens
 
 
 @pytest.mark.parametrize('world_size', [1, 2, 3])
 def test_eval_covers_every_token_once(token_file, world_size):
     path, tokens = token_file
-    ds = data.TokenWindows(path, 'uint16', 64)
+    ds = data.TokenWindows(path, 64)
     seen = []  # (position of the predicted token, its value)
     for rank in range(world_size):
         for batch in data.EvalSampler(ds.num_tokens, 64, 4, 0, rank, world_size):

@@ -1,0 +1,192 @@
+"""Shards in llm.c's format: written and read back, llm.c's own layout read, bad headers refused in one line, and
+training on many shards: exact resume across shard boundaries, DDP as one process, a resume after shards changed
+refused."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import data
+import prepare
+from conftest import REPO, make_corpus, ok, read_metrics, run_train, run_trains, torchrun
+
+
+def llmc_shard(path, tokens, magic=20240520, version=1, dtype=np.uint16):
+    """A shard as llm.c's dev/data/data_common.py write_datafile writes it: 256 int32 (magic, version, token
+    count, zeros), then the tokens."""
+    header = np.zeros(256, dtype=np.int32)
+    header[0], header[1], header[2] = magic, version, len(tokens)
+    with open(path, 'wb') as f:
+        f.write(header.tobytes())
+        f.write(np.array(tokens, dtype=dtype).tobytes())
+
+
+def all_windows_match(ds, tokens, block_size):
+    return all(torch.equal(ds[s][0], torch.from_numpy(tokens[s:s + block_size].astype(np.int64))) and
+               torch.equal(ds[s][1], torch.from_numpy(tokens[s + 1:s + block_size + 1].astype(np.int64)))
+               for s in range(len(tokens) - block_size))
+
+
+@pytest.mark.parametrize('dtype', [np.uint16, np.uint32])
+def test_shard_writer_round_trip(tmp_path, dtype):
+    tokens = (np.arange(30) * 40_009 % (2**16 if dtype == np.uint16 else 2**17)).astype(np.uint32)
+    writer = prepare.ShardWriter(tmp_path, 'x', 'train', dtype, shard_size=7)
+    for piece in np.split(tokens, [3, 3, 20]):  # appends of any size, an empty one too
+        writer.append(piece)
+    writer.close()
+    assert writer.files == [f'x_train_{i:06d}.bin' for i in range(5)]
+    headers = [np.fromfile(tmp_path / f, dtype=np.int32, count=3).tolist() for f in writer.files]
+    magic, version = (20240520, 1) if dtype == np.uint16 else (20240801, 7)
+    assert headers == [[magic, version, n] for n in (7, 7, 7, 7, 2)]
+    ds = data.TokenWindows([tmp_path / f for f in writer.files], block_size=4)
+    assert ds.dtype == dtype and ds.num_tokens == 30
+    assert all_windows_match(ds, tokens, 4)  # windows inside a shard and across one or two boundaries
+
+
+def test_llmc_shards_with_a_written_meta_are_a_dataset(tmp_path):
+    folder = tmp_path / 'fineweb10B'
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    streams = {'val': rng.integers(0, 50257, 300), 'train': rng.integers(0, 50257, 1000)}
+    llmc_shard(folder / 'fineweb_val_000000.bin', streams['val'])
+    llmc_shard(folder / 'fineweb_train_000002.bin', streams['train'][600:])  # out of order on purpose
+    llmc_shard(folder / 'fineweb_train_000001.bin', streams['train'][:600])
+    (folder / 'meta.json').write_text(json.dumps({'vocab_size': 50257, 'tokenizer': 'gpt2'}))
+    for dataset in ('fineweb10B', 'fineweb10B/fineweb_*.bin'):
+        meta, shards = data.open_dataset(str(tmp_path), dataset)
+        assert meta == {'vocab_size': 50257, 'tokenizer': {'kind': 'tiktoken', 'encoding': 'gpt2'}, 'name': 'fineweb10B'}
+        assert {s: [os.path.basename(p) for p in paths] for s, paths in shards.items()} == {
+            'val': ['fineweb_val_000000.bin'], 'train': ['fineweb_train_000001.bin', 'fineweb_train_000002.bin']}
+        for split, tokens in streams.items():
+            assert all_windows_match(data.TokenWindows(shards[split], 64), tokens, 64)
+    with pytest.raises(data.DataError, match='has no val shards'):
+        data.open_dataset(str(tmp_path), 'fineweb10B/fineweb_train_*.bin')
+
+
+def test_dataset_mistakes_are_one_line(tmp_path):
+    def error(dataset):
+        with pytest.raises(data.DataError) as e:
+            meta, shards = data.open_dataset(str(tmp_path), dataset)
+            [data.TokenWindows(paths, 8) for paths in shards.values()]
+        assert '\n' not in str(e.value)
+        return str(e.value)
+    good = list(range(100))
+    cases = {'magic': (dict(magic=20240521), 'magic 20240521, expected 20240520 or 20240801'),
+             'version': (dict(version=2), 'shard version 2, this code reads version 1'),
+             'uint32': (dict(magic=20240801, version=7, dtype=np.uint16), 'truncated')}
+    for name, (kwargs, message) in cases.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": "char"}')
+        llmc_shard(tmp_path / name / 'd_val_000000.bin', good)
+        llmc_shard(tmp_path / name / 'd_train_000000.bin', good, **kwargs)
+        assert message in error(name) and 'd_train_000000.bin' in error(name)
+    path = tmp_path / 'magic' / 'd_train_000000.bin'
+    llmc_shard(path, good)
+    with open(path, 'r+b') as f:
+        f.truncate(1024 + 150)
+    assert 'is 1174 bytes but its header says 100 uint16 tokens (1224 bytes): truncated?' in error('magic')
+    with open(path, 'r+b') as f:
+        f.truncate(1000)
+    assert 'shorter than a shard' in error('magic')
+    os.remove(path)
+    assert 'has no train shards' in error('magic')
+    (tmp_path / 'magic' / 'notes.bin').write_bytes(b'')
+    assert 'notes.bin is not named like NAME_SPLIT_000000.bin' in error('magic')
+    (tmp_path / 'old').mkdir()
+    (tmp_path / 'old' / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": "char", "name": "old"}')
+    np.zeros(10, np.uint16).tofile(tmp_path / 'old' / 'train.bin')
+    assert 'prepared by an older prepare.py (train.bin, no shards): run python prepare.py old again' in error('old')
+    (tmp_path / 'nometa').mkdir()
+    assert 'has no' in error('nometa') and '"vocab_size": 50257' in error('nometa')
+    assert 'no files match' in error('nometa/*.bin')
+
+
+def test_data_change_names_the_shards():
+    ident = {'name': 'd', 'source_sha256': 'abc', 'vocab_size': 9, 'tokenizer': {'kind': 'char'},
+             'shards': [['d_train_000000.bin', 10, 'f0'], ['d_val_000000.bin', 5, 'f1']]}
+    assert data.data_change(ident, ident) == ''
+    grown = {**ident, 'shards': [['d_train_000000.bin', 10, 'f0'], ['d_train_000001.bin', 3, 'f2'], ['d_val_000000.bin', 5, 'f9']]}
+    assert data.data_change(ident, grown) == 'shards added d_train_000001.bin; changed d_val_000000.bin'
+    assert data.data_change(grown, ident) == 'shards removed d_train_000001.bin; changed d_val_000000.bin'
+    assert data.data_change(ident, {**ident, 'vocab_size': 10}) == 'its vocab_size differ'
+    # a checkpoint written before shards were recorded: checked on what it holds
+    older = {k: v for k, v in ident.items() if k != 'shards'}
+    assert data.data_change(older, grown) == '' and data.data_change(older, {**grown, 'source_sha256': 'x'}) != ''
+
+
+# -----------------------------------------------------------------------------
+# training on shards: subprocess runs, left out of the 'not slow' tier
+
+@pytest.fixture(scope='module')
+def sharded_dir(tmp_path_factory):
+    """The toy corpus in shards of 5,000 tokens (train: 9 of them) and no test split, as FineWeb's."""
+    root = tmp_path_factory.mktemp('sharded')
+    out_dir = prepare.prepare('toy', data_dir=str(root), input_path=make_corpus(str(root / 'src')), shard_size=5000)
+    for name in os.listdir(out_dir):
+        if '_test_' in name:
+            os.remove(os.path.join(out_dir, name))
+    return str(root)
+
+
+@pytest.mark.slow
+def test_resume_across_shard_boundaries_is_bitwise_and_refused_after_shards_changed(tmp_path, sharded_dir):
+    from test_resume import HARD, trajectory
+    meta, shards = data.open_dataset(sharded_dir, 'toy')
+    train = data.TokenWindows(shards['train'], 32)
+    assert len(shards['train']) >= 8 and 'test' not in shards
+    starts = [s for b in data.TrainSampler(train.num_tokens, 32, 8, 16, 1337).epoch_batches(0) for s in b]
+    crossing = [s for s in starts if np.searchsorted(train.offsets, s, 'right') != np.searchsorted(train.offsets, s + 32, 'right')]
+    assert crossing, 'some windows span two shards'
+    straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
+    args = [*HARD, '--dtype=float32', '--test_eval=True']
+    run_trains(sharded_dir, (straight, args), (split, [*args, '--max_iters=14']))
+    result = run_train(split, sharded_dir, *args, '--init_from=resume')
+    assert "dataset 'toy' has no test split: the test evaluation is skipped" in result.stdout
+    assert trajectory(split) == trajectory(straight)
+    a = torch.load(os.path.join(straight, 'last.pt'), weights_only=True)['model']
+    b = torch.load(os.path.join(split, 'last.pt'), weights_only=True)['model']
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # a shard added, then one changed: each refused in one line naming the shard
+    changed_data = str(tmp_path / 'changed')
+    shutil.copytree(sharded_dir, changed_data)
+    val = os.path.join(changed_data, 'toy', 'toy_val_000000.bin')
+    added = os.path.join(changed_data, 'toy', 'toy_train_000099.bin')
+    llmc_shard(added, [1] * 100)
+    assert_refused(split, changed_data, args, 'added toy_train_000099.bin')
+    os.remove(added)
+    with open(val, 'r+b') as f:  # one token inside the fingerprinted start of the shard
+        f.seek(1024 + 10)
+        f.write(b'\x01\x00')
+    assert_refused(split, changed_data, args, 'changed toy_val_000000.bin')
+
+
+def assert_refused(out_dir, data_dir, args, change):
+    result = run_train(out_dir, data_dir, *args, '--init_from=resume', '--max_iters=40', check=False)
+    assert result.returncode == 2 and result.stderr.count('\n') == 1
+    assert f'was trained on other data (shards {change})' in result.stderr
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_process_on_shards(tmp_path, sharded_dir):
+    from test_ddp import SAME, assert_same_run
+    one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
+    run_train(one, sharded_dir, *SAME)
+    ok(torchrun(two, sharded_dir, *SAME))
+    assert_same_run(one, two)
+
+
+@pytest.mark.slow
+def test_bench_loader_mode_reads_windows(tmp_path, sharded_dir):
+    out = tmp_path / 'loader.json'
+    result = subprocess.run([sys.executable, 'bench.py', f'--data_dir={sharded_dir}', '--dataset=toy', '--block_size=32',
+                             '--batch_size=8', '--loader=True', '--bench_iters=50', f'--json={out}'],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report['loader']['batches'] == 50 and report['loader']['windows_per_sec'] > 0
+    assert 'windows/s' in result.stdout
