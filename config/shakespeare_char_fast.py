@@ -4,7 +4,7 @@
 # Prepare first: python prepare.py shakespeare_char [--input input.txt]
 out_dir = 'out-shakespeare-char-fast'
 dataset = 'shakespeare_char'
-eval_interval = 125
+eval_interval = 250  # at the end only: an evaluation of train and val costs as much as ~25 steps
 eval_iters = 55  # x batch_size windows of 64 cover the whole val split: the val loss is exact, not sampled
 log_interval = 50
 always_save_checkpoint = False
