@@ -35,7 +35,7 @@ class GPTConfig:
 ACTIVATIONS = {
     'gelu': F.gelu,  # exact (erf), nanoGPT's choice
     'gelu_tanh': partial(F.gelu, approximate='tanh'),  # the tanh approximation GPT-2 was trained with
-    'relu2': lambda x: F.relu(x).square(),  # ReLU squared (Primer, So et al. 2021): sparse, cheap, learns faster
+    'relu2': lambda x: F.relu(x).square(),  # ReLU squared (Primer, So et al. 2021): sparse and cheap
 }
 
 

@@ -19,7 +19,6 @@ n_embd = 384
 dropout = 0.2
 pos_emb = 'rope'
 qk_norm = True
-activation = 'relu2'
 tie_head = False
 logit_softcap = 15.0
 zero_init = True
