@@ -187,7 +187,7 @@ def breakdown(events):
 
 def profile_iteration(name):
     """Run train.py in this process under torch.profiler and break down its iteration bench_warmup + 2, after the
-    profiler's own warm-up step. The profiler steps at every optimizer step, from a global hook: train.py is unchanged."""
+    profiler's own warm-up step. The profiler steps at every AdamW step, from a global hook: train.py is unchanged."""
     import torch  # this process needs torch only here: a mistake in the arguments fails at once
     from torch.optim.optimizer import register_optimizer_step_post_hook
     out_dir = os.path.join(folder, f'{name}_profile')
@@ -201,7 +201,7 @@ def profile_iteration(name):
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     prof = torch.profiler.profile(activities=activities, on_trace_ready=save,
                                   schedule=torch.profiler.schedule(wait=bench_warmup, warmup=1, active=1))
-    hook = register_optimizer_step_post_hook(lambda *_: prof.step())
+    hook = register_optimizer_step_post_hook(lambda opt, *_: isinstance(opt, torch.optim.AdamW) and prof.step())  # once per iteration, with Muon too
     sys.argv = train_argv(settings[name], out_dir, bench_warmup + 2) + ['--smoke_test=False']  # its steps would count
     code = 0
     with open(out_dir + '.log', 'w') as log, prof:

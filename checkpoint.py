@@ -6,7 +6,8 @@ the same folder, flush, fsync, os.replace, fsync of the folder), so a kill at an
 either the old file or the new one, never half of one. It is read with weights_only=True, so a
 checkpoint file cannot run code.
 
-FORMAT numbers the layout. 1: the first; 2: adds 'format', 'train_seconds', 'dtype' (what 'auto' resolved to) and 'pretrained'. A config key that a
+FORMAT numbers the layout. 1: the first; 2: adds 'format', 'train_seconds', 'dtype' (what 'auto' resolved to) and 'pretrained';
+3: 'optimizer' and 'scheduler' are lists, one state per optimizer (AdamW, then Muon if used). A config key that a
 checkpoint's code did not have yet takes its default on resume: each new key defaults to the old behaviour.
 """
 import os
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 
 
-FORMAT = 2
+FORMAT = 3
 
 
 class CheckpointError(Exception):

@@ -172,12 +172,15 @@ def load_gpt2(source, block_size, vocab_size):
 
 
 def cannot_hold(model):
-    """What of model GPT2LMHeadModel has no place for, as short phrases. A model option that GPT-2 lacks
-    (rotary positions, another norm, ...) gets a line here."""
+    """What of model GPT2LMHeadModel has no place for, as short phrases. A model option that GPT-2 lacks gets a
+    line here."""
     config = model.config
     return [reason for reason, lacking in (
         (f"activation='{config.activation}'", config.activation not in HF_ACTIVATION),
         ('an output head not tied to the token embedding', model.lm_head.weight is not model.wte.weight),
+        (f"pos_emb='{config.pos_emb}'", config.pos_emb != 'learned'),
+        ('qk_norm=True', config.qk_norm),
+        (f"logit_softcap={config.logit_softcap}", config.logit_softcap > 0),
     ) if lacking]
 
 
@@ -201,7 +204,7 @@ def export_gpt2(model, folder, eot_id=None):
     problems = cannot_hold(model) + ([differences] if differences else [])
     if problems:
         raise HFError(f"GPT-2's architecture cannot hold this model ({'; '.join(problems)}): "
-                      f"only models with GPT-2's blocks, learned positions, a tied head and GELU export")
+                      f"only models with GPT-2's blocks, learned positions, a tied head, GELU and no QK-norm or soft-cap export")
     hf_config = {
         'architectures': ['GPT2LMHeadModel'], 'model_type': 'gpt2', 'vocab_size': config.vocab_size,
         'n_positions': config.block_size, 'n_embd': config.n_embd, 'n_layer': config.n_layer, 'n_head': config.n_head,

@@ -1,6 +1,8 @@
 """
 A GPT language model: token + position embeddings, pre-norm transformer blocks with causal
 self-attention (PyTorch's scaled_dot_product_attention) and an MLP, and a tied output head.
+GPTConfig's defaults are GPT-2's architecture; its other switches are what fast small-GPT trainers use:
+rotary positions, QK-norm, ReLU squared, an untied head, soft-capped logits and zero-initialized output projections.
 The loss lives in train.py; the model maps token ids to logits and nothing else.
 """
 import math
@@ -23,12 +25,32 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # bias in Linears and LayerNorms, like GPT-2; False is a bit better and faster
     activation: str = 'gelu'  # the MLP's nonlinearity, a key of ACTIVATIONS
+    pos_emb: str = 'learned'  # 'learned': a trained vector per position (GPT-2); 'rope': rotary, no parameters
+    qk_norm: bool = False  # RMS-normalize each head's queries and keys: attention logits cannot blow up
+    tie_head: bool = True  # the output head is the token embedding's matrix (GPT-2); False: a matrix of its own
+    logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap), within (-cap, cap); 0: unbounded
+    zero_init: bool = False  # output projections (and an untied head) start at zero: every block starts as the identity
 
 
 ACTIVATIONS = {
     'gelu': F.gelu,  # exact (erf), nanoGPT's choice
     'gelu_tanh': partial(F.gelu, approximate='tanh'),  # the tanh approximation GPT-2 was trained with
+    'relu2': lambda x: F.relu(x).square(),  # ReLU squared (Primer, So et al. 2021): sparse and cheap
 }
+
+
+def rotary_tables(block_size, head_size):
+    """cos and sin of position t times frequency 10000^(-2i/head_size): each (block_size, head_size // 2)."""
+    freqs = 10000.0 ** (-torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)  # (hs/2,)
+    angles = torch.outer(torch.arange(block_size, dtype=torch.float32), freqs)  # (block_size, hs/2)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x, cos, sin):
+    """Rotary position embedding (Su et al. 2021): each pair (x1[i], x2[i]) of x: (B, nh, T, hs) turns by the
+    angle of its position, so a query-key dot product depends on their positions only through the offset."""
+    x1, x2 = x.chunk(2, dim=-1)  # 2 x (B, nh, T, hs/2)
+    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)  # (B, nh, T, hs)
 
 
 class CausalSelfAttention(nn.Module):
@@ -37,6 +59,12 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.dropout = config.dropout
+        self.qk_norm = config.qk_norm
+        self.rope = config.pos_emb == 'rope'
+        if self.rope:  # not in the state_dict: computed from the config
+            cos, sin = rotary_tables(config.block_size, config.n_embd // config.n_head)
+            self.register_buffer('cos', cos, persistent=False)  # (block_size, hs/2)
+            self.register_buffer('sin', sin, persistent=False)  # (block_size, hs/2)
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -47,6 +75,11 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        if self.qk_norm:
+            q, k = F.rms_norm(q, (q.size(-1),)), F.rms_norm(k, (k.size(-1),))  # (B, nh, T, hs), unit RMS per head
+        if self.rope:  # in q's dtype: SDPA needs q, k and v in one dtype under autocast
+            cos, sin = self.cos[:T].to(q.dtype), self.sin[:T].to(q.dtype)  # (T, hs/2)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # (B, nh, T, hs)
         # dropout_p must be 0 in eval: SDPA does not look at self.training
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
@@ -88,22 +121,32 @@ class GPT(nn.Module):
             raise ValueError(f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}: pick n_embd as a multiple of n_head")
         if config.activation not in ACTIVATIONS:
             raise ValueError(f"activation='{config.activation}' is unknown: use one of {', '.join(ACTIVATIONS)}")
+        if config.pos_emb not in ('learned', 'rope'):
+            raise ValueError(f"pos_emb='{config.pos_emb}' is unknown: use 'learned' or 'rope'")
+        if config.pos_emb == 'rope' and (config.n_embd // config.n_head) % 2:
+            raise ValueError(f"pos_emb='rope' turns pairs of dimensions: the head size n_embd/n_head="
+                             f"{config.n_embd // config.n_head} must be even")
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == 'learned' else None
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying: one matrix embeds and un-embeds tokens
+        if config.tie_head:
+            self.lm_head.weight = self.wte.weight  # weight tying: one matrix embeds and un-embeds tokens
         self.activation_checkpointing = False  # recompute each block's activations in backward: less memory, more compute
         self.init_weights()
 
     def init_weights(self):
         # GPT-2's init: N(0, 0.02) everywhere, zero biases, and residual projections scaled by
-        # 1/sqrt(2 * n_layer) so the residual stream's variance does not grow with depth.
+        # 1/sqrt(2 * n_layer) so the residual stream's variance does not grow with depth. zero_init starts the
+        # residual projections at zero instead (each block adds nothing until it has learned something, modded-nanogpt),
+        # and an untied head too: the first logits are all zero, a uniform prediction, loss ln(vocab_size).
         for name, p in self.named_parameters():
-            if name.endswith('c_proj.weight'):
+            if self.config.zero_init and (name.endswith('c_proj.weight') or name == 'lm_head.weight'):
+                nn.init.zeros_(p)
+            elif name.endswith('c_proj.weight'):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
             elif name.endswith('weight') and p.dim() == 2:
                 nn.init.normal_(p, mean=0.0, std=0.02)
@@ -113,10 +156,12 @@ class GPT(nn.Module):
                 nn.init.ones_(p)
 
     def num_params(self, non_embedding=True):
-        """Parameter count; the position embedding is left out by default, as in GPT-2's papers
-        (the token embedding is tied to the head, so it counts as a weight)."""
+        """Parameter count; the embeddings (lookups, no matmul) are left out by default, as in GPT-2's papers,
+        except a token embedding tied to the head, which is also a weight."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.wpe.weight.numel() if non_embedding else n
+        if non_embedding:
+            n -= (self.wpe.weight.numel() if self.wpe is not None else 0) + (0 if self.config.tie_head else self.wte.weight.numel())
+        return n
 
     def forward(self, idx):
         """idx: LongTensor (B, T) of token ids with T <= block_size.
@@ -124,14 +169,19 @@ class GPT(nn.Module):
         B, T = idx.size()
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        x = self.wte(idx)  # (B, T, C)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(T, dtype=torch.long, device=idx.device))  # (B, T, C) + (T, C)
+        x = self.drop(x)  # (B, T, C)
         for block in self.blocks:
             if self.activation_checkpointing and self.training:
                 x = checkpoint(block, x, use_reentrant=False)  # (B, T, C); replays dropout masks exactly
             else:
                 x = block(x)  # (B, T, C)
-        return self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
+        if self.config.logit_softcap > 0:  # smooth, unlike clipping: gradients still flow near the cap
+            logits = self.config.logit_softcap * torch.tanh(logits / self.config.logit_softcap)  # (B, T, vocab_size)
+        return logits
 
     def fully_shard(self, dtype):
         """FSDP2 (needs a process group): each block, then the root (embeddings, final norm, tied head), owns a
@@ -142,16 +192,27 @@ class GPT(nn.Module):
             fully_shard(block, mp_policy=precision)
         fully_shard(self, mp_policy=precision)
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas):
-        """AdamW with weight decay on the Linear matrices only: none on biases, LayerNorm gains or the embeddings
-        (the token embedding is also the tied head: decaying it shrinks rare tokens' rows). Fused: one kernel for
-        all parameters, on CUDA and CPU alike."""
+    def configure_optimizers(self, weight_decay, learning_rate, betas, optimizer='adamw', muon_lr=0.02, muon_momentum=0.95):
+        """The optimizers that train.py steps, saves and schedules, as a list: AdamW first, then with
+        optimizer='muon' torch.optim.Muon. AdamW decays the Linear matrices only: no biases, LayerNorm gains or
+        embeddings (the token embedding may be the tied head: decaying it shrinks rare tokens' rows); fused: one
+        kernel for all parameters, on CUDA and CPU alike. Muon takes the blocks' 2-D matrices, where its
+        orthogonalized update is made for (not the embeddings, whose rows are looked up one by one, nor the head), with
+        its own base rate muon_lr; AdamW keeps learning_rate for the rest."""
+        def by_muon(name, p):
+            return optimizer == 'muon' and name.startswith('blocks.') and p.dim() == 2
+
         def decays(name, p):
             return p.dim() >= 2 and not name.startswith(('wte.', 'wpe.'))
         params = list(self.named_parameters())  # tied weights appear once
-        groups = [{'params': [p for n, p in params if decays(n, p)], 'weight_decay': weight_decay},
-                  {'params': [p for n, p in params if not decays(n, p)], 'weight_decay': 0.0}]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
+        adamw = [(n, p) for n, p in params if not by_muon(n, p)]
+        groups = [{'params': [p for n, p in adamw if decays(n, p)], 'weight_decay': weight_decay},
+                  {'params': [p for n, p in adamw if not decays(n, p)], 'weight_decay': 0.0}]
+        optimizers = [torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)]
+        if optimizer == 'muon':
+            optimizers.append(torch.optim.Muon([p for n, p in params if by_muon(n, p)], lr=muon_lr,
+                                               weight_decay=weight_decay, momentum=muon_momentum))
+        return optimizers
 
     def flops_per_token(self):
         """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12 L T C."""

@@ -80,19 +80,29 @@ n_head = 12
 n_embd = 768
 dropout = 0.0
 bias = False
-activation = 'gelu'  # the MLP's: 'gelu' or 'gelu_tanh' (GPT-2's). GPT-2 weights set it and the shape keys above
-# AdamW
-learning_rate = 6e-4
+activation = 'gelu'  # the MLP's: 'gelu', 'gelu_tanh' (GPT-2's) or 'relu2' (ReLU squared). GPT-2 weights set it and the shape keys above
+pos_emb = 'learned'  # positions: 'learned' (an embedding, GPT-2's) or 'rope' (rotary: relative, no parameters)
+qk_norm = False  # RMS-normalize each head's queries and keys before attention
+tie_head = True  # the output head shares the token embedding's matrix (GPT-2's); False: the head has its own
+logit_softcap = 0.0  # > 0: logits become logit_softcap * tanh(logits / logit_softcap); 0: off
+zero_init = False  # attention and MLP output projections (and an untied head) start at zero instead of small noise
+# optimizer: 'adamw' for every parameter, or 'muon': Muon for the blocks' matrices and AdamW for the rest
+optimizer = 'adamw'
+learning_rate = 6e-4  # AdamW's
+muon_lr = 0.02  # Muon's base learning rate; the schedule scales it by the same factor as learning_rate
+muon_momentum = 0.95
 max_iters = 600000  # iterations (optimizer steps attempted, each of gradient_accumulation_steps micro-batches)
 weight_decay = 1e-1
 beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0  # 0 disables clipping (the norm is still measured and logged)
-# learning rate schedule: linear warmup, cosine decay to min_lr at lr_decay_iters, then flat
+# learning rate schedule: linear warmup, decay to min_lr at lr_decay_iters, then flat
 decay_lr = True
+lr_schedule = 'cosine'  # 'cosine' (nanoGPT's) or 'wsd': warmup, stable (constant), then a linear decay
+wsd_decay_frac = 0.2  # wsd: the decay takes this share of the iterations between warmup_iters and lr_decay_iters
 warmup_iters = 2000
 lr_decay_iters = 600000
-min_lr = 6e-5
+min_lr = 6e-5  # AdamW's floor; Muon's is muon_lr * min_lr / learning_rate
 # early stopping and smoke test
 patience = 0  # stop after this many evaluations without a new best val loss; 0 never stops early
 overfit_one_batch = False  # train on one fixed batch: loss must approach zero if model, loss and optimizer are wired
@@ -138,6 +148,12 @@ for key in ('eval_interval', 'log_interval', 'gradient_accumulation_steps', 'bat
 check(n_embd % n_head == 0, f"n_embd={n_embd} is not a multiple of n_head={n_head}: change one of them")
 check(0 <= dropout < 1, f"dropout={dropout} must be in [0, 1)")
 check(not decay_lr or lr_decay_iters > warmup_iters, f"lr_decay_iters={lr_decay_iters} must exceed warmup_iters={warmup_iters}")
+check(pos_emb in ('learned', 'rope'), f"pos_emb='{pos_emb}': use 'learned' or 'rope'")
+check(pos_emb == 'learned' or (n_embd // n_head) % 2 == 0, f"pos_emb='rope' turns pairs of dimensions: make the head size n_embd/n_head={n_embd // n_head} even")
+check(logit_softcap >= 0, f"logit_softcap={logit_softcap} must be 0 (off) or positive")
+check(optimizer in ('adamw', 'muon'), f"optimizer='{optimizer}': use 'adamw' or 'muon'")
+check(lr_schedule in ('cosine', 'wsd'), f"lr_schedule='{lr_schedule}': use 'cosine' or 'wsd'")
+check(0 < wsd_decay_frac <= 1, f"wsd_decay_frac={wsd_decay_frac} must be in (0, 1]")
 for key, package in (('tensorboard_log', 'tensorboard'), ('wandb_log', 'wandb')):
     check(not config[key] or importlib.util.find_spec(package), f"{key}=True needs the {package} package: pip install {package}, or set {key}=False")
 if deterministic:
@@ -249,6 +265,9 @@ if init_from not in ('scratch', 'resume', 'auto'):
         pretrained_args, pretrained_state, pretrained = hf.load_gpt2(init_from, block_size, data_meta['vocab_size'])
     except hf.HFError as e:
         check(False, e)
+check(not pretrained or (pos_emb, qk_norm, tie_head, logit_softcap) == ('learned', False, True, 0.0),
+      "GPT-2's weights have learned positions, a tied head, no QK-norm and no soft-cap: leave pos_emb, qk_norm, tie_head "
+      "and logit_softcap at their defaults to finetune them")
 if pretrained:  # the shape comes from the weights, on resume too; config.json and checkpoints record it resolved
     weights_args = ckpt['model_args'] if resuming else pretrained_args
     shape = {k: weights_args[k] for k in ('n_layer', 'n_head', 'n_embd', 'bias', 'activation')}
@@ -259,7 +278,8 @@ if pretrained:  # the shape comes from the weights, on resume too; config.json a
 # -----------------------------------------------------------------------------
 # model, precision, optimizer, schedule
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias, activation=activation,
-                  vocab_size=data_meta['vocab_size'], dropout=dropout)
+                  vocab_size=data_meta['vocab_size'], dropout=dropout, pos_emb=pos_emb, qk_norm=qk_norm, tie_head=tie_head,
+                  logit_softcap=logit_softcap, zero_init=zero_init)
 dtype_how = {'rule': 'set in the config'}
 if dtype == 'auto' and resuming and 'dtype' in ckpt:  # a resume continues in the dtype the run chose, whatever is measured now
     dtype, dtype_how = ckpt['dtype'], {'rule': f"dtype='auto' as resolved by the run resumed from {ckpt_path}"}
@@ -271,6 +291,9 @@ if dtype == 'auto':  # rank 0 decides (by measuring, on some CPUs) and every ran
     dtype, dtype_how = choice[0]
     check(dtype in ('float32', 'bfloat16', 'float16'), f"HONESTGPT_AUTO_DTYPE={dtype}: use float32, bfloat16 or float16")
 check(not (sharded and dtype == 'float16'), "parallel='fsdp' trains in float32 or bfloat16: set dtype=bfloat16")
+# torch 2.13's Muon steps FSDP2's sharded matrices without an error, but not to the update it gives the whole matrix
+check(not (sharded and optimizer == 'muon'), "optimizer='muon' does not work with parallel='fsdp' (Muon orthogonalizes whole "
+                                             "matrices, FSDP shards them): use parallel='ddp' or optimizer='adamw'")
 if dtype == 'float16' and device_type == 'cpu':
     slowdown, ms16, ms32 = perf.float16_slowdown(device, n_embd, batch_size * block_size)
     if slowdown > 1.5:
@@ -288,24 +311,28 @@ model = model.to(device)
 model.activation_checkpointing = activation_checkpointing
 if sharded:
     model.fully_shard(ptdtype)
-optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2))
+optimizers = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), optimizer, muon_lr, muon_momentum)
 min_lr_factor = min_lr / learning_rate if learning_rate > 0 else 0.0
+decay_start = lr_decay_iters - wsd_decay_frac * (lr_decay_iters - warmup_iters) if lr_schedule == 'wsd' else warmup_iters
 
 
 def lr_factor(opt_step):
-    """nanoGPT's schedule as a multiple of learning_rate, a function of real optimizer steps only: linear warmup,
-    cosine decay to min_lr at lr_decay_iters, then flat."""
+    """The schedule as a multiple of each group's base rate, a function of real optimizer steps only: linear warmup,
+    then cosine (nanoGPT's) or constant-then-linear (wsd) decay to min_lr at lr_decay_iters, then flat."""
     if not decay_lr:
         return 1.0
     if opt_step < warmup_iters:
         return (opt_step + 1) / (warmup_iters + 1)
     if opt_step > lr_decay_iters:
         return min_lr_factor
+    if lr_schedule == 'wsd':
+        return 1.0 - (1.0 - min_lr_factor) * max(0.0, opt_step - decay_start) / (lr_decay_iters - decay_start)
     coeff = 0.5 * (1.0 + math.cos(math.pi * (opt_step - warmup_iters) / (lr_decay_iters - warmup_iters)))
     return min_lr_factor + coeff * (1.0 - min_lr_factor)
 
 
-scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lr_factor) for opt in optimizers]
+configured_lrs = [s.base_lrs for s in schedulers]  # each group's base rate in this config: AdamW's, Muon's
 scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=dtype == 'float16')
 
 # -----------------------------------------------------------------------------
@@ -317,7 +344,7 @@ RESUMABLE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'max_iters', 'ev
              'always_save_checkpoint', 'checkpoint_interval', 'patience', 'num_workers', 'compile', 'device', 'backend',
              'max_consecutive_skips', 'activation_checkpointing', 'smoke_test', 'tensorboard_log', 'cost_per_hour',
              'test_eval', 'sample_tokens', 'write_report',
-             'learning_rate', 'decay_lr', 'warmup_iters', 'lr_decay_iters', 'min_lr', 'grad_clip',
+             'learning_rate', 'muon_lr', 'decay_lr', 'lr_schedule', 'wsd_decay_frac', 'warmup_iters', 'lr_decay_iters', 'min_lr', 'grad_clip',
              'wandb_log', 'wandb_project', 'wandb_run_name'}
 # what the checkpoint must have been trained on: a resume after shards were added or changed is refused
 dataset_id = {'name': data_meta['name'], 'source_sha256': data_meta.get('source_sha256'), 'vocab_size': data_meta['vocab_size'],
@@ -326,21 +353,27 @@ iter_num, best_val_loss, best_iter, evals_since_best, skipped_steps, consecutive
 seconds_before = 0.0  # training wall time of the sessions before this one (None: unknown, an older checkpoint)
 
 
+def listed(state):
+    """A checkpoint's optimizer or scheduler states, one per optimizer: format 2 held a single one."""
+    return state if isinstance(state, list) else [state]
+
+
 def restore(module, ckpt, ckpt_path, with_optimizer):
-    """Load weights (and optimizer state) from a checkpoint: in the file itself, or in fsdp mode in the folder of
+    """Load weights (and optimizer states) from a checkpoint: in the file itself, or in fsdp mode in the folder of
     shards it points to, which every rank reads its own part of."""
     if 'shards' not in ckpt:
         module.load_state_dict(ckpt['model'])
         if with_optimizer:
-            optimizer.load_state_dict(ckpt['optimizer'])
+            for opt, state in zip(optimizers, listed(ckpt['optimizer']), strict=True):
+                opt.load_state_dict(state)
         return
     state = {'model': get_model_state_dict(module)}
     if with_optimizer:
-        state['optimizer'] = get_optimizer_state_dict(module, optimizer)
+        state['optimizer'] = get_optimizer_state_dict(module, optimizers)
     dcp.load(state, checkpoint_id=os.path.join(os.path.dirname(ckpt_path), ckpt['shards']))
     set_model_state_dict(module, state['model'])
     if with_optimizer:
-        set_optimizer_state_dict(module, optimizer, state['optimizer'])
+        set_optimizer_state_dict(module, optimizers, state['optimizer'])
 
 
 if resuming:
@@ -352,10 +385,11 @@ if resuming:
     data_change = data.data_change(ckpt['dataset'], dataset_id)
     check(not data_change, f"{ckpt_path} was trained on other data ({data_change}): prepare the same dataset or start a new out_dir")
     restore(model, ckpt, ckpt_path, with_optimizer=True)
-    scheduler.load_state_dict(ckpt['scheduler'])
-    scheduler.base_lrs = [learning_rate] * len(optimizer.param_groups)  # the schedule of this config, not the saved one
-    for group in optimizer.param_groups:
-        group['lr'] = learning_rate * lr_factor(scheduler.last_epoch)
+    for scheduler, state, base_lrs in zip(schedulers, listed(ckpt['scheduler']), configured_lrs, strict=True):
+        scheduler.load_state_dict(state)
+        scheduler.base_lrs = base_lrs  # the schedule of this config, each group from its own base rate, not the saved one
+        for group, base_lr in zip(scheduler.optimizer.param_groups, base_lrs):
+            group['lr'] = base_lr * lr_factor(scheduler.last_epoch)
     scaler.load_state_dict(ckpt['scaler'])
     train_sampler.load_state_dict(ckpt['sampler'])
     iter_num, best_val_loss, best_iter, evals_since_best = ckpt['iter_num'], ckpt['best_val_loss'], ckpt['best_iter'], ckpt['evals_since_best']
@@ -379,15 +413,16 @@ def run_smoke_test(steps=30):
     initial_weights, initial_rng = copy.deepcopy(model.state_dict()), checkpoint.rng_state()
     x, y, _ = torch.utils.data.default_collate([splits['train'][s] for s in train_sampler.epoch_batches(0)[0]])
     x, y = x.to(device), y.to(device)
-    smoke_optimizer = model.configure_optimizers(0.0, learning_rate, (beta1, beta2))
+    smoke_optimizers = model.configure_optimizers(0.0, learning_rate, (beta1, beta2), optimizer, muon_lr, muon_momentum)
     losses = []
     for _ in range(steps):
-        smoke_optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         with autocast:
             logits = model(x)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
         loss.backward()
-        smoke_optimizer.step()
+        for opt in smoke_optimizers:
+            opt.step()
         losses.append(loss.detach())
     model.load_state_dict(initial_weights)
     checkpoint.set_rng_state(initial_rng)
@@ -539,11 +574,11 @@ def save_checkpoint(names, rng):
     start = time.time()
     if sharded:
         shards = f'shards-{iter_num}'
-        dcp.save({'model': get_model_state_dict(model), 'optimizer': get_optimizer_state_dict(model, optimizer)},
+        dcp.save({'model': get_model_state_dict(model), 'optimizer': get_optimizer_state_dict(model, optimizers)},
                  checkpoint_id=os.path.join(out_dir, shards))
     if master:
         state = {
-            'format': checkpoint.FORMAT, 'dtype': dtype, 'scheduler': scheduler.state_dict(), 'scaler': scaler.state_dict(),
+            'format': checkpoint.FORMAT, 'dtype': dtype, 'scheduler': [s.state_dict() for s in schedulers], 'scaler': scaler.state_dict(),
             'sampler': train_sampler.state_dict(), 'rng': rng, 'iter_num': iter_num, 'best_val_loss': best_val_loss,
             'best_iter': best_iter, 'evals_since_best': evals_since_best, 'skipped_steps': skipped_steps,
             'consecutive_skips': consecutive_skips, 'config': config, 'model_args': model_args, 'dataset': dataset_id,
@@ -551,7 +586,7 @@ def save_checkpoint(names, rng):
             'log_bytes': {'metrics.jsonl': metrics_file.tell(), 'train.log': log_file.tell()},
             'train_seconds': None if seconds_before is None else seconds_before + time.time() - t_start,
         }
-        state |= {'shards': shards} if sharded else {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict()}
+        state |= {'shards': shards} if sharded else {'model': raw_model.state_dict(), 'optimizer': [o.state_dict() for o in optimizers]}
         for name in names:
             checkpoint.save(state, os.path.join(out_dir, name))
         if sharded:  # shard folders that neither best.pt nor last.pt points to any more
@@ -615,7 +650,7 @@ def record_memory():
         return sum((t.to_local() if sharded and isinstance(t, torch.distributed.tensor.DTensor) else t).nbytes
                    for t in tensors) / 2**20
     held = {'weights_mb': mb(raw_model.parameters()), 'grads_mb': mb(p.grad for p in raw_model.parameters() if p.grad is not None),
-            'optimizer_mb': mb(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)),
+            'optimizer_mb': mb(v for opt in optimizers for state in opt.state.values() for v in state.values() if torch.is_tensor(v)),
             'peak_mb': perf.peak_memory_mb(device)}
     ranks = [held] * world_size
     if ddp:
@@ -631,8 +666,8 @@ t_start = t_last = time.time()
 iters_since_log, first_loss, save_seconds_total = 0, None, 0.0
 iter_seconds = collections.deque(maxlen=20)  # seconds per iteration over recent log intervals, for the ETA
 while iter_num < max_iters:
-    lr = optimizer.param_groups[0]['lr']
-    optimizer.zero_grad(set_to_none=True)
+    lr = optimizers[0].param_groups[0]['lr']  # AdamW's, learning_rate's schedule
+    model.zero_grad(set_to_none=True)  # every optimizer's parameters
     loss_sum = torch.zeros((), device=device)
     batch_starts = []
     for micro_step in range(accum_steps):
@@ -656,7 +691,8 @@ while iter_num < max_iters:
             first_seconds = time.time() - t_start
             log(f"the first micro-batch took {first_seconds:.2f} s: about {first_seconds * accum_steps:.2f} s per iteration, "
                 f"{first_seconds * accum_steps * (max_iters - iter_num) / 3600:.2f} h for the {max_iters - iter_num} left")
-    scaler.unscale_(optimizer)  # clip true gradients, not scaled ones
+    for opt in optimizers:
+        scaler.unscale_(opt)  # clip true gradients, not scaled ones
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float('inf'))
     if sharded:  # the norm over all shards
         grad_norm = grad_norm.full_tensor()
@@ -670,11 +706,14 @@ while iter_num < max_iters:
                    f"untouched: lower learning_rate or raise warmup_iters, then resume")
         abort(iter_num + 1, message)
     scale = scaler.get_scale() if scaler.is_enabled() else 1.0
-    scaler.step(optimizer)  # skipped by the scaler when float16 gradients overflowed
-    scaler.update()
-    skipped = scaler.is_enabled() and scaler.get_scale() < scale
+    # float16 gradients overflowed somewhere: skip every optimizer's step, decided once on the norm over all parameters
+    # (each scaler.step would decide per optimizer, and one could step while another skips)
+    skipped = scaler.is_enabled() and not math.isfinite(grad_norm_value)
     if not skipped:
-        scheduler.step()  # the schedule counts optimizer steps that really happened
+        for opt, scheduler in zip(optimizers, schedulers):
+            scaler.step(opt)
+            scheduler.step()  # the schedule counts optimizer steps that really happened
+    scaler.update()  # lowers the scale after an overflow
     skipped_steps, consecutive_skips = skipped_steps + skipped, (consecutive_skips + 1) * skipped
     iter_num += 1
     if iter_num == start_iter + 1:

@@ -2,11 +2,13 @@
 PROBE_COUNT=DIR   counts DDP's gradient all-reduces per rank (a comm hook) into DIR/allreduce.RANK
 PROBE_NAN=R:N     makes rank R's loss NaN from its N-th micro-batch on
 PROBE_KILL=R:N    SIGKILLs rank R at its N-th micro-batch, on torchrun's first attempt only
+PROBE_STEPS=DIR   counts the steps each optimizer class took per rank into DIR/steps.RANK (JSON)
 Always: the GIL changes hands at most once a second unless its holder releases it (sys.setswitchinterval), so
 a collective's tensors that gloo's worker thread frees late reach Python's shutdown unless train.py's exit gives
 way (shut_down_process_group).
 Usage: torchrun ... tests/ddp_probe.py train.py ARGS..."""
 import atexit
+import json
 import os
 import runpy
 import signal
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 sys.setswitchinterval(1.0)
 rank = int(os.environ['RANK'])
@@ -35,6 +38,12 @@ if 'PROBE_COUNT' in os.environ:
         self.register_comm_hook(None, hook)
     DistributedDataParallel.__init__ = counting_init
     atexit.register(lambda: open(os.path.join(os.environ['PROBE_COUNT'], f'allreduce.{rank}'), 'w').write(str(allreduces)))
+
+if 'PROBE_STEPS' in os.environ:
+    steps = {}
+    register_optimizer_step_post_hook(
+        lambda opt, *_: steps.update({type(opt).__name__: steps.get(type(opt).__name__, 0) + 1}))
+    atexit.register(lambda: open(os.path.join(os.environ['PROBE_STEPS'], f'steps.{rank}'), 'w').write(json.dumps(steps)))
 
 cross_entropy = F.cross_entropy
 

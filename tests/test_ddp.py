@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO, RUN_CONFIG, ok, read_metrics, run_train, torchrun
+from test_recipe import RECIPE
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
 
@@ -38,10 +39,12 @@ def assert_same_run(one, two):
     assert all(torch.allclose(p1[k], p2[k], rtol=RTOL, atol=1e-6) for k in p1)
 
 
-def test_two_ranks_equal_one_process_and_skip_sync_between_boundaries(tmp_path, data_dir):
+# the recipe's model and schedule with AdamW; Muon under DDP: test_recipe.py
+@pytest.mark.parametrize('recipe', [[], [*RECIPE, '--optimizer=adamw']], ids=['nanogpt', 'recipe'])
+def test_two_ranks_equal_one_process_and_skip_sync_between_boundaries(tmp_path, data_dir, recipe):
     one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
-    run_train(one, data_dir, *SAME)
-    result = ok(torchrun(two, data_dir, *SAME, probe=True, env_extra={'PROBE_COUNT': str(tmp_path)}))
+    run_train(one, data_dir, *SAME, *recipe)
+    result = ok(torchrun(two, data_dir, *SAME, *recipe, probe=True, env_extra={'PROBE_COUNT': str(tmp_path)}))
     assert '4 x 8 x 32' in result.stdout  # tokens per step printed, global accumulation kept
     assert_same_run(one, two)
     # 2 micro-batches per rank per step, 1 bucket (a 30k-parameter model): one gradient all-reduce per

@@ -196,7 +196,9 @@ def test_gpt2_by_name_from_the_cache_finetunes_and_resumes_exactly(root, bpe_dat
     assert a['pretrained'] == b['pretrained'] == record
     assert json.load(open(os.path.join(split, 'meta.json')))['pretrained'] == record
     assert a['model_args'] | {'dropout': 0.1} == {'n_layer': 2, 'n_head': 4, 'n_embd': 64, 'block_size': 32, 'bias': True,
-                                                  'activation': 'gelu_tanh', 'vocab_size': N_VOCAB, 'dropout': 0.1}
+                                                  'activation': 'gelu_tanh', 'vocab_size': N_VOCAB, 'dropout': 0.1,
+                                                  'pos_emb': 'learned', 'qk_norm': False, 'tie_head': True,
+                                                  'logit_softcap': 0.0, 'zero_init': False}
     config = json.load(open(os.path.join(straight, 'config.json')))
     assert config['n_embd'] == {'value': 64, 'source': 'weights of gpt2'} and config['bias']['value'] is True
 

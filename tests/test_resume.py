@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import REPO, RUN_CONFIG, read_metrics, run_train, run_trains
+from test_recipe import RECIPE
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
 
@@ -24,17 +25,20 @@ def trajectory(out_dir):
     return [(r['step'], r['loss'], r['lr'], r['grad_norm']) for r in read_metrics(out_dir, 'train')]
 
 
-def test_bfloat16_resume_mid_epoch_between_evaluations_is_bitwise(tmp_path, data_dir):
+@pytest.mark.parametrize('recipe', [[], RECIPE], ids=['nanogpt', 'recipe'])  # the recipe: Muon beside AdamW, wsd...
+def test_bfloat16_resume_mid_epoch_between_evaluations_is_bitwise(tmp_path, data_dir, recipe):
     straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
+    args = [*HARD, *recipe, '--dtype=bfloat16']
     # stop at 14: in the middle of an epoch, between evaluations, after an extra final evaluation
-    run_trains(data_dir, (straight, [*HARD, '--dtype=bfloat16']), (split, [*HARD, '--dtype=bfloat16', '--max_iters=14']))
-    run_train(split, data_dir, *HARD, '--dtype=bfloat16', '--init_from=resume')
+    run_trains(data_dir, (straight, args), (split, [*args, '--max_iters=14']))
+    run_train(split, data_dir, *args, '--init_from=resume')
     assert trajectory(split) == trajectory(straight)
     evals = lambda d: [(r['step'], r['val_loss']) for r in read_metrics(d, 'eval') if r['step'] % 10 == 0]
     assert evals(split) == evals(straight)
-    a = torch.load(os.path.join(straight, 'last.pt'), weights_only=True)['model']
-    b = torch.load(os.path.join(split, 'last.pt'), weights_only=True)['model']
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    a, b = (torch.load(os.path.join(d, 'last.pt'), weights_only=True) for d in (straight, split))
+    assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
+    lrs = lambda ckpt: [g['lr'] for state in ckpt['optimizer'] for g in state['param_groups']]
+    assert lrs(a) == lrs(b)  # each optimizer's groups resumed at their own rate: Muon's is not AdamW's
 
 
 def test_float32_resume_after_evaluation_and_from_best_is_bitwise(tmp_path, data_dir):

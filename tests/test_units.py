@@ -41,7 +41,8 @@ def test_init_and_param_groups():
     proj = model.blocks[0].mlp.c_proj.weight.std().item()
     assert abs(proj - 0.02 / math.sqrt(2 * 2)) < 0.004  # residual projections scaled down
     assert torch.all(model.blocks[0].attn.c_attn.bias == 0)
-    decay, no_decay = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95)).param_groups
+    [adamw] = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
+    decay, no_decay = adamw.param_groups
     decay_ids = {id(p) for p in decay['params']}
     assert id(model.blocks[0].attn.c_attn.weight) in decay_ids
     assert id(model.wte.weight) not in decay_ids and id(model.wpe.weight) not in decay_ids
