@@ -102,13 +102,12 @@ def open_dataset(data_dir, dataset):
 
 
 def data_change(recorded, current):
-    """Why a checkpoint's data (its recorded dataset id) is not this run's, or '' when it is the same. A checkpoint
-    written before shards were recorded is checked on what it recorded: name, source hash, vocabulary, tokenizer."""
+    """Why a checkpoint's data (its recorded dataset id) is not this run's, or '' when it is the same."""
+    if 'shards' not in recorded:  # its documents were split by another rule: the same source gives another train
+        return "its dataset predates shards, and the document split rule changed since"
     differ = [k for k in recorded if k != 'shards' and recorded[k] != current.get(k)]
     if differ:
         return f"its {', '.join(differ)} differ"
-    if 'shards' not in recorded:
-        return ''
     before, now = ({name: (tokens, fp) for name, tokens, fp in ident['shards']} for ident in (recorded, current))
     changes = [f"{what} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}" for what, names in (
         ('added', sorted(now.keys() - before.keys())), ('removed', sorted(before.keys() - now.keys())),
