@@ -3,7 +3,7 @@ A dataset's shards, token windows over a split's shards, and the samplers that d
 
 - A dataset is a folder with meta.json and shards in llm.c's format named NAME_SPLIT_000000.bin (modded-nanogpt's
   names), as prepare.py writes them or as llm.c and modded-nanogpt publish them, or a glob of such files.
-- TokenWindows: a split's shards, memmapped lazily, read as one token stream. A window is named by its start
+- TokenWindows: a split's shards, read as one token stream. A window is named by its start
   position in that stream: x = tokens[s : s+T], y = tokens[s+1 : s+T+1], across a shard boundary if it falls there.
 - TrainSampler: each epoch, a random offset and a permutation drawn from (seed + epoch) alone,
   so every rank computes the same order, takes its own shard (perm[rank::world_size]) and any
@@ -127,21 +127,18 @@ class TokenWindows(Dataset):
         self.shards = [[os.path.basename(p), n, fp] for p, (_, n, fp) in zip(self.paths, headers)]
         self.offsets = np.cumsum([0] + [n for _, n, _ in headers])
         self.num_tokens = int(self.offsets[-1])
-        self.tokens = [None] * len(self.paths)  # memmaps, opened lazily, once per process
-
-    def __getstate__(self):  # a memmap must not be pickled into workers: each process opens its own
-        return {**self.__dict__, 'tokens': [None] * len(self.paths)}
 
     def read(self, start, stop):
         """Tokens [start, stop) of the stream: one slice of a shard, or pieces of several across boundaries."""
         pieces = []
         while start < stop:
             i = int(np.searchsorted(self.offsets, start, side='right')) - 1  # empty shards are never picked
-            if self.tokens[i] is None:
-                self.tokens[i] = np.memmap(self.paths[i], dtype=self.dtype, mode='r', offset=HEADER_BYTES,
-                                           shape=(int(self.offsets[i + 1] - self.offsets[i]),))
             end = min(stop, int(self.offsets[i + 1]))
-            pieces.append(self.tokens[i][start - self.offsets[i]:end - self.offsets[i]])
+            # opened for this read alone: a file kept open per shard would exhaust the descriptor limit (often 1024)
+            # on a dataset of a thousand shards; the open costs microseconds next to the window's other work
+            with open(self.paths[i], 'rb', buffering=0) as f:
+                f.seek(HEADER_BYTES + int(start - self.offsets[i]) * self.dtype.itemsize)
+                pieces.append(np.frombuffer(f.read((end - start) * self.dtype.itemsize), dtype=self.dtype))
             start = end
         return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
 

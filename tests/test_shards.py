@@ -48,6 +48,20 @@ def test_shard_writer_round_trip(tmp_path, dtype):
     assert all_windows_match(ds, tokens, 4)  # windows inside a shard and across one or two boundaries
 
 
+@pytest.mark.skipif(not os.path.isdir('/proc/self/fd'), reason='counts open files in /proc')
+def test_reading_many_shards_keeps_no_file_open(tmp_path):
+    # a file (or memmap) kept per shard read would hold 50 descriptors here; FineWeb100B's 1,030 shards would exceed
+    # the usual limit of 1024
+    tokens = np.arange(1000) * 7 % 50257
+    paths = [tmp_path / f'd_train_{i:06d}.bin' for i in range(50)]
+    for i, path in enumerate(paths):
+        llmc_shard(path, tokens[20 * i:20 * i + 20])
+    ds = data.TokenWindows(paths, block_size=8)
+    open_files = len(os.listdir('/proc/self/fd'))
+    assert all_windows_match(ds, tokens, 8)
+    assert len(os.listdir('/proc/self/fd')) == open_files
+
+
 def test_llmc_shards_with_a_written_meta_are_a_dataset(tmp_path):
     folder = tmp_path / 'fineweb10B'
     folder.mkdir()
