@@ -23,6 +23,7 @@ import sysconfig
 import tempfile
 import time
 import urllib.request
+import zlib
 
 import numpy as np
 import tiktoken
@@ -99,7 +100,7 @@ class Reader:
                     for k, text in enumerate(parquet_texts(path, self.text_key)):
                         yield f'{rel}:{k}', text.encode('utf-8'), 'text', None, 0
                 elif is_records_file(path):
-                    lines = gzip.open(raw) if path.endswith('.gz') else raw
+                    lines = gzip_lines(raw, path) if path.endswith('.gz') else raw
                     for k, line in enumerate(lines):
                         self.bytes_done = done + raw.tell()
                         if line.strip():
@@ -108,6 +109,13 @@ class Reader:
                     yield rel, raw.read(), 'text', None, 0
             done += os.path.getsize(path)
             self.bytes_done = done
+
+
+def gzip_lines(raw, path):
+    try:
+        yield from gzip.open(raw)
+    except (OSError, EOFError, zlib.error) as e:  # not gzip, truncated, corrupt
+        raise PrepareError(f'{path} is not a readable gzip file ({e}): compress or download it again') from None
 
 
 def parquet_texts(path, text_key):
@@ -235,12 +243,19 @@ def process_batch(batch):
     out = []
     for doc_id, raw, kind, split, offset in batch:
         if kind.startswith('json:'):
+            key = kind[5:]
             try:
-                text = json.loads(raw)[kind[5:]]
+                text = json.loads(decode_utf8(raw, doc_id))[key]
             except (ValueError, KeyError, TypeError):
-                raise PrepareError(f'{doc_id} is not a JSON object with a {kind[5:]!r} field: '
+                raise PrepareError(f'{doc_id} is not a JSON object with a {key!r} field: '
                                    f'pass --text_key NAME of the field that holds the text') from None
-            data = text.encode('utf-8')
+            if not isinstance(text, str):
+                raise PrepareError(f'{doc_id} has {key!r}: {json.dumps(text)[:40]}, not a string: fix or drop that record')
+            try:
+                data = text.encode('utf-8')
+            except UnicodeEncodeError as e:  # JSON's \ud800 escapes can name half a character
+                raise PrepareError(f'{doc_id} holds a lone surrogate {text[e.start]!r}, which is not text: '
+                                   f'fix or drop that record') from None
         else:
             text, data = decode_utf8(raw, doc_id, offset), raw
         digest = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), 'little')
@@ -420,6 +435,8 @@ def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, t
     if not 0 < shard_size < 2**31:
         raise PrepareError(f'shard_size={shard_size} must be between 1 and 2**31-1 (the header holds an int32)')
     num_proc = num_proc or os.cpu_count()
+    if num_proc < 1:
+        raise PrepareError(f'num_proc={num_proc} must be at least 1 (tokenizer processes)')
     tokenizer = tokenizer or ('gpt2' if name == 'shakespeare' else 'char')
     # load the tokenizer before reading anything, so a bad --tokenizer fails fast
     tokenizer_meta = None if tokenizer == 'char' else tiktoken_encoding(tokenizer)[1]

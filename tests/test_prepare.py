@@ -187,6 +187,13 @@ def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
     (['x', '--input', 'good.txt', '--tokenizer', 'bpe'], "tokenizer 'bpe' not understood"),
     (['x', '--input', 'good.txt', '--tokenizer', 'nope.tiktoken'], 'not found'),
     (['unknown_name'], 'pystdlib_char.*--input'),
+    (['x', '--input', 'good.txt', '--num_proc', '-1'], 'num_proc=-1 must be at least 1'),
+    (['x', '--input', 'null.jsonl'], "null.jsonl:2 has 'text': null, not a string: fix or drop that record"),
+    (['x', '--input', 'number.jsonl'], "number.jsonl:1 has 'text': 42, not a string"),
+    (['x', '--input', 'surrogate.jsonl'], r"surrogate.jsonl:1 holds a lone surrogate '\\ud800'"),
+    (['x', '--input', 'latin1.jsonl'], r'latin1.jsonl:1 is not UTF-8 \(invalid byte at offset 13\).*iconv'),
+    (['x', '--input', 'truncated.jsonl.gz'], 'truncated.jsonl.gz is not a readable gzip file'),
+    (['x', '--input', 'corrupt.jsonl.gz'], 'corrupt.jsonl.gz is not a readable gzip file'),
 ])
 def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
     (tmp_path / 'empty.txt').write_bytes(b'')
@@ -199,6 +206,13 @@ def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
     (tmp_path / 'two_docs' / 'b').write_text('two')
     (tmp_path / 'two_docs' / 'c').write_text('one')
     (tmp_path / 'good.txt').write_text('some good text\n' * 20)
+    (tmp_path / 'null.jsonl').write_text('{"text": "a"}\n{"text": null}\n')
+    (tmp_path / 'number.jsonl').write_text('{"text": 42}\n')
+    (tmp_path / 'surrogate.jsonl').write_text('{"text": "half \\ud800 a character"}\n')
+    (tmp_path / 'latin1.jsonl').write_bytes('{"text": "caf\u00e9"}\n'.encode('latin-1'))
+    records = gzip.compress(b''.join(b'{"text": "record %d"}\n' % i for i in range(1000)))
+    (tmp_path / 'truncated.jsonl.gz').write_bytes(records[:len(records) // 2])
+    (tmp_path / 'corrupt.jsonl.gz').write_bytes(records[:100] + bytes(b ^ 0xff for b in records[100:200]) + records[200:])
     result = run_cli(*args, cwd=tmp_path)
     assert result.returncode == 2
     assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith('error: ')
