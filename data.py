@@ -64,7 +64,8 @@ def read_shard_header(path):
 def open_dataset(data_dir, dataset):
     """(meta, {split: [shard paths]}) of a dataset: a folder under data_dir, or a glob of shard files under data_dir
     whose folder holds meta.json. The splits come from the file names; test may be missing (FineWeb's shards have
-    none), train and val may not. meta.json needs only vocab_size and tokenizer (char, gpt2 or PATH.tiktoken)."""
+    none), train and val may not. A hand-written meta.json needs only vocab_size and tokenizer (gpt2 or
+    PATH.tiktoken); a char vocabulary comes only from prepare.py."""
     path = os.path.join(data_dir, dataset)
     if any(c in dataset for c in '*?['):
         files = sorted(glob.glob(path))
@@ -77,13 +78,20 @@ def open_dataset(data_dir, dataset):
     if not os.path.exists(meta_path):
         raise DataError(f"dataset '{dataset}' has no {meta_path}: run python prepare.py {dataset} --input PATH (or set "
                         f"data_dir); for downloaded shards write it, e.g. {{\"vocab_size\": 50257, \"tokenizer\": \"gpt2\"}}")
-    with open(meta_path) as f:
-        meta = json.load(f)
+    try:
+        with open(meta_path, encoding='utf-8') as f:
+            meta = json.load(f)
+    except ValueError as e:
+        raise DataError(f"{meta_path} is not valid JSON ({e}): fix it") from None
     missing = [k for k in ('vocab_size', 'tokenizer') if k not in meta]
     if missing:
         raise DataError(f"{meta_path} lacks {' and '.join(missing)}: add them, e.g. {{\"vocab_size\": 50257, \"tokenizer\": \"gpt2\"}}")
-    if isinstance(meta['tokenizer'], str):  # a hand-written meta.json: 'gpt2' or a .tiktoken path
-        meta['tokenizer'] = {'kind': 'char'} if meta['tokenizer'] == 'char' else {'kind': 'tiktoken', 'encoding': meta['tokenizer']}
+    tokenizer = meta['tokenizer']
+    if tokenizer == 'char' or isinstance(tokenizer, dict) and tokenizer.get('kind') == 'char' and 'chars' not in tokenizer:
+        raise DataError(f"{meta_path} names a char tokenizer without its characters, which only prepare.py writes: "
+                        f"prepare the dataset with prepare.py, or name \"gpt2\" or a .tiktoken path")
+    if isinstance(tokenizer, str):  # a hand-written meta.json: 'gpt2' or a .tiktoken path
+        meta['tokenizer'] = {'kind': 'tiktoken', 'encoding': tokenizer}
     meta.setdefault('name', os.path.basename(folder))
     shards = {}
     for f in files:

@@ -214,6 +214,9 @@ def load_tokenizer(meta):
     """meta.json's dict -> (encode: str -> list[int], decode: list[int] -> str)."""
     tok = meta['tokenizer']
     if tok['kind'] == 'char':
+        if 'chars' not in tok:
+            raise PrepareError("the char tokenizer's characters are missing from the dataset's meta.json: "
+                               "prepare the dataset again with prepare.py")
         encode_array, itos = char_encoder(tok['chars']), ['\ufffd'] + tok['chars']
         return (lambda s: encode_array(s).tolist()), (lambda ids: ''.join(itos[i] for i in ids))
     enc, _ = tiktoken_encoding(tok['encoding'], tok.get('pat_str', GPT2_PAT_STR), tok.get('ranks_sha256'))

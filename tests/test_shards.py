@@ -95,7 +95,7 @@ def test_dataset_mistakes_are_one_line(tmp_path):
              'uint32': (dict(magic=20240801, version=7, dtype=np.uint16), 'truncated')}
     for name, (kwargs, message) in cases.items():
         (tmp_path / name).mkdir()
-        (tmp_path / name / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": "char"}')
+        (tmp_path / name / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": "gpt2"}')
         llmc_shard(tmp_path / name / 'd_val_000000.bin', good)
         llmc_shard(tmp_path / name / 'd_train_000000.bin', good, **kwargs)
         assert message in error(name) and 'd_train_000000.bin' in error(name)
@@ -112,9 +112,17 @@ def test_dataset_mistakes_are_one_line(tmp_path):
     (tmp_path / 'magic' / 'notes.bin').write_bytes(b'')
     assert 'notes.bin is not named like NAME_SPLIT_000000.bin' in error('magic')
     (tmp_path / 'old').mkdir()
-    (tmp_path / 'old' / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": "char", "name": "old"}')
+    (tmp_path / 'old' / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": "gpt2", "name": "old"}')
     np.zeros(10, np.uint16).tofile(tmp_path / 'old' / 'train.bin')
     assert 'prepared by an older prepare.py (train.bin, no shards): run python prepare.py old again' in error('old')
+    # a hand-written meta.json cannot give a char vocabulary: the end-of-run sample would need its characters
+    for tokenizer in ('"char"', '{"kind": "char"}'):
+        (tmp_path / 'old' / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": %s}' % tokenizer)
+        assert 'names a char tokenizer without its characters' in error('old')
+    with pytest.raises(prepare.PrepareError, match="the char tokenizer's characters are missing"):
+        prepare.load_tokenizer({'tokenizer': {'kind': 'char'}})
+    (tmp_path / 'old' / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": "gpt2",}')
+    assert 'meta.json is not valid JSON (Expecting property name' in error('old') and ': fix it' in error('old')
     (tmp_path / 'nometa').mkdir()
     assert 'has no' in error('nometa') and '"vocab_size": 50257' in error('nometa')
     assert 'no files match' in error('nometa/*.bin')
