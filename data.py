@@ -98,7 +98,7 @@ def open_dataset(data_dir, dataset):
         match = SHARD_NAME.search(os.path.basename(f))
         if match is None and os.path.basename(f) in ('train.bin', 'val.bin', 'test.bin'):
             raise DataError(f"{folder} was prepared by an older prepare.py (train.bin, no shards): run python prepare.py "
-                            f"{meta['name']} again, with the --input it had")
+                            f"{meta['name']} again (with the --input it had, if any)")
         if match is None:
             raise DataError(f"{f} is not named like NAME_SPLIT_000000.bin with SPLIT train, val or test: rename it or "
                             f"narrow the dataset's glob")

@@ -205,7 +205,8 @@ log_file = None
 # -----------------------------------------------------------------------------
 # data
 dataset_dir = os.path.join(data_dir, dataset)
-if dataset == 'pystdlib_char' and not os.path.exists(os.path.join(dataset_dir, 'meta.json')):
+# a shard, not meta.json: a folder of the older layout (train.bin) has a meta.json and is prepared again too
+if dataset == 'pystdlib_char' and not os.path.exists(os.path.join(dataset_dir, f'{dataset}_train_000000.bin')):
     if master:
         log(f"preparing the default dataset {dataset} from this Python's standard library into {dataset_dir}")
         try:

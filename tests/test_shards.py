@@ -187,6 +187,18 @@ def test_resume_across_shard_boundaries_is_bitwise_and_refused_after_shards_chan
     assert_refused(split, changed_data, args, 'changed toy_val_000000.bin')
 
 
+@pytest.mark.slow
+def test_default_dataset_of_the_older_layout_is_prepared_again(tmp_path):
+    old = tmp_path / 'data' / 'pystdlib_char'
+    old.mkdir(parents=True)
+    (old / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": {"kind": "char", "chars": ["a"]}}')
+    np.zeros(10, np.uint16).tofile(old / 'train.bin')
+    result = run_train(str(tmp_path / 'out'), str(tmp_path / 'data'), '--dataset=pystdlib_char', '--max_iters=1',
+                       '--eval_interval=1', '--eval_iters=1')
+    assert 'preparing the default dataset pystdlib_char' in result.stdout
+    assert os.path.exists(old / 'pystdlib_char_train_000000.bin') and not os.path.exists(old / 'train.bin')
+
+
 def assert_refused(out_dir, data_dir, args, change):
     result = run_train(out_dir, data_dir, *args, '--init_from=resume', '--max_iters=40', check=False)
     assert result.returncode == 2 and result.stderr.count('\n') == 1
