@@ -183,16 +183,23 @@ class TrainSampler(Sampler):
         n = (self.num_tokens - 1 - offset) // self.block_size
         return g, offset, n, n // self.global_batch * self.global_batch  # windows kept this epoch
 
-    def epoch_batches(self, epoch):
+    def epoch_starts(self, epoch):
+        """This rank's window starts of an epoch, in order, as one int64 tensor: 8 bytes a window, where lists of
+        Python ints take about 50 (over half a GB per rank for FineWeb10B at block_size 1024)."""
         g, offset, n, kept = self._epoch_layout(epoch)
         perm = torch.randperm(n, generator=g)[:kept]
-        starts = offset + perm[self.rank::self.world_size] * self.block_size
-        return starts.view(-1, self.batch_size).tolist()
+        return offset + perm[self.rank::self.world_size] * self.block_size
+
+    def epoch_batches(self, epoch):
+        """The epoch's batches as lists, to inspect them; iterating yields the same ones, a batch at a time."""
+        return self.epoch_starts(epoch).view(-1, self.batch_size).tolist()
 
     def __iter__(self):
         epoch, position = self.epoch, self.position
         while True:
-            yield from self.epoch_batches(epoch)[position:]
+            batches = self.epoch_starts(epoch).view(-1, self.batch_size)
+            for i in range(position, len(batches)):  # indexed: iterating a tensor would unbind it into a tensor per row
+                yield batches[i].tolist()
             epoch, position = epoch + 1, 0
 
     @functools.cache  # asked once per micro-batch: draw the epoch's offset once

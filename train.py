@@ -378,7 +378,7 @@ def run_smoke_test(steps=30):
     """Overfit this rank's first train batch for a few steps, then put weights and RNG back as they were:
     a model, loss or optimizer that is not wired up fails here in seconds instead of after hours."""
     initial_weights, initial_rng = copy.deepcopy(model.state_dict()), checkpoint.rng_state()
-    x, y, _ = torch.utils.data.default_collate([splits['train'][s] for s in train_sampler.epoch_batches(0)[0]])
+    x, y, _ = torch.utils.data.default_collate([splits['train'][s] for s in train_sampler.epoch_starts(0)[:batch_size].tolist()])
     x, y = x.to(device), y.to(device)
     smoke_optimizer = model.configure_optimizers(0.0, learning_rate, (beta1, beta2))
     losses = []
