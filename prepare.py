@@ -127,7 +127,7 @@ def parquet_texts(path, text_key):
     if text_key not in records.schema_arrow.names:
         raise PrepareError(f'{path} has no column {text_key!r} (it has {", ".join(records.schema_arrow.names)}): '
                            f'pass --text_key NAME of the column that holds the text')
-    for batch in records.iter_batches(columns=[text_key]):
+    for batch in records.iter_batches(batch_size=1024, columns=[text_key]):  # the default 65,536 rows: GBs of long documents
         yield from (t or '' for t in batch.column(0).to_pylist())
 
 
