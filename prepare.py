@@ -53,7 +53,8 @@ def shard_header(num_tokens, dtype):
     return header.tobytes()
 
 # -----------------------------------------------------------------------------
-# sources: items (document id, raw bytes, kind) read lazily; kind says how a tokenizer process gets the text out
+# sources: items (id, raw bytes, kind, split, offset) read lazily. kind says how a tokenizer process gets the text
+# out; a single text's pieces come with their split (by position) and offset in the file, a document with None, 0
 
 def decode_utf8(data, where, offset=0):
     try:
@@ -430,6 +431,40 @@ def run_pass(what, text_path, reader, num_proc, init_args, on_item):
     return h.hexdigest()
 
 
+def train_chars(text_path, reader, num_proc, seed):
+    """The sorted characters of the train split: a first pass, since the vocabulary comes from train only (val and
+    test are new text, whose unseen characters the model could not have an id for either). At most all of unicode."""
+    chars, splitter = set(), DocumentSplitter(seed)
+
+    def collect(digest, split, has_text, result):
+        if (split or splitter(digest)) == 'train':
+            chars.update(result)
+    run_pass('pass 1/2, characters', text_path, reader, num_proc, ('char', None, text_path is None, None), collect)
+    return sorted(chars)
+
+
+def splits_meta(counts, writers, text_path, char_level):
+    """meta.json's splits: each one's counts, shard files and, for a single text, byte range."""
+    splits = {}
+    for split in SPLITS:
+        if counts[split]['tokens'] == 0:
+            raise PrepareError(f'the {split} split has no tokens: the input is too small, give it more text'
+                               + ('' if text_path else ' or documents (20 make one of each)'))
+        splits[split] = {**counts[split], 'shards': writers[split].files}
+        if not char_level:
+            del splits[split]['unknown_chars']
+        if text_path:
+            splits[split]['byte_range'] = list(position_bounds(text_path)[split])
+    return splits
+
+
+def split_rule(documents, seed):
+    if documents:
+        return (f'documents: in blocks of 20 distinct documents, a seeded permutation (seed {seed}) puts '
+                f'2 in val, 1 in test, 17 in train; exact duplicates dropped')
+    return 'contiguous: test [0, 0.05n), train [0.05n, 0.9n), val [0.9n, n) bytes'
+
+
 def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, text_key='text', num_proc=None,
             shard_size=100_000_000):
     """Write data_dir/name/ (shards and meta.json); returns data_dir/name."""
@@ -454,15 +489,7 @@ def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, t
         source, text_path, reader = source_items(name, input_path, text_key, work_dir)
         documents = text_path is None
         if tokenizer == 'char':
-            # the vocabulary comes from train only: val/test are new text, whose unseen characters the model could
-            # not have an id for either. A first pass collects train's characters (at most all of unicode)
-            chars, splitter = set(), DocumentSplitter(seed)
-
-            def collect(digest, split, has_text, result):
-                if (split or splitter(digest)) == 'train':
-                    chars.update(result)
-            run_pass('pass 1/2, characters', text_path, reader, num_proc, ('char', None, documents, None), collect)
-            chars = sorted(chars)
+            chars = train_chars(text_path, reader, num_proc, seed)
             tokenizer_meta, vocab_size = {'kind': 'char', 'chars': chars, 'unk_id': 0}, len(chars) + 1
         else:
             chars, vocab_size = None, tokenizer_meta['eot_id'] + 1
@@ -472,46 +499,35 @@ def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, t
         os.mkdir(new_dir)
         writers = {split: ShardWriter(new_dir, name, split, dtype, shard_size) for split in SPLITS}
         counts = {split: {'tokens': 0, 'documents': 0, 'unknown_chars': 0} for split in SPLITS}
-        splitter, has_any_text = DocumentSplitter(seed), [False]
+        splitter, has_any_text = DocumentSplitter(seed), False
 
         def write(digest, split, has_text, tokens):
-            has_any_text[0] |= has_text
+            nonlocal has_any_text
+            has_any_text |= has_text
             split = split or splitter(digest)
             if split is None:
                 return
             writers[split].append(tokens)
             c = counts[split]
             c['tokens'] += len(tokens)
-            c['documents'] += documents or c['documents'] == 0  # a single text's chunks make one document per split
-            c['unknown_chars'] += int(np.count_nonzero(tokens == 0)) if tokenizer == 'char' else 0
+            if documents or c['documents'] == 0:  # a single text's chunks make one document per split
+                c['documents'] += 1
+            if tokenizer == 'char':
+                c['unknown_chars'] += int(np.count_nonzero(tokens == 0))
         source_sha256 = run_pass('tokenizing', text_path, reader, num_proc, (tokenizer, chars, documents, dtype), write)
         for writer in writers.values():
             writer.close()
 
-        if not has_any_text[0]:
+        if not has_any_text:
             raise PrepareError(f'input {source} is empty or only whitespace: point --input at some text')
         if documents and len(splitter.seen) < 3:
             raise PrepareError(f'only {len(splitter.seen)} distinct documents: need at least 3 (one per split); '
                                f'add files, or pass a single file to split it by position')
-        split_meta = {}
-        for split in SPLITS:
-            if counts[split]['tokens'] == 0:
-                raise PrepareError(f'the {split} split has no tokens: the input is too small, give it more text'
-                                   + (' or documents (20 make one of each)' if documents else ''))
-            split_meta[split] = {**counts[split], 'shards': writers[split].files}
-            if tokenizer != 'char':
-                del split_meta[split]['unknown_chars']
-            if not documents:
-                split_meta[split]['byte_range'] = list(position_bounds(text_path)[split])
-        if documents:
-            split_rule = (f'documents: in blocks of 20 distinct documents, a seeded permutation (seed {seed}) puts '
-                          f'2 in val, 1 in test, 17 in train; exact duplicates dropped')
-        else:
-            split_rule = 'contiguous: test [0, 0.05n), train [0.05n, 0.9n), val [0.9n, n) bytes'
         meta = {
             'name': name, 'tokenizer': tokenizer_meta, 'vocab_size': vocab_size, 'dtype': np.dtype(dtype).name,
-            'splits': split_meta, 'source': source, 'source_sha256': source_sha256, 'split_rule': split_rule,
-            'seed': seed, 'duplicates_dropped': splitter.items - len(splitter.seen), 'shard_size': shard_size,
+            'splits': splits_meta(counts, writers, text_path, tokenizer == 'char'), 'source': source,
+            'source_sha256': source_sha256, 'split_rule': split_rule(documents, seed), 'seed': seed,
+            'duplicates_dropped': splitter.items - len(splitter.seen), 'shard_size': shard_size,
         }
         with open(os.path.join(new_dir, 'meta.json'), 'w', encoding='utf-8') as f:
             json.dump(meta, f, indent=2, ensure_ascii=False)
