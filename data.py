@@ -3,7 +3,7 @@ A dataset's shards, token windows over a split's shards, and the samplers that d
 
 - A dataset is a folder with meta.json and shards in llm.c's format named NAME_SPLIT_000000.bin (modded-nanogpt's
   names), as prepare.py writes them or as llm.c and modded-nanogpt publish them, or a glob of such files.
-- TokenWindows: a split's shards, memmapped lazily, read as one token stream. A window is named by its start
+- TokenWindows: a split's shards, read as one token stream. A window is named by its start
   position in that stream: x = tokens[s : s+T], y = tokens[s+1 : s+T+1], across a shard boundary if it falls there.
 - TrainSampler: each epoch, a random offset and a permutation drawn from (seed + epoch) alone,
   so every rank computes the same order, takes its own shard (perm[rank::world_size]) and any
@@ -64,7 +64,8 @@ def read_shard_header(path):
 def open_dataset(data_dir, dataset):
     """(meta, {split: [shard paths]}) of a dataset: a folder under data_dir, or a glob of shard files under data_dir
     whose folder holds meta.json. The splits come from the file names; test may be missing (FineWeb's shards have
-    none), train and val may not. meta.json needs only vocab_size and tokenizer (char, gpt2 or PATH.tiktoken)."""
+    none), train and val may not. A hand-written meta.json needs only vocab_size and tokenizer (gpt2 or
+    PATH.tiktoken); a char vocabulary comes only from prepare.py."""
     path = os.path.join(data_dir, dataset)
     if any(c in dataset for c in '*?['):
         files = sorted(glob.glob(path))
@@ -77,20 +78,27 @@ def open_dataset(data_dir, dataset):
     if not os.path.exists(meta_path):
         raise DataError(f"dataset '{dataset}' has no {meta_path}: run python prepare.py {dataset} --input PATH (or set "
                         f"data_dir); for downloaded shards write it, e.g. {{\"vocab_size\": 50257, \"tokenizer\": \"gpt2\"}}")
-    with open(meta_path) as f:
-        meta = json.load(f)
+    try:
+        with open(meta_path, encoding='utf-8') as f:
+            meta = json.load(f)
+    except ValueError as e:
+        raise DataError(f"{meta_path} is not valid JSON ({e}): fix it") from None
     missing = [k for k in ('vocab_size', 'tokenizer') if k not in meta]
     if missing:
         raise DataError(f"{meta_path} lacks {' and '.join(missing)}: add them, e.g. {{\"vocab_size\": 50257, \"tokenizer\": \"gpt2\"}}")
-    if isinstance(meta['tokenizer'], str):  # a hand-written meta.json: 'gpt2' or a .tiktoken path
-        meta['tokenizer'] = {'kind': 'char'} if meta['tokenizer'] == 'char' else {'kind': 'tiktoken', 'encoding': meta['tokenizer']}
+    tokenizer = meta['tokenizer']
+    if tokenizer == 'char' or isinstance(tokenizer, dict) and tokenizer.get('kind') == 'char' and 'chars' not in tokenizer:
+        raise DataError(f"{meta_path} names a char tokenizer without its characters, which only prepare.py writes: "
+                        f"prepare the dataset with prepare.py, or name \"gpt2\" or a .tiktoken path")
+    if isinstance(tokenizer, str):  # a hand-written meta.json: 'gpt2' or a .tiktoken path
+        meta['tokenizer'] = {'kind': 'tiktoken', 'encoding': tokenizer}
     meta.setdefault('name', os.path.basename(folder))
     shards = {}
     for f in files:
         match = SHARD_NAME.search(os.path.basename(f))
         if match is None and os.path.basename(f) in ('train.bin', 'val.bin', 'test.bin'):
             raise DataError(f"{folder} was prepared by an older prepare.py (train.bin, no shards): run python prepare.py "
-                            f"{meta['name']} again, with the --input it had")
+                            f"{meta['name']} again (with the --input it had, if any)")
         if match is None:
             raise DataError(f"{f} is not named like NAME_SPLIT_000000.bin with SPLIT train, val or test: rename it or "
                             f"narrow the dataset's glob")
@@ -102,13 +110,12 @@ def open_dataset(data_dir, dataset):
 
 
 def data_change(recorded, current):
-    """Why a checkpoint's data (its recorded dataset id) is not this run's, or '' when it is the same. A checkpoint
-    written before shards were recorded is checked on what it recorded: name, source hash, vocabulary, tokenizer."""
+    """Why a checkpoint's data (its recorded dataset id) is not this run's, or '' when it is the same."""
+    if 'shards' not in recorded:  # its documents were split by another rule: the same source gives another train
+        return "its dataset predates shards, and the document split rule changed since"
     differ = [k for k in recorded if k != 'shards' and recorded[k] != current.get(k)]
     if differ:
         return f"its {', '.join(differ)} differ"
-    if 'shards' not in recorded:
-        return ''
     before, now = ({name: (tokens, fp) for name, tokens, fp in ident['shards']} for ident in (recorded, current))
     changes = [f"{what} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}" for what, names in (
         ('added', sorted(now.keys() - before.keys())), ('removed', sorted(before.keys() - now.keys())),
@@ -128,21 +135,22 @@ class TokenWindows(Dataset):
         self.shards = [[os.path.basename(p), n, fp] for p, (_, n, fp) in zip(self.paths, headers)]
         self.offsets = np.cumsum([0] + [n for _, n, _ in headers])
         self.num_tokens = int(self.offsets[-1])
-        self.tokens = [None] * len(self.paths)  # memmaps, opened lazily, once per process
-
-    def __getstate__(self):  # a memmap must not be pickled into workers: each process opens its own
-        return {**self.__dict__, 'tokens': [None] * len(self.paths)}
 
     def read(self, start, stop):
         """Tokens [start, stop) of the stream: one slice of a shard, or pieces of several across boundaries."""
         pieces = []
         while start < stop:
             i = int(np.searchsorted(self.offsets, start, side='right')) - 1  # empty shards are never picked
-            if self.tokens[i] is None:
-                self.tokens[i] = np.memmap(self.paths[i], dtype=self.dtype, mode='r', offset=HEADER_BYTES,
-                                           shape=(int(self.offsets[i + 1] - self.offsets[i]),))
             end = min(stop, int(self.offsets[i + 1]))
-            pieces.append(self.tokens[i][start - self.offsets[i]:end - self.offsets[i]])
+            # opened for this read alone: a file kept open per shard would exhaust the descriptor limit (often 1024)
+            # on a dataset of a thousand shards; open, pread and close cost ~6 us a window (docs/design.md)
+            fd = os.open(self.paths[i], os.O_RDONLY)
+            try:
+                raw = os.pread(fd, (end - start) * self.dtype.itemsize,
+                               HEADER_BYTES + int(start - self.offsets[i]) * self.dtype.itemsize)
+            finally:
+                os.close(fd)
+            pieces.append(np.frombuffer(raw, dtype=self.dtype))
             start = end
         return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
 
@@ -179,16 +187,23 @@ class TrainSampler(Sampler):
         n = (self.num_tokens - 1 - offset) // self.block_size
         return g, offset, n, n // self.global_batch * self.global_batch  # windows kept this epoch
 
-    def epoch_batches(self, epoch):
+    def epoch_starts(self, epoch):
+        """This rank's window starts of an epoch, in order, as one int64 tensor: 8 bytes a window, where lists of
+        Python ints take about 50 (over half a GB per rank for FineWeb10B at block_size 1024)."""
         g, offset, n, kept = self._epoch_layout(epoch)
         perm = torch.randperm(n, generator=g)[:kept]
-        starts = offset + perm[self.rank::self.world_size] * self.block_size
-        return starts.view(-1, self.batch_size).tolist()
+        return offset + perm[self.rank::self.world_size] * self.block_size
+
+    def epoch_batches(self, epoch):
+        """The epoch's batches as lists, to inspect them; iterating yields the same ones, a batch at a time."""
+        return self.epoch_starts(epoch).view(-1, self.batch_size).tolist()
 
     def __iter__(self):
         epoch, position = self.epoch, self.position
         while True:
-            yield from self.epoch_batches(epoch)[position:]
+            batches = self.epoch_starts(epoch).view(-1, self.batch_size)
+            for i in range(position, len(batches)):  # indexed: iterating a tensor would unbind it into a tensor per row
+                yield batches[i].tolist()
             epoch, position = epoch + 1, 0
 
     @functools.cache  # asked once per micro-batch: draw the epoch's offset once

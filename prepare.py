@@ -23,6 +23,7 @@ import sysconfig
 import tempfile
 import time
 import urllib.request
+import zlib
 
 import numpy as np
 import tiktoken
@@ -52,7 +53,8 @@ def shard_header(num_tokens, dtype):
     return header.tobytes()
 
 # -----------------------------------------------------------------------------
-# sources: items (document id, raw bytes, kind) read lazily; kind says how a tokenizer process gets the text out
+# sources: items (id, raw bytes, kind, split, offset) read lazily. kind says how a tokenizer process gets the text
+# out; a single text's pieces come with their split (by position) and offset in the file, a document with None, 0
 
 def decode_utf8(data, where, offset=0):
     try:
@@ -99,7 +101,7 @@ class Reader:
                     for k, text in enumerate(parquet_texts(path, self.text_key)):
                         yield f'{rel}:{k}', text.encode('utf-8'), 'text', None, 0
                 elif is_records_file(path):
-                    lines = gzip.open(raw) if path.endswith('.gz') else raw
+                    lines = gzip_lines(raw, path) if path.endswith('.gz') else raw
                     for k, line in enumerate(lines):
                         self.bytes_done = done + raw.tell()
                         if line.strip():
@@ -108,6 +110,13 @@ class Reader:
                     yield rel, raw.read(), 'text', None, 0
             done += os.path.getsize(path)
             self.bytes_done = done
+
+
+def gzip_lines(raw, path):
+    try:
+        yield from gzip.open(raw)
+    except (OSError, EOFError, zlib.error) as e:  # not gzip, truncated, corrupt
+        raise PrepareError(f'{path} is not a readable gzip file ({e}): compress or download it again') from None
 
 
 def parquet_texts(path, text_key):
@@ -119,7 +128,7 @@ def parquet_texts(path, text_key):
     if text_key not in records.schema_arrow.names:
         raise PrepareError(f'{path} has no column {text_key!r} (it has {", ".join(records.schema_arrow.names)}): '
                            f'pass --text_key NAME of the column that holds the text')
-    for batch in records.iter_batches(columns=[text_key]):
+    for batch in records.iter_batches(batch_size=1024, columns=[text_key]):  # the default 65,536 rows: GBs of long documents
         yield from (t or '' for t in batch.column(0).to_pylist())
 
 
@@ -206,6 +215,9 @@ def load_tokenizer(meta):
     """meta.json's dict -> (encode: str -> list[int], decode: list[int] -> str)."""
     tok = meta['tokenizer']
     if tok['kind'] == 'char':
+        if 'chars' not in tok:
+            raise PrepareError("the char tokenizer's characters are missing from the dataset's meta.json: "
+                               "prepare the dataset again with prepare.py")
         encode_array, itos = char_encoder(tok['chars']), ['\ufffd'] + tok['chars']
         return (lambda s: encode_array(s).tolist()), (lambda ids: ''.join(itos[i] for i in ids))
     enc, _ = tiktoken_encoding(tok['encoding'], tok.get('pat_str', GPT2_PAT_STR), tok.get('ranks_sha256'))
@@ -235,12 +247,19 @@ def process_batch(batch):
     out = []
     for doc_id, raw, kind, split, offset in batch:
         if kind.startswith('json:'):
+            key = kind[5:]
             try:
-                text = json.loads(raw)[kind[5:]]
+                text = json.loads(decode_utf8(raw, doc_id))[key]
             except (ValueError, KeyError, TypeError):
-                raise PrepareError(f'{doc_id} is not a JSON object with a {kind[5:]!r} field: '
+                raise PrepareError(f'{doc_id} is not a JSON object with a {key!r} field: '
                                    f'pass --text_key NAME of the field that holds the text') from None
-            data = text.encode('utf-8')
+            if not isinstance(text, str):
+                raise PrepareError(f'{doc_id} has {key!r}: {json.dumps(text)[:40]}, not a string: fix or drop that record')
+            try:
+                data = text.encode('utf-8')
+            except UnicodeEncodeError as e:  # JSON's \ud800 escapes can name half a character
+                raise PrepareError(f'{doc_id} holds a lone surrogate {text[e.start]!r}, which is not text: '
+                                   f'fix or drop that record') from None
         else:
             text, data = decode_utf8(raw, doc_id, offset), raw
         digest = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), 'little')
@@ -412,6 +431,40 @@ def run_pass(what, text_path, reader, num_proc, init_args, on_item):
     return h.hexdigest()
 
 
+def train_chars(text_path, reader, num_proc, seed):
+    """The sorted characters of the train split: a first pass, since the vocabulary comes from train only (val and
+    test are new text, whose unseen characters the model could not have an id for either). At most all of unicode."""
+    chars, splitter = set(), DocumentSplitter(seed)
+
+    def collect(digest, split, has_text, result):
+        if (split or splitter(digest)) == 'train':
+            chars.update(result)
+    run_pass('pass 1/2, characters', text_path, reader, num_proc, ('char', None, text_path is None, None), collect)
+    return sorted(chars)
+
+
+def splits_meta(counts, writers, text_path, char_level):
+    """meta.json's splits: each one's counts, shard files and, for a single text, byte range."""
+    splits = {}
+    for split in SPLITS:
+        if counts[split]['tokens'] == 0:
+            raise PrepareError(f'the {split} split has no tokens: the input is too small, give it more text'
+                               + ('' if text_path else ' or documents (20 make one of each)'))
+        splits[split] = {**counts[split], 'shards': writers[split].files}
+        if not char_level:
+            del splits[split]['unknown_chars']
+        if text_path:
+            splits[split]['byte_range'] = list(position_bounds(text_path)[split])
+    return splits
+
+
+def split_rule(documents, seed):
+    if documents:
+        return (f'documents: in blocks of 20 distinct documents, a seeded permutation (seed {seed}) puts '
+                f'2 in val, 1 in test, 17 in train; exact duplicates dropped')
+    return 'contiguous: test [0, 0.05n), train [0.05n, 0.9n), val [0.9n, n) bytes'
+
+
 def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, text_key='text', num_proc=None,
             shard_size=100_000_000):
     """Write data_dir/name/ (shards and meta.json); returns data_dir/name."""
@@ -420,6 +473,8 @@ def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, t
     if not 0 < shard_size < 2**31:
         raise PrepareError(f'shard_size={shard_size} must be between 1 and 2**31-1 (the header holds an int32)')
     num_proc = num_proc or os.cpu_count()
+    if num_proc < 1:
+        raise PrepareError(f'num_proc={num_proc} must be at least 1 (tokenizer processes)')
     tokenizer = tokenizer or ('gpt2' if name == 'shakespeare' else 'char')
     # load the tokenizer before reading anything, so a bad --tokenizer fails fast
     tokenizer_meta = None if tokenizer == 'char' else tiktoken_encoding(tokenizer)[1]
@@ -434,15 +489,7 @@ def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, t
         source, text_path, reader = source_items(name, input_path, text_key, work_dir)
         documents = text_path is None
         if tokenizer == 'char':
-            # the vocabulary comes from train only: val/test are new text, whose unseen characters the model could
-            # not have an id for either. A first pass collects train's characters (at most all of unicode)
-            chars, splitter = set(), DocumentSplitter(seed)
-
-            def collect(digest, split, has_text, result):
-                if (split or splitter(digest)) == 'train':
-                    chars.update(result)
-            run_pass('pass 1/2, characters', text_path, reader, num_proc, ('char', None, documents, None), collect)
-            chars = sorted(chars)
+            chars = train_chars(text_path, reader, num_proc, seed)
             tokenizer_meta, vocab_size = {'kind': 'char', 'chars': chars, 'unk_id': 0}, len(chars) + 1
         else:
             chars, vocab_size = None, tokenizer_meta['eot_id'] + 1
@@ -452,46 +499,35 @@ def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, t
         os.mkdir(new_dir)
         writers = {split: ShardWriter(new_dir, name, split, dtype, shard_size) for split in SPLITS}
         counts = {split: {'tokens': 0, 'documents': 0, 'unknown_chars': 0} for split in SPLITS}
-        splitter, has_any_text = DocumentSplitter(seed), [False]
+        splitter, has_any_text = DocumentSplitter(seed), False
 
         def write(digest, split, has_text, tokens):
-            has_any_text[0] |= has_text
+            nonlocal has_any_text
+            has_any_text |= has_text
             split = split or splitter(digest)
             if split is None:
                 return
             writers[split].append(tokens)
             c = counts[split]
             c['tokens'] += len(tokens)
-            c['documents'] += documents or c['documents'] == 0  # a single text's chunks make one document per split
-            c['unknown_chars'] += int(np.count_nonzero(tokens == 0)) if tokenizer == 'char' else 0
+            if documents or c['documents'] == 0:  # a single text's chunks make one document per split
+                c['documents'] += 1
+            if tokenizer == 'char':
+                c['unknown_chars'] += int(np.count_nonzero(tokens == 0))
         source_sha256 = run_pass('tokenizing', text_path, reader, num_proc, (tokenizer, chars, documents, dtype), write)
         for writer in writers.values():
             writer.close()
 
-        if not has_any_text[0]:
+        if not has_any_text:
             raise PrepareError(f'input {source} is empty or only whitespace: point --input at some text')
         if documents and len(splitter.seen) < 3:
             raise PrepareError(f'only {len(splitter.seen)} distinct documents: need at least 3 (one per split); '
                                f'add files, or pass a single file to split it by position')
-        split_meta = {}
-        for split in SPLITS:
-            if counts[split]['tokens'] == 0:
-                raise PrepareError(f'the {split} split has no tokens: the input is too small, give it more text'
-                                   + (' or documents (20 make one of each)' if documents else ''))
-            split_meta[split] = {**counts[split], 'shards': writers[split].files}
-            if tokenizer != 'char':
-                del split_meta[split]['unknown_chars']
-            if not documents:
-                split_meta[split]['byte_range'] = list(position_bounds(text_path)[split])
-        if documents:
-            split_rule = (f'documents: in blocks of 20 distinct documents, a seeded permutation (seed {seed}) puts '
-                          f'2 in val, 1 in test, 17 in train; exact duplicates dropped')
-        else:
-            split_rule = 'contiguous: test [0, 0.05n), train [0.05n, 0.9n), val [0.9n, n) bytes'
         meta = {
             'name': name, 'tokenizer': tokenizer_meta, 'vocab_size': vocab_size, 'dtype': np.dtype(dtype).name,
-            'splits': split_meta, 'source': source, 'source_sha256': source_sha256, 'split_rule': split_rule,
-            'seed': seed, 'duplicates_dropped': splitter.items - len(splitter.seen), 'shard_size': shard_size,
+            'splits': splits_meta(counts, writers, text_path, tokenizer == 'char'), 'source': source,
+            'source_sha256': source_sha256, 'split_rule': split_rule(documents, seed), 'seed': seed,
+            'duplicates_dropped': splitter.items - len(splitter.seen), 'shard_size': shard_size,
         }
         with open(os.path.join(new_dir, 'meta.json'), 'w', encoding='utf-8') as f:
             json.dump(meta, f, indent=2, ensure_ascii=False)

@@ -221,7 +221,8 @@ log_file = None
 # -----------------------------------------------------------------------------
 # data
 dataset_dir = os.path.join(data_dir, dataset)
-if dataset == 'pystdlib_char' and not os.path.exists(os.path.join(dataset_dir, 'meta.json')):
+# a shard, not meta.json: a folder of the older layout (train.bin) has a meta.json and is prepared again too
+if dataset == 'pystdlib_char' and not os.path.exists(os.path.join(dataset_dir, f'{dataset}_train_000000.bin')):
     if master:
         log(f"preparing the default dataset {dataset} from this Python's standard library into {dataset_dir}")
         try:
@@ -411,7 +412,7 @@ def run_smoke_test(steps=30):
     """Overfit this rank's first train batch for a few steps, then put weights and RNG back as they were:
     a model, loss or optimizer that is not wired up fails here in seconds instead of after hours."""
     initial_weights, initial_rng = copy.deepcopy(model.state_dict()), checkpoint.rng_state()
-    x, y, _ = torch.utils.data.default_collate([splits['train'][s] for s in train_sampler.epoch_batches(0)[0]])
+    x, y, _ = torch.utils.data.default_collate([splits['train'][s] for s in train_sampler.epoch_starts(0)[:batch_size].tolist()])
     x, y = x.to(device), y.to(device)
     smoke_optimizers = model.configure_optimizers(0.0, learning_rate, (beta1, beta2), optimizer, muon_lr, muon_momentum)
     losses = []

@@ -77,8 +77,9 @@ def test_folder_splits_are_disjoint_and_duplicates_dropped(tmp_path):
     assert meta['split_rule'].startswith('documents: in blocks of 20 distinct documents, a seeded permutation (seed 1337)')
 
 
-def test_folder_split_is_deterministic_seeded_and_the_same_for_any_num_proc(tmp_path):
+def test_folder_split_is_deterministic_seeded_and_the_same_for_any_num_proc(tmp_path, monkeypatch):
     write_docs(tmp_path / 'docs')
+    monkeypatch.setattr(prepare, 'BATCH_BYTES', 256)  # tasks of 2 documents: both processes tokenize some
     runs = [prepare.prepare('docs', data_dir=tmp_path / d, input_path=tmp_path / 'docs', seed=seed, num_proc=num_proc)
             for d, seed, num_proc in [('a', 1, 1), ('b', 1, 2), ('c', 2, 1)]]
     assert folder_snapshot(runs[0]) == folder_snapshot(runs[1])
@@ -187,6 +188,13 @@ def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
     (['x', '--input', 'good.txt', '--tokenizer', 'bpe'], "tokenizer 'bpe' not understood"),
     (['x', '--input', 'good.txt', '--tokenizer', 'nope.tiktoken'], 'not found'),
     (['unknown_name'], 'pystdlib_char.*--input'),
+    (['x', '--input', 'good.txt', '--num_proc', '-1'], 'num_proc=-1 must be at least 1'),
+    (['x', '--input', 'null.jsonl'], "null.jsonl:2 has 'text': null, not a string: fix or drop that record"),
+    (['x', '--input', 'number.jsonl'], "number.jsonl:1 has 'text': 42, not a string"),
+    (['x', '--input', 'surrogate.jsonl'], r"surrogate.jsonl:1 holds a lone surrogate '\\ud800'"),
+    (['x', '--input', 'latin1.jsonl'], r'latin1.jsonl:1 is not UTF-8 \(invalid byte at offset 13\).*iconv'),
+    (['x', '--input', 'truncated.jsonl.gz'], 'truncated.jsonl.gz is not a readable gzip file'),
+    (['x', '--input', 'corrupt.jsonl.gz'], 'corrupt.jsonl.gz is not a readable gzip file'),
 ])
 def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
     (tmp_path / 'empty.txt').write_bytes(b'')
@@ -199,6 +207,13 @@ def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
     (tmp_path / 'two_docs' / 'b').write_text('two')
     (tmp_path / 'two_docs' / 'c').write_text('one')
     (tmp_path / 'good.txt').write_text('some good text\n' * 20)
+    (tmp_path / 'null.jsonl').write_text('{"text": "a"}\n{"text": null}\n')
+    (tmp_path / 'number.jsonl').write_text('{"text": 42}\n')
+    (tmp_path / 'surrogate.jsonl').write_text('{"text": "half \\ud800 a character"}\n')
+    (tmp_path / 'latin1.jsonl').write_bytes('{"text": "caf\u00e9"}\n'.encode('latin-1'))
+    records = gzip.compress(b''.join(b'{"text": "record %d"}\n' % i for i in range(1000)))
+    (tmp_path / 'truncated.jsonl.gz').write_bytes(records[:len(records) // 2])
+    (tmp_path / 'corrupt.jsonl.gz').write_bytes(records[:100] + bytes(b ^ 0xff for b in records[100:200]) + records[200:])
     result = run_cli(*args, cwd=tmp_path)
     assert result.returncode == 2
     assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith('error: ')
@@ -259,8 +274,9 @@ def test_pystdlib_char(tmp_path):
     assert documents + meta['duplicates_dropped'] == len(reader.files)
 
 
-def test_jsonl_and_gzip_records_split_like_the_same_documents_in_files(tmp_path):
+def test_jsonl_and_gzip_records_split_like_the_same_documents_in_files(tmp_path, monkeypatch):
     texts = write_docs(tmp_path / 'docs')
+    monkeypatch.setattr(prepare, 'BATCH_BYTES', 256)  # tasks of 2 documents: both processes tokenize some
     records = [json.dumps({'id': k, 'body': texts[name]}) for k, name in enumerate(sorted(texts))]
     (tmp_path / 'docs.jsonl').write_text('\n'.join(records) + '\n\n')  # a blank line is no record
     with gzip.open(tmp_path / 'docs.jsonl.gz', 'wt') as f:
@@ -289,12 +305,28 @@ def test_parquet_without_pyarrow_is_one_line(tmp_path):
     assert 'd.parquet is parquet, which needs pyarrow: pip install pyarrow' in result.stderr
 
 
+def test_parquet_records_split_like_the_same_records_in_jsonl(tmp_path):
+    pa = pytest.importorskip('pyarrow')
+    import pyarrow.parquet
+    texts = write_docs(tmp_path / 'docs')
+    bodies = [texts[name] for name in sorted(texts)]
+    pyarrow.parquet.write_table(pa.table({'id': list(range(len(bodies))), 'body': bodies}), tmp_path / 'docs.parquet')
+    (tmp_path / 'docs.jsonl').write_text(''.join(json.dumps({'body': b}) + '\n' for b in bodies))
+    outs = [prepare.prepare('d', data_dir=tmp_path / f'out_{name}', input_path=tmp_path / name, text_key='body')
+            for name in ('docs.parquet', 'docs.jsonl')]
+    for split in prepare.SPLITS:
+        assert read_split(outs[0], split).tolist() == read_split(outs[1], split).tolist()
+    assert read_meta(outs[0])['duplicates_dropped'] == 2
+    result = run_cli('x', '--input', 'docs.parquet', cwd=tmp_path)  # --text_key defaults to 'text'
+    assert result.returncode == 2 and "docs.parquet has no column 'text' (it has id, body)" in result.stderr
+
+
 def test_small_shards_hold_the_same_tokens(tmp_path, monkeypatch):
     rng = random.Random(0)
     text = ''.join(rng.choice('abcdefghij \n') for _ in range(5000))
     (tmp_path / 'in.txt').write_text(text, encoding='utf-8')
     monkeypatch.setattr(prepare, 'BATCH_BYTES', 512)  # many pieces, cut at newlines, tokenized by 2 processes
-    one = prepare.prepare('t', data_dir=tmp_path / 'one', input_path=tmp_path / 'in.txt')
+    one = prepare.prepare('t', data_dir=tmp_path / 'one', input_path=tmp_path / 'in.txt', num_proc=1)
     many = prepare.prepare('t', data_dir=tmp_path / 'many', input_path=tmp_path / 'in.txt', shard_size=1000, num_proc=2)
     meta = read_meta(many)
     assert meta['splits']['train']['shards'] == [f't_train_{i:06d}.bin' for i in range(5)]  # 4250 tokens

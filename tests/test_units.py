@@ -1,6 +1,7 @@
 """Unit tests: the model's contract, the samplers' coverage and sharding, the configurator's errors."""
 import itertools
 import math
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -122,6 +123,19 @@ def test_train_sampler_resumes_on_another_number_of_ranks():
     next_step = sorted(s for _ in range(4) for s in next(resumed))  # one process: 4 micro-batches a step
     expected = sorted(s for sampler in two for b in itertools.islice(iter(sampler), 2) for s in b)
     assert next_step == expected  # the 4th optimizer step's windows, whoever runs it
+
+
+def test_train_sampler_holds_an_epoch_as_one_tensor_and_yields_its_batches_in_order():
+    big = data.TrainSampler(4_000_000, 16, batch_size=8, global_batch=8, seed=0)  # 250k windows an epoch
+    tracemalloc.start()
+    next(iter(big))
+    peak = tracemalloc.get_traced_memory()[1]  # Python objects only: a tensor's memory is not traced
+    tracemalloc.stop()
+    assert peak < 1e6, f'{peak / 1e6:.1f} MB of Python objects for one batch: the epoch was built as lists'
+    small = data.TrainSampler(3000, 16, batch_size=4, global_batch=8, seed=1, rank=1, world_size=2)
+    small.load_state_dict({'epoch': 1, 'position': 40})  # the 5th batch of this rank in epoch 1
+    expected = small.epoch_batches(1)[5:] + small.epoch_batches(2) + small.epoch_batches(3)[:3]
+    assert list(itertools.islice(iter(small), len(expected))) == expected
 
 
 def test_train_sampler_rejects_tiny_split():
