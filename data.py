@@ -112,7 +112,7 @@ def open_dataset(data_dir, dataset):
 def data_change(recorded, current):
     """Why a checkpoint's data (its recorded dataset id) is not this run's, or '' when it is the same."""
     if 'shards' not in recorded:  # its documents were split by another rule: the same source gives another train
-        return "its dataset predates shards, and the document split rule changed since"
+        return "its dataset predates shards and the document split rule changed since, so no data here matches it"
     differ = [k for k in recorded if k != 'shards' and recorded[k] != current.get(k)]
     if differ:
         return f"its {', '.join(differ)} differ"

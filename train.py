@@ -384,7 +384,7 @@ if resuming:
     check(not changed, f"{ckpt_path} was trained with other settings ({'; '.join(changed)}): "
                        f"use the checkpoint's values or start a new out_dir")
     data_change = data.data_change(ckpt['dataset'], dataset_id)
-    check(not data_change, f"{ckpt_path} was trained on other data ({data_change}): prepare the same dataset or start a new out_dir")
+    check(not data_change, f"{ckpt_path} was trained on other data ({data_change}): prepare the data it recorded or start a new out_dir")
     restore(model, ckpt, ckpt_path, with_optimizer=True)
     for scheduler, state, base_lrs in zip(schedulers, listed(ckpt['scheduler']), configured_lrs, strict=True):
         scheduler.load_state_dict(state)

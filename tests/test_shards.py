@@ -138,7 +138,7 @@ def test_data_change_names_the_shards():
     assert data.data_change(ident, {**ident, 'vocab_size': 10}) == 'its vocab_size differ'
     # no shards recorded: prepared by the older split rule, whose train held other documents, even from the same source
     older = {k: v for k, v in ident.items() if k != 'shards'}
-    assert data.data_change(older, ident) == 'its dataset predates shards, and the document split rule changed since'
+    assert data.data_change(older, ident) == 'its dataset predates shards and the document split rule changed since, so no data here matches it'
 
 
 # -----------------------------------------------------------------------------
