@@ -443,7 +443,9 @@ if compile:
     model = torch.compile(model)
 eval_model = model  # evaluation needs no gradient sync: the compiled model without the DDP wrapper
 if ddp and not sharded:
-    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
+    # no buffer broadcast in every forward (DDP's default): the only buffers are rope's tables, computed from the
+    # config alike on every rank, and a broadcast would be a collective on the micro-batches that must not sync
+    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None, broadcast_buffers=False)
 # every RNG in play: dropout masks differ per rank; a resume continues each rank's own streams
 random.seed(seed + rank)
 np.random.seed(seed + rank)

@@ -1,5 +1,6 @@
 """Runs train.py under torchrun with test probes that the product itself must not contain:
-PROBE_COUNT=DIR   counts DDP's gradient all-reduces per rank (a comm hook) into DIR/allreduce.RANK
+PROBE_COUNT=DIR   counts DDP's gradient all-reduces per rank (a comm hook) into DIR/allreduce.RANK, and writes
+                  whether DDP would broadcast buffers in a forward into DIR/buffers.RANK
 PROBE_NAN=R:N     makes rank R's loss NaN from its N-th micro-batch on
 PROBE_KILL=R:N    SIGKILLs rank R at its N-th micro-batch, on torchrun's first attempt only
 PROBE_STEPS=DIR   counts the steps each optimizer class took per rank into DIR/steps.RANK (JSON)
@@ -36,6 +37,7 @@ if 'PROBE_COUNT' in os.environ:
             allreduces += 1
             return allreduce_hook(process_group, bucket)
         self.register_comm_hook(None, hook)
+        open(os.path.join(os.environ['PROBE_COUNT'], f'buffers.{rank}'), 'w').write(str(self.will_sync_module_buffers()))
     DistributedDataParallel.__init__ = counting_init
     atexit.register(lambda: open(os.path.join(os.environ['PROBE_COUNT'], f'allreduce.{rank}'), 'w').write(str(allreduces)))
 

@@ -51,6 +51,8 @@ def test_two_ranks_equal_one_process_and_skip_sync_between_boundaries(tmp_path, 
     # optimizer step, none on the non-boundary micro-batch
     counts = [int(open(tmp_path / f'allreduce.{r}').read()) for r in range(2)]
     assert counts == [30, 30]
+    # and no buffer broadcast in any forward: rope's tables are buffers, the same on every rank
+    assert [open(tmp_path / f'buffers.{r}').read() for r in range(2)] == ['False', 'False']
 
 
 def test_two_nodes_on_loopback(tmp_path, data_dir):
