@@ -198,7 +198,9 @@ class GPT(nn.Module):
         embeddings (the token embedding may be the tied head: decaying it shrinks rare tokens' rows); fused: one
         kernel for all parameters, on CUDA and CPU alike. Muon takes the blocks' 2-D matrices, where its
         orthogonalized update is made for (not the embeddings, whose rows are looked up one by one, nor the head), with
-        its own base rate muon_lr; AdamW keeps learning_rate for the rest."""
+        its own base rate muon_lr; AdamW keeps learning_rate for the rest. c_attn's fused (3C, C) matrix is
+        orthogonalized as one, q, k and v together (modded-nanogpt splits them), and torch's Muon scales each matrix's
+        rate by sqrt(max(1, rows / cols)): sqrt(3) x muon_lr for c_attn, 2x for c_fc, 1x for the projections."""
         def by_muon(name, p):
             return optimizer == 'muon' and name.startswith('blocks.') and p.dim() == 2
 

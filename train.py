@@ -354,18 +354,13 @@ iter_num, best_val_loss, best_iter, evals_since_best, skipped_steps, consecutive
 seconds_before = 0.0  # training wall time of the sessions before this one (None: unknown, an older checkpoint)
 
 
-def listed(state):
-    """A checkpoint's optimizer or scheduler states, one per optimizer: format 2 held a single one."""
-    return state if isinstance(state, list) else [state]
-
-
 def restore(module, ckpt, ckpt_path, with_optimizer):
     """Load weights (and optimizer states) from a checkpoint: in the file itself, or in fsdp mode in the folder of
     shards it points to, which every rank reads its own part of."""
     if 'shards' not in ckpt:
         module.load_state_dict(ckpt['model'])
         if with_optimizer:
-            for opt, state in zip(optimizers, listed(ckpt['optimizer']), strict=True):
+            for opt, state in zip(optimizers, ckpt['optimizer'], strict=True):
                 opt.load_state_dict(state)
         return
     state = {'model': get_model_state_dict(module)}
@@ -386,7 +381,7 @@ if resuming:
     data_change = data.data_change(ckpt['dataset'], dataset_id)
     check(not data_change, f"{ckpt_path} was trained on other data ({data_change}): prepare the data it recorded or start a new out_dir")
     restore(model, ckpt, ckpt_path, with_optimizer=True)
-    for scheduler, state, base_lrs in zip(schedulers, listed(ckpt['scheduler']), configured_lrs, strict=True):
+    for scheduler, state, base_lrs in zip(schedulers, ckpt['scheduler'], configured_lrs, strict=True):
         scheduler.load_state_dict(state)
         scheduler.base_lrs = base_lrs  # the schedule of this config, each group from its own base rate, not the saved one
         for group, base_lr in zip(scheduler.optimizer.param_groups, base_lrs):

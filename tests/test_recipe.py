@@ -36,6 +36,20 @@ def test_rope_scores_depend_on_the_offset_only():
     assert 'wpe.weight' not in tiny_gpt(pos_emb='rope').state_dict() and 'wpe.weight' in tiny_gpt().state_dict()
 
 
+def test_rope_turns_queries_and_keys_in_the_forward_by_absolute_position():
+    model = tiny_gpt(pos_emb='rope').eval()
+    with torch.no_grad():  # larger queries and keys than at init: attention far from uniform, so positions show
+        for block in model.blocks:
+            block.attn.c_attn.weight.mul_(20)
+    idx = torch.randint(50, (2, 16))
+    logits = model(idx)
+    # a prefix gives the logits it has inside the whole sequence: causal, and its tokens keep their offsets
+    assert torch.allclose(model(idx[:, :8]), logits[:, :8], atol=1e-6)
+    for block in model.blocks:  # the same weights without the rotation: another function
+        block.attn.rope = False
+    assert not torch.allclose(model(idx), logits, atol=1e-3)
+
+
 def test_softcap_bounds_logits():
     capped, free = tiny_gpt(logit_softcap=2.0), tiny_gpt()
     for model in (capped, free):
