@@ -10,6 +10,8 @@ import tempfile
 
 import pytest
 
+import forked
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # measurements that train.py caches per machine (peak FLOP/s, the dtype 'auto' picks) go to a folder of this
 # session's, inherited by every train.py the tests start: the user's ~/.cache stays untouched
@@ -52,23 +54,18 @@ def data_dir(tmp_path_factory):
 
 
 def run_train(out_dir, data_dir, *overrides, check=True, env=None, timeout=300):
-    """python train.py tests/run_config.py --data_dir=... --out_dir=... OVERRIDES, from the repo root."""
-    cmd = [sys.executable, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
-    if check and result.returncode != 0:
-        raise AssertionError(f"train.py failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
-    return result
+    """python train.py tests/run_config.py --data_dir=... --out_dir=... OVERRIDES, from the repo root (forked.py says how)."""
+    result = forked.run('train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides, env=env, timeout=timeout)
+    return ok(result) if check else result
 
 
 def run_trains(data_dir, *runs):
     """Several independent train.py runs side by side, each (out_dir, [overrides]): on two cores two one-thread runs
     take the time of one."""
-    procs = [subprocess.Popen([sys.executable, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for out_dir, overrides in runs]
+    procs = [forked.start('train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides)
+             for out_dir, overrides in runs]
     for proc in procs:
-        stdout, stderr = proc.communicate(timeout=300)
-        if proc.returncode != 0:
-            raise AssertionError(f"train.py failed ({proc.returncode}):\n{stdout}\n{stderr}")
+        ok(forked.finish(proc))
 
 
 def read_metrics(out_dir, kind=None):

@@ -1,15 +1,15 @@
 """Sharded training (FSDP2) on CPU (gloo, 2 processes): the same run as DDP, exact resume from sharded
 checkpoints, an exported single-file state_dict, and activation checkpointing that changes no loss."""
 import os
-import subprocess
-import sys
 
 import pytest
+
+import forked
 import torch
 import torch.nn.functional as F
 
 import data
-from conftest import REPO, ok, read_metrics, run_train, torchrun
+from conftest import ok, read_metrics, run_train, torchrun
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
@@ -43,8 +43,7 @@ def test_exported_state_dict_gives_the_runs_own_val_loss(tmp_path, data_dir):
     out = str(tmp_path / 'fsdp')
     ok(torchrun(out, data_dir, *SAME, '--parallel=fsdp', '--max_iters=10', '--lr_decay_iters=10'))
     exported = str(tmp_path / 'plain.pt')
-    result = subprocess.run([sys.executable, 'sample.py', f'--ckpt={out}/last.pt', f'--export={exported}'],
-                            cwd=REPO, capture_output=True, text=True)
+    result = forked.run('sample.py', f'--ckpt={out}/last.pt', f'--export={exported}')
     assert result.returncode == 0, result.stderr
     ckpt = torch.load(exported, weights_only=True)
     model = GPT(GPTConfig(**ckpt['model_args']))

@@ -5,10 +5,11 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
+
+import forked
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
@@ -206,19 +207,18 @@ def test_gpt2_by_name_from_the_cache_finetunes_and_resumes_exactly(root, bpe_dat
 @pytest.mark.slow
 def test_nanogpt_finetune_config_runs_unchanged(bpe_data, tiny_gpt2, tmp_path):
     config = os.path.join(REPO, 'config', 'finetune_shakespeare.py')
-    cmd = [sys.executable, 'train.py', config, f'--data_dir={bpe_data}', f'--out_dir={tmp_path / "out"}']
+    cmd = ['train.py', config, f'--data_dir={bpe_data}', f'--out_dir={tmp_path / "out"}']
     # as written (gpt2-xl), offline and without a cache: one line that says how to get the files
     env = {**os.environ, 'HF_HUB_OFFLINE': '1', 'HF_HOME': str(tmp_path / 'empty_home')}
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=120)
+    result = forked.run(*cmd, env=env, timeout=120)
     assert result.returncode == 2 and result.stderr.count('\n') == 1, result.stderr
     assert "'gpt2-xl' are not in the Hugging Face cache" in result.stderr and 'init_from=FOLDER' in result.stderr
     assert not os.path.exists(tmp_path / 'out')
-    result = subprocess.run(cmd + ['--init_from=gtp2'], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = forked.run(*cmd, '--init_from=gtp2', timeout=120)
     assert result.returncode == 2 and result.stderr.startswith("error: init_from='gtp2': use 'scratch'"), result.stderr
     # from the tiny folder, at learning rate 0: it trains, and the weights it holds are the folder's
-    result = subprocess.run(cmd + [f'--init_from={tiny_gpt2}', '--block_size=32', '--max_iters=2', '--device=cpu',
-                                   '--dtype=float32', '--num_workers=0', '--learning_rate=0.0'],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = forked.run(*cmd, f'--init_from={tiny_gpt2}', '--block_size=32', '--max_iters=2', '--device=cpu',
+                        '--dtype=float32', '--num_workers=0', '--learning_rate=0.0', timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert [r['step'] for r in read_metrics(str(tmp_path / 'out'), 'train')] == [1, 2]
     saved = torch.load(tmp_path / 'out' / 'last.pt', weights_only=True)['model']
@@ -230,8 +230,7 @@ def test_export_of_a_trained_run_generates_greedily_like_sample_py(data_dir, tmp
     out = str(tmp_path / 'run')
     run_train(out, data_dir, '--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10')
     export = str(tmp_path / 'hf')
-    sample = lambda *args: subprocess.run([sys.executable, 'sample.py', f'--out_dir={out}', *args], cwd=REPO,
-                                          capture_output=True, text=True, timeout=120)
+    sample = lambda *args: forked.run('sample.py', f'--out_dir={out}', *args, timeout=120)
     assert sample(f'--export_hf={export}').returncode == 0
     again = sample(f'--export_hf={export}')  # never over an existing export
     assert again.returncode == 1 and again.stderr.count('\n') == 1 and 'not an empty folder' in again.stderr

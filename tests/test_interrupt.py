@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, RUN_CONFIG, read_metrics, run_train, torchrun, torchrun_script
+from conftest import REPO, RUN_CONFIG, read_metrics, torchrun
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
 

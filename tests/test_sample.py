@@ -1,14 +1,14 @@
 """sample.py on a finished tiny run: seeded, greedy at top_k=1, prompts from files, clean errors."""
 import os
-import subprocess
-import sys
 
 import pytest
+
+import forked
 import torch
 
 import prepare
 import sample
-from conftest import REPO, run_train
+from conftest import run_train
 from model import GPT, GPTConfig
 
 SEPARATOR = '-' * 40 + '\n'
@@ -22,7 +22,7 @@ def run_dir(tmp_path_factory, data_dir):
 
 
 def run_sample(*args):
-    return subprocess.run([sys.executable, 'sample.py', *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    return forked.run('sample.py', *args, timeout=120)
 
 
 def test_seed_decides_the_samples(run_dir):

@@ -4,16 +4,16 @@ refused."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+
+import forked
 import torch
 
 import data
 import prepare
-from conftest import REPO, make_corpus, ok, read_metrics, run_train, run_trains, torchrun
+from conftest import make_corpus, ok, run_train, run_trains, torchrun
 
 
 def llmc_shard(path, tokens, magic=20240520, version=1, dtype=np.uint16):
@@ -217,9 +217,8 @@ def test_two_ranks_equal_one_process_on_shards(tmp_path, sharded_dir):
 @pytest.mark.slow
 def test_bench_loader_mode_reads_windows(tmp_path, sharded_dir):
     out = tmp_path / 'loader.json'
-    result = subprocess.run([sys.executable, 'bench.py', f'--data_dir={sharded_dir}', '--dataset=toy', '--block_size=32',
-                             '--batch_size=8', '--loader=True', '--bench_iters=50', f'--json={out}'],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = forked.run('bench.py', f'--data_dir={sharded_dir}', '--dataset=toy', '--block_size=32', '--batch_size=8',
+                        '--loader=True', '--bench_iters=50', f'--json={out}', timeout=120)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report['loader']['batches'] == 50 and report['loader']['windows_per_sec'] > 0

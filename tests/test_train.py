@@ -9,9 +9,11 @@ import subprocess
 import sys
 
 import pytest
+
+import forked
 import torch
 
-from conftest import REPO, read_metrics, run_train
+from conftest import REPO, RUN_CONFIG, ok, read_metrics, run_train
 
 
 def test_run_learns_and_records_everything(tmp_path, data_dir):
@@ -98,6 +100,20 @@ def run_20(tmp_path_factory, data_dir):
     return out
 
 
+def test_a_forked_run_is_the_run_of_a_fresh_interpreter(tmp_path, data_dir, run_20):
+    # run_train forks a server that has imported torch (tests/forked.py): the same run in a fresh `python train.py`
+    out = str(tmp_path / 'fresh')
+    ok(subprocess.run([sys.executable, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=20',
+                       '--lr_decay_iters=20'], cwd=REPO, capture_output=True, text=True, timeout=300))
+    for kind, keys in (('train', ('step', 'loss', 'lr', 'grad_norm')), ('eval', ('step', 'val_loss'))):
+        fresh, forked_run = ([[r[k] for k in keys] for r in read_metrics(run, kind)] for run in (out, run_20))
+        assert fresh == forked_run and len(fresh) > 0, kind
+    fresh, forked_run = (torch.load(os.path.join(run, 'last.pt'), weights_only=True)['model'] for run in (out, run_20))
+    assert all(torch.equal(fresh[k], forked_run[k]) for k in fresh)
+    commands = [json.load(open(os.path.join(run, 'meta.json')))['command'][:2] for run in (out, run_20)]
+    assert commands[0] == commands[1] == ['train.py', RUN_CONFIG]
+
+
 @pytest.mark.slow
 def test_existing_run_is_not_overwritten(run_20, data_dir):
     before = sha(os.path.join(run_20, 'last.pt')), sha(os.path.join(run_20, 'metrics.jsonl'))
@@ -134,8 +150,7 @@ def test_nanogpt_config_runs_unchanged(tmp_path, data_dir):
     out = str(tmp_path / 'nano')
     cmd = ['config/shakespeare_char.py', '--dataset=toy', '--n_layer=1', '--n_head=2', '--n_embd=16', '--block_size=16',
            '--batch_size=4', '--max_iters=4', '--lr_decay_iters=4', '--warmup_iters=1', '--eval_interval=2', '--eval_iters=2']
-    result = subprocess.run([sys.executable, 'train.py', *cmd, f'--data_dir={data_dir}', f'--out_dir={out}'],
-                            cwd=REPO, capture_output=True, text=True)
+    result = forked.run('train.py', *cmd, f'--data_dir={data_dir}', f'--out_dir={out}')
     assert result.returncode == 0, result.stderr
     config = json.load(open(os.path.join(out, 'config.json')))
     assert config['dropout'] == {'value': 0.2, 'source': 'config/shakespeare_char.py'}
