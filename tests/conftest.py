@@ -55,17 +55,19 @@ def data_dir(tmp_path_factory):
 
 def run_train(out_dir, data_dir, *overrides, check=True, env=None, timeout=300):
     """python train.py tests/run_config.py --data_dir=... --out_dir=... OVERRIDES, from the repo root (forked.py says how)."""
-    result = forked.run('train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides, env=env, timeout=timeout)
+    result = forked.run('train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides, env=env,
+                        timeout=timeout)
     return ok(result) if check else result
 
 
 def run_trains(data_dir, *runs):
     """Several independent train.py runs side by side, each (out_dir, [overrides]): on two cores two one-thread runs
     take the time of one."""
-    procs = [forked.start('train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides)
+    procs = [forked.Process('train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides)
              for out_dir, overrides in runs]
     for proc in procs:
-        ok(forked.finish(proc))
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stdout + stderr
 
 
 def read_metrics(out_dir, kind=None):
@@ -83,18 +85,15 @@ def torchrun(out_dir, data_dir, *overrides, probe=False, **kwargs):
 def torchrun_script(script, *args, nproc=2, env_extra=None, torchrun_args=(), timeout=300):
     """torchrun SCRIPT tests/run_config.py ARGS on nproc CPU processes with gloo; script is a
     list: the script and its own arguments before the config."""
-    cmd = [sys.executable, '-m', 'torch.distributed.run', *(torchrun_args or ['--standalone']), f'--nproc_per_node={nproc}',
-           *script, RUN_CONFIG, *args]
-    env = {**os.environ, **(env_extra or {})}
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+    proc = forked.Process('-m', 'torch.distributed.run', *(torchrun_args or ['--standalone']), f'--nproc_per_node={nproc}',
+                          *script, RUN_CONFIG, *args, env={**os.environ, **(env_extra or {})}, new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     finally:  # on a timeout, torchrun's workers must not outlive the test
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def ok(result):

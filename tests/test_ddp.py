@@ -1,14 +1,14 @@
 """Distributed data parallel on CPU (gloo, 2 processes): the same run as one process, and no hangs."""
 import os
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
+
+import forked
 import torch
 
-from conftest import REPO, RUN_CONFIG, ok, read_metrics, run_train, torchrun
+from conftest import RUN_CONFIG, ok, read_metrics, run_train, torchrun
 from test_recipe import RECIPE
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
@@ -65,10 +65,9 @@ def test_two_nodes_on_loopback(tmp_path, data_dir):
     for node_rank in range(2):
         args = ['--nnodes=2', f'--node_rank={node_rank}', '--rdzv_backend=c10d', f'--rdzv_endpoint=127.0.0.1:{port}',
                 '--rdzv_id=loopback', '--master_addr=127.0.0.1', f'--master_port={port}']
-        cmd = [sys.executable, '-m', 'torch.distributed.run', *args, '--nproc_per_node=1', 'train.py', RUN_CONFIG,
-               f'--data_dir={data_dir}', f'--out_dir={two}', *SAME]
-        nodes.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [p.communicate(timeout=300)[0] for p in nodes]
+        nodes.append(forked.Process('-m', 'torch.distributed.run', *args, '--nproc_per_node=1', 'train.py', RUN_CONFIG,
+                                    f'--data_dir={data_dir}', f'--out_dir={two}', *SAME))
+    outputs = [''.join(p.communicate(timeout=300)) for p in nodes]
     assert all(p.returncode == 0 for p in nodes), outputs
     assert_same_run(one, two)
 

@@ -3,14 +3,14 @@ whole last.pt, and the resumed run is bitwise the run that was never interrupted
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
+
+import forked
 import torch
 
-from conftest import REPO, RUN_CONFIG, read_metrics, torchrun
+from conftest import RUN_CONFIG, read_metrics, torchrun
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
 
@@ -42,12 +42,11 @@ def wait_for_step(out_dir, step, proc, timeout=120):
 
 def start(cmd):
     # a session of its own, as a terminal's foreground job: killpg reaches the loader workers as Ctrl-C does
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return forked.Process(*cmd, new_session=True)
 
 
 def train_cmd(out_dir, data_dir, *args):
-    return [sys.executable, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *args]
+    return ['train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *args]
 
 
 def test_sigterm_ctrl_c_and_sigkill_then_resume_bitwise(tmp_path, data_dir):
@@ -108,7 +107,7 @@ def test_second_ctrl_c_exits_at_once_with_whole_checkpoints(tmp_path, data_dir):
 def test_two_ranks_stop_together_on_sigterm_and_resume_bitwise(tmp_path, data_dir):
     args = [*ARGS, '--gradient_accumulation_steps=2', '--max_iters=200', '--lr_decay_iters=200']
     straight, stopped = str(tmp_path / 'straight'), str(tmp_path / 'stopped')
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py', RUN_CONFIG,
+    cmd = ['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py', RUN_CONFIG,
            f'--data_dir={data_dir}']
     straight_proc = start([*cmd, f'--out_dir={straight}', *args])
     proc = start([*cmd, f'--out_dir={stopped}', *args])

@@ -3,14 +3,14 @@ import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
+
+import forked
 import torch
 
-from conftest import REPO, RUN_CONFIG, read_metrics, run_train, run_trains
+from conftest import RUN_CONFIG, read_metrics, run_train, run_trains
 from test_recipe import RECIPE
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
@@ -59,8 +59,7 @@ def test_float32_resume_after_evaluation_and_from_best_is_bitwise(tmp_path, data
 
 
 def start_train(out_dir, data_dir, *overrides):
-    cmd = [sys.executable, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return forked.Process('train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides)
 
 
 def fresh_file(path, since):
