@@ -6,6 +6,7 @@ rotary positions, QK-norm, ReLU squared, an untied head, soft-capped logits and 
 The loss lives in train.py; the model maps token ids to logits and nothing else.
 """
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -80,9 +81,15 @@ class CausalSelfAttention(nn.Module):
         if self.rope:  # in q's dtype: SDPA needs q, k and v in one dtype under autocast
             cos, sin = self.cos[:T].to(q.dtype), self.sin[:T].to(q.dtype)  # (T, hs/2)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # (B, nh, T, hs)
-        # dropout_p must be 0 in eval: SDPA does not look at self.training
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        # on a CPU, attention runs in float32 under bfloat16: PyTorch's CPU flash-attention kernel was 3x slower in
+        # bfloat16 at head size 32 (its backward most) on an AVX512-BF16 CPU, where the matmuls around it gain 2x
+        dtype, upcast = q.dtype, q.device.type == 'cpu' and q.dtype == torch.bfloat16
+        if upcast:
+            q, k, v = q.float(), k.float(), v.float()  # (B, nh, T, hs)
+        with torch.autocast('cpu', enabled=False) if upcast else nullcontext():  # autocast would cast them back
+            # dropout_p must be 0 in eval: SDPA does not look at self.training
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)  # (B, nh, T, hs)
+        y = y.to(dtype).transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
 

@@ -26,6 +26,19 @@ def test_forward_contract():
         model(torch.randint(0, 50, (1, 17)))
 
 
+def test_attention_runs_in_float32_under_bfloat16_on_cpu(monkeypatch):
+    model = tiny_gpt()
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, 'scaled_dot_product_attention',
+                        lambda q, k, v, **kw: seen.append((q.dtype, k.dtype, v.dtype)) or sdpa(q, k, v, **kw))
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        logits = model(torch.randint(0, 50, (2, 16)))
+    assert logits.dtype == torch.bfloat16 and seen == [(torch.float32,) * 3] * model.config.n_layer
+    seen.clear()
+    model(torch.randint(0, 50, (2, 16)))  # float32 stays float32
+    assert seen == [(torch.float32,) * 3] * model.config.n_layer
+
+
 def test_causal_and_tied():
     model = tiny_gpt().eval()
     idx = torch.randint(0, 50, (1, 16))
