@@ -7,6 +7,8 @@ names another folder), keyed by the processor, torch version and thread count: t
 reads as the same MFU in every run on a machine, and start-up pays for a measurement only once.
 """
 import functools
+import hashlib
+import inspect
 import json
 import os
 import resource
@@ -139,7 +141,7 @@ def step_seconds(model_args, batch_size, device, dtypes, rounds=3):
 def auto_dtype(device, model_args, batch_size):
     """(dtype name, how it was chosen: a dict for meta.json) for dtype='auto'. CUDA: bfloat16 where supported, else
     float16. CPU: float32 unless the CPU has bfloat16 matmul units; with them, whichever of the two trained this
-    model's shape faster here, measured once per machine and shape. Wide matmuls gain from bfloat16 units, small ones
+    model's shape faster here, measured once per machine, shape and model.py. Wide matmuls gain from bfloat16 units, small ones
     lose to the casts. HONESTGPT_AUTO_DTYPE forces the choice (the tests use it to run either way on one machine)."""
     forced = os.environ.get('HONESTGPT_AUTO_DTYPE')
     if forced:
@@ -149,7 +151,10 @@ def auto_dtype(device, model_args, batch_size):
     if not (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()):
         return 'float32', {'rule': 'CPU without bfloat16 matmul units: bfloat16 would be emulated, many times slower'}
     shape = {k: model_args[k] for k in sorted(model_args) if k != 'dropout'}
-    seconds = cached(f"step {machine(device)} {json.dumps(shape)} batch {batch_size}",
+    # model.py's contents are part of the key: an edit to the model can change which dtype is faster
+    with open(inspect.getsourcefile(GPT), 'rb') as f:
+        code = hashlib.sha256(f.read()).hexdigest()[:12]
+    seconds = cached(f"step {machine(device)} model.py {code} {json.dumps(shape)} batch {batch_size}",
                      lambda: {'seconds': step_seconds(model_args, batch_size, device, ('float32', 'bfloat16'))})
     dtype = min(seconds['seconds'], key=seconds['seconds'].get)
     return dtype, {'rule': 'the faster of float32 and bfloat16 for this model, measured (forward+backward seconds)', **seconds}

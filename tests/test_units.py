@@ -187,3 +187,20 @@ def test_configure_file_unknown_key(tmp_path):
     cfg.write_text("learnig_rate = 1e-3\n")
     with pytest.raises(ConfigError, match="unknown config key 'learnig_rate': did you mean learning_rate"):
         configure(DEFAULTS, [str(cfg)])
+
+
+def test_auto_dtype_is_timed_once_per_model_py(tmp_path, monkeypatch):
+    import perf
+    monkeypatch.setenv('HONESTGPT_CACHE', str(tmp_path))
+    monkeypatch.delenv('HONESTGPT_AUTO_DTYPE', raising=False)
+    monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: True)  # so that it times on any CPU
+    timed = []
+    monkeypatch.setattr(perf, 'step_seconds', lambda *args: timed.append(args) or {'float32': 2.0, 'bfloat16': 1.0})
+    args = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=50, dropout=0.0, bias=False)
+    assert perf.auto_dtype('cpu', args, 4)[0] == perf.auto_dtype('cpu', args, 4)[0] == 'bfloat16'
+    assert len(timed) == 1  # the second run read the cache
+    edited = tmp_path / 'model.py'
+    edited.write_text(open(perf.inspect.getsourcefile(GPT)).read() + '# an edit\n')
+    monkeypatch.setattr(perf.inspect, 'getsourcefile', lambda obj: str(edited))
+    perf.auto_dtype('cpu', args, 4)
+    assert len(timed) == 2  # an edited model is timed again
