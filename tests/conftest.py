@@ -3,7 +3,6 @@ import base64
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,13 @@ def write_ranks(path, merges):
     lines = [f'{base64.b64encode(bytes([i])).decode()} {i}' for i in range(256)]
     lines += [f'{base64.b64encode(m).decode()} {256 + k}' for k, m in enumerate(merges)]
     path.write_text('\n'.join(lines) + '\n')
+
+
+@pytest.fixture(scope='session', autouse=True)
+def stop_forked_runs():
+    """Runs a failed test left going end with the session, which would otherwise wait for them."""
+    yield
+    forked.stop_all()
 
 
 @pytest.fixture(scope='session')
@@ -91,7 +97,7 @@ def torchrun_script(script, *args, nproc=2, env_extra=None, torchrun_args=(), ti
         stdout, stderr = proc.communicate(timeout=timeout)
     finally:  # on a timeout, torchrun's workers must not outlive the test
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill()  # the whole process group
             proc.wait()
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 

@@ -63,7 +63,7 @@ def test_sigterm_ctrl_c_and_sigkill_then_resume_bitwise(tmp_path, data_dir):
         for signum in list(waiting):
             if reached(outs[signum], waiting[signum][1]):
                 if signum == signal.SIGINT:
-                    os.killpg(procs[signum].pid, signum)  # Ctrl-C reaches the whole group: the training process and its workers
+                    procs[signum].send_signal(signum, group=True)  # Ctrl-C reaches the whole group: the training process and its workers
                 else:
                     procs[signum].send_signal(signum)  # a cluster's SIGTERM goes to the job's main process
                 del waiting[signum]
@@ -85,7 +85,7 @@ def test_sigterm_ctrl_c_and_sigkill_then_resume_bitwise(tmp_path, data_dir):
             assert resume.startswith('python train.py') and resume.endswith('--init_from=resume'), line
     resumes = [start(train_cmd(outs[signum], data_dir, *ARGS, *extra, '--init_from=resume')) for signum, (_, _, extra) in cases.items()]
     for proc in [procs[None], *resumes]:
-        stderr = proc.communicate(timeout=300)[1]  # reading the pipes: a full one would stop the run
+        stderr = proc.communicate(timeout=300)[1]
         assert proc.returncode == 0, stderr
     for out in outs.values():
         assert trajectory(out) == trajectory(straight)
@@ -96,9 +96,9 @@ def test_second_ctrl_c_exits_at_once_with_whole_checkpoints(tmp_path, data_dir):
     # iterations of about a second, so that the second Ctrl-C lands while the first waits for the step to end
     proc = start(train_cmd(out, data_dir, *ARGS, '--checkpoint_interval=1', '--n_layer=4', '--n_embd=256', '--batch_size=64'))
     wait_for_step(out, 2, proc)
-    os.killpg(proc.pid, signal.SIGINT)
+    proc.send_signal(signal.SIGINT, group=True)
     time.sleep(0.3)  # two signals before Python runs its handler count as one
-    os.killpg(proc.pid, signal.SIGINT)
+    proc.send_signal(signal.SIGINT, group=True)
     proc.communicate(timeout=60)
     assert proc.returncode == 130 and not read_metrics(out, 'stop')  # no save-and-stop: it left at once
     assert torch.load(os.path.join(out, 'last.pt'), weights_only=True)['iter_num'] >= 2

@@ -100,17 +100,20 @@ def run_20(tmp_path_factory, data_dir):
     return out
 
 
-def test_a_forked_run_is_the_run_of_a_fresh_interpreter(tmp_path, data_dir, run_20):
-    # run_train forks a server that has imported torch (tests/forked.py): the same run in a fresh `python train.py`
-    out = str(tmp_path / 'fresh')
-    ok(subprocess.run([sys.executable, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=20',
-                       '--lr_decay_iters=20'], cwd=REPO, capture_output=True, text=True, timeout=300))
+def test_a_forked_run_is_the_run_of_a_fresh_interpreter(tmp_path, data_dir):
+    # run_train forks a server that has imported torch (tests/forked.py): the same run in a fresh `python train.py`,
+    # with dropout and a loader worker, so that the RNG streams and the worker process are compared too
+    args = ['--max_iters=20', '--lr_decay_iters=20', '--dropout=0.1', '--num_workers=1']
+    forked_run, fresh = str(tmp_path / 'forked'), str(tmp_path / 'fresh')
+    run_train(forked_run, data_dir, *args)
+    ok(subprocess.run([sys.executable, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={fresh}', *args],
+                      cwd=REPO, capture_output=True, text=True, timeout=300))
     for kind, keys in (('train', ('step', 'loss', 'lr', 'grad_norm')), ('eval', ('step', 'val_loss'))):
-        fresh, forked_run = ([[r[k] for k in keys] for r in read_metrics(run, kind)] for run in (out, run_20))
-        assert fresh == forked_run and len(fresh) > 0, kind
-    fresh, forked_run = (torch.load(os.path.join(run, 'last.pt'), weights_only=True)['model'] for run in (out, run_20))
-    assert all(torch.equal(fresh[k], forked_run[k]) for k in fresh)
-    commands = [json.load(open(os.path.join(run, 'meta.json')))['command'][:2] for run in (out, run_20)]
+        records = [[[r[k] for k in keys] for r in read_metrics(run, kind)] for run in (forked_run, fresh)]
+        assert records[0] == records[1] and len(records[0]) > 0, kind
+    weights = [torch.load(os.path.join(run, 'last.pt'), weights_only=True)['model'] for run in (forked_run, fresh)]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    commands = [json.load(open(os.path.join(run, 'meta.json')))['command'][:2] for run in (forked_run, fresh)]
     assert commands[0] == commands[1] == ['train.py', RUN_CONFIG]
 
 
