@@ -11,7 +11,8 @@ that a forked run and a fresh `python train.py` write the same losses and weight
 are fresh interpreters: torchrun starts them.
 
 What the server fixed at its start stays: environment variables read at import (IMPORT_TIME_ENV: a run that sets
-them differently is refused), warnings printed while importing, the string hash seed.
+them differently is refused), warnings printed while importing, the string hash seed. HONESTGPT_TEST_FRESH=1 starts
+every run as a fresh interpreter instead, to check the whole suite either way (docs/benchmarks.md has both times).
 """
 import atexit
 import multiprocessing
@@ -28,6 +29,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the repo's own modules are not preloaded: each run imports them fresh, as it would; 'forked' holds the child's code
 PRELOAD = ['numpy', 'torch', 'torch._dynamo', 'torch.distributed', 'torch.utils.data', 'tiktoken', 'forked']
 IMPORT_TIME_ENV = ('OMP_', 'MKL_', 'KMP_', 'PYTHON', 'TORCH', 'LC_', 'LANG')
+FRESH = os.environ.get('HONESTGPT_TEST_FRESH') == '1'
 _context = multiprocessing.get_context('forkserver')
 _context.set_forkserver_preload(PRELOAD)
 _server_env = None  # the import-time variables the server started with
@@ -83,7 +85,7 @@ class Process:
             _server_env = {k: v for k, v in os.environ.items() if k.startswith(IMPORT_TIME_ENV)}
         env = dict(os.environ if env is None else env)
         import_time = {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
-        if import_time != _server_env:
+        if import_time != _server_env and not FRESH:
             raise ValueError(f"the forkserver imported torch with {_server_env}, this run asks for {import_time}: "
                              "start it with subprocess")
         self.args, self.new_session, self.stdout, self.stderr = [sys.executable, *args], new_session, None, None
@@ -91,20 +93,25 @@ class Process:
         self.paths = [os.path.join(self.folder, name) for name in ('stdout', 'stderr')]
         for path in self.paths:  # there even if the child dies before it opens them
             open(path, 'w').close()
-        self.process = _context.Process(target=_main, args=(list(args), cwd, env, new_session, *self.paths))
-        self.process.start()
-        # not one of multiprocessing's children, which it joins at exit (a hung run would hang the session):
-        # stop_all() ends what a failed test left running
-        multiprocessing.process._children.discard(self.process)
+        if FRESH:
+            with open(self.paths[0], 'w') as stdout, open(self.paths[1], 'w') as stderr:
+                self.process = subprocess.Popen(self.args, cwd=cwd, env=env, stdout=stdout, stderr=stderr,
+                                                start_new_session=new_session)
+        else:
+            self.process = _context.Process(target=_main, args=(list(args), cwd, env, new_session, *self.paths))
+            self.process.start()
+            # not one of multiprocessing's children, which it joins at exit (a hung run would hang the session):
+            # stop_all() ends what a failed test left running
+            multiprocessing.process._children.discard(self.process)
         _running.add(self)
         self.pid = self.process.pid
 
     @property
     def returncode(self):
-        return self.process.exitcode
+        return self.poll()
 
     def poll(self):
-        return self.process.exitcode
+        return self.process.poll() if FRESH else self.process.exitcode
 
     def send_signal(self, signum, group=False):
         """As Popen's: nothing once the process has exited (the forkserver reaps it, so its pid may be reused)."""
@@ -118,14 +125,17 @@ class Process:
         self.send_signal(signal.SIGKILL, group=self.new_session)
 
     def wait(self, timeout=None):
-        self.process.join(timeout)
-        if self.process.exitcode is None:
+        if FRESH:
+            self.process.wait(timeout)  # raises TimeoutExpired
+        else:
+            self.process.join(timeout)
+        if self.poll() is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
         if self.stdout is None:  # the first wait after the exit collects the output
             self.stdout, self.stderr = (open(path, errors='replace').read() for path in self.paths)
             shutil.rmtree(self.folder)
             _running.discard(self)
-        return self.process.exitcode
+        return self.poll()
 
     def communicate(self, timeout=None):
         self.wait(timeout)
