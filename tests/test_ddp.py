@@ -4,10 +4,9 @@ import socket
 import time
 
 import pytest
-
-import forked
 import torch
 
+import forked
 from conftest import RUN_CONFIG, ok, read_metrics, run_train, torchrun
 from test_recipe import RECIPE
 

@@ -3,12 +3,11 @@ checkpoints, an exported single-file state_dict, and activation checkpointing th
 import os
 
 import pytest
-
-import forked
 import torch
 import torch.nn.functional as F
 
 import data
+import forked
 from conftest import ok, read_metrics, run_train, torchrun
 from model import GPT, GPTConfig
 

@@ -8,12 +8,11 @@ import shutil
 import sys
 
 import pytest
-
-import forked
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
+import forked
 import hf
 import model as model_module
 import prepare

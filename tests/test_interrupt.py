@@ -6,10 +6,9 @@ import signal
 import time
 
 import pytest
-
-import forked
 import torch
 
+import forked
 from conftest import RUN_CONFIG, read_metrics, torchrun
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them

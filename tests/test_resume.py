@@ -6,10 +6,9 @@ import signal
 import time
 
 import pytest
-
-import forked
 import torch
 
+import forked
 from conftest import RUN_CONFIG, read_metrics, run_train, run_trains
 from test_recipe import RECIPE
 

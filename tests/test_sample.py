@@ -2,10 +2,9 @@
 import os
 
 import pytest
-
-import forked
 import torch
 
+import forked
 import prepare
 import sample
 from conftest import run_train

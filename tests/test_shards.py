@@ -7,11 +7,10 @@ import shutil
 
 import numpy as np
 import pytest
-
-import forked
 import torch
 
 import data
+import forked
 import prepare
 from conftest import make_corpus, ok, run_train, run_trains, torchrun
 

@@ -9,10 +9,9 @@ import subprocess
 import sys
 
 import pytest
-
-import forked
 import torch
 
+import forked
 from conftest import REPO, RUN_CONFIG, ok, read_metrics, run_train
 
 
