@@ -141,8 +141,9 @@ def step_seconds(model_args, batch_size, device, dtypes, rounds=3):
 def auto_dtype(device, model_args, batch_size):
     """(dtype name, how it was chosen: a dict for meta.json) for dtype='auto'. CUDA: bfloat16 where supported, else
     float16. CPU: float32 unless the CPU has bfloat16 matmul units; with them, whichever of the two trained this
-    model's shape faster here, measured once per machine, shape and model.py. Wide matmuls gain from bfloat16 units, small ones
-    lose to the casts. HONESTGPT_AUTO_DTYPE forces the choice (the tests use it to run either way on one machine)."""
+    model's shape faster here, measured once per machine, shape and model.py. Wide matmuls gain from bfloat16 units,
+    small ones lose to the casts. HONESTGPT_AUTO_DTYPE forces the choice (the tests use it to run either way on one
+    machine)."""
     forced = os.environ.get('HONESTGPT_AUTO_DTYPE')
     if forced:
         return forced, {'rule': 'forced by HONESTGPT_AUTO_DTYPE'}
