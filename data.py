@@ -194,10 +194,6 @@ class TrainSampler(Sampler):
         perm = torch.randperm(n, generator=g)[:kept]
         return offset + perm[self.rank::self.world_size] * self.block_size
 
-    def epoch_batches(self, epoch):
-        """The epoch's batches as lists, to inspect them; iterating yields the same ones, a batch at a time."""
-        return self.epoch_starts(epoch).view(-1, self.batch_size).tolist()
-
     def __iter__(self):
         epoch, position = self.epoch, self.position
         while True:

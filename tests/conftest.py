@@ -76,6 +76,11 @@ def run_trains(data_dir, *runs):
         assert proc.returncode == 0, stdout + stderr
 
 
+def epoch_batches(sampler, epoch):
+    """A TrainSampler's batches of an epoch, as lists of window starts."""
+    return sampler.epoch_starts(epoch).view(-1, sampler.batch_size).tolist()
+
+
 def read_metrics(out_dir, kind=None):
     with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
         records = [json.loads(line) for line in f]

@@ -12,7 +12,7 @@ import torch
 import data
 import forked
 import prepare
-from conftest import make_corpus, ok, run_train, run_trains, torchrun
+from conftest import epoch_batches, make_corpus, ok, run_train, run_trains, torchrun
 
 
 def llmc_shard(path, tokens, magic=20240520, version=1, dtype=np.uint16):
@@ -161,7 +161,7 @@ def test_resume_across_shard_boundaries_is_bitwise_and_refused_after_shards_chan
     train = data.TokenWindows(shards['train'], 32)
     assert len(shards['train']) >= 8 and 'test' not in shards
     # the resumed part, steps 15-30 of 2 micro-batches each, reads a window across two shards
-    resumed = [s for b in data.TrainSampler(train.num_tokens, 32, 8, 16, 1337).epoch_batches(0)[28:60] for s in b]
+    resumed = [s for b in epoch_batches(data.TrainSampler(train.num_tokens, 32, 8, 16, 1337), 0)[28:60] for s in b]
     assert any(np.searchsorted(train.offsets, s, 'right') != np.searchsorted(train.offsets, s + 32, 'right') for s in resumed)
     straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
     args = [*HARD, '--dtype=float32', '--test_eval=True']

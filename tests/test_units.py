@@ -10,6 +10,7 @@ import torch
 import data
 import prepare
 from configurator import ConfigError, configure
+from conftest import epoch_batches
 from model import GPT, GPTConfig
 
 
@@ -100,7 +101,7 @@ def test_eval_cap_is_fixed_and_spread(token_file):
 def test_train_shards_union_equals_one_process():
     one = data.TrainSampler(5000, 16, batch_size=8, global_batch=32, seed=3)
     ranks = [data.TrainSampler(5000, 16, batch_size=8, global_batch=32, seed=3, rank=r, world_size=2) for r in range(2)]
-    one_batches, rank_batches = one.epoch_batches(0), [s.epoch_batches(0) for s in ranks]
+    one_batches, rank_batches = epoch_batches(one, 0), [epoch_batches(s, 0) for s in ranks]
     steps = len(one_batches) // 4
     assert steps > 0 and all(len(b) == 2 * steps for b in rank_batches)
     for step in range(steps):  # an optimizer step = 4 micro-batches on 1 process, 2 on each of 2 ranks
@@ -108,7 +109,7 @@ def test_train_shards_union_equals_one_process():
         sharded = sorted(s for r in range(2) for b in rank_batches[r][2 * step:2 * step + 2] for s in b)
         assert single == sharded
     assert not set(sum(rank_batches[0], [])) & set(sum(rank_batches[1], []))
-    assert one.epoch_batches(0) != one.epoch_batches(1)  # reshuffled each epoch
+    assert epoch_batches(one, 0) != epoch_batches(one, 1)  # reshuffled each epoch
 
 
 def test_train_sampler_resumes_at_next_unseen_batch():
@@ -147,7 +148,7 @@ def test_train_sampler_holds_an_epoch_as_one_tensor_and_yields_its_batches_in_or
     assert peak < 1e6, f'{peak / 1e6:.1f} MB of Python objects for one batch: the epoch was built as lists'
     small = data.TrainSampler(3000, 16, batch_size=4, global_batch=8, seed=1, rank=1, world_size=2)
     small.load_state_dict({'epoch': 1, 'position': 40})  # the 5th batch of this rank in epoch 1
-    expected = small.epoch_batches(1)[5:] + small.epoch_batches(2) + small.epoch_batches(3)[:3]
+    expected = epoch_batches(small, 1)[5:] + epoch_batches(small, 2) + epoch_batches(small, 3)[:3]
     assert list(itertools.islice(iter(small), len(expected))) == expected
 
 
