@@ -15,6 +15,7 @@ them differently is refused), warnings printed while importing, the string hash 
 every run as a fresh interpreter instead, to check the whole suite either way (docs/benchmarks.md has both times).
 """
 import atexit
+import contextlib
 import multiprocessing
 import os
 import runpy
@@ -118,8 +119,9 @@ class Process:
         if self.poll() is None:
             try:
                 os.killpg(self.pid, signum) if group else os.kill(self.pid, signum)
-            except ProcessLookupError:  # exited just now
-                pass
+            except ProcessLookupError:  # exited just now; or no group yet, the child has not reached its setsid
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signum)
 
     def kill(self):
         self.send_signal(signal.SIGKILL, group=self.new_session)
