@@ -8,13 +8,22 @@ assigns some of those names), then apply --key=value overrides:
 Every value is type-checked against its default, and unknown names fail with the closest known
 ones, so a typo never trains the wrong model silently. Returns the resolved config and where each
 value came from ('default', the config file's path, or 'command line').
+
+fail() is how every script reports a user's mistake: one line naming the problem and the fix, exit code 2.
 """
 import ast
 import difflib
+import sys
 
 
 class ConfigError(Exception):
     pass
+
+
+def fail(message):
+    """A user's mistake: one line on stderr, exit code 2 (the caller has written nothing yet)."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def _unknown(key, defaults):

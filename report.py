@@ -13,6 +13,8 @@ import shlex
 import statistics
 import sys
 
+from configurator import fail
+
 
 RUN_FILES = ('metrics.jsonl', 'config.json', 'meta.json')
 SPIKE_FACTOR, SPIKE_WINDOW, SPIKE_MIN_HISTORY = 5, 100, 10  # grad norm > 5x the median of up to 100 previous steps
@@ -226,10 +228,10 @@ def write_report(out_dir):
 
 if __name__ == '__main__':
     if len(sys.argv) != 2:
-        sys.exit("error: usage: python report.py OUT_DIR")
+        fail("usage: python report.py OUT_DIR")
     run_dir = sys.argv[1]
     missing = [name for name in RUN_FILES if not os.path.isfile(os.path.join(run_dir, name))]
     if missing:
-        sys.exit(f"error: {run_dir} has no {missing[0]}: pass the out_dir of a train.py run")
+        fail(f"{run_dir} has no {missing[0]}: pass the out_dir of a train.py run")
     write_report(run_dir)
     print(f"wrote {os.path.join(run_dir, 'report.md')} and {os.path.join(run_dir, 'curves.png')}")

@@ -21,7 +21,7 @@ import checkpoint
 import hf
 import perf
 import prepare
-from configurator import ConfigError, configure
+from configurator import ConfigError, configure, fail
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -86,33 +86,33 @@ if __name__ == '__main__':
     try:
         globals().update(configure({k: globals()[k] for k in config_keys}, sys.argv[1:])[0])
     except ConfigError as e:
-        sys.exit(f"error: {e}")
+        fail(e)
     for key in ('num_samples', 'max_new_tokens', 'top_k'):
         if globals()[key] < 1:
-            sys.exit(f"error: {key}={globals()[key]} must be at least 1")
+            fail(f"{key}={globals()[key]} must be at least 1")
     if temperature <= 0:
-        sys.exit(f"error: temperature={temperature} must be positive: for greedy decoding use top_k=1")
+        fail(f"temperature={temperature} must be positive: for greedy decoding use top_k=1")
     if dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
-        sys.exit(f"error: dtype='{dtype}': use 'auto', 'float32', 'bfloat16' or 'float16'")
+        fail(f"dtype='{dtype}': use 'auto', 'float32', 'bfloat16' or 'float16'")
     try:
         device, device_type = perf.resolve_device(device)
     except ValueError as e:
-        sys.exit(f"error: {e}")
+        fail(e)
 
     if start.startswith('FILE:'):
         try:
             with open(start[len('FILE:'):], encoding='utf-8') as f:
                 start = f.read()
         except (OSError, UnicodeDecodeError) as e:
-            sys.exit(f"error: cannot read the prompt file ({e}): fix the path after FILE: or save it as UTF-8")
+            fail(f"cannot read the prompt file ({e}): fix the path after FILE: or save it as UTF-8")
 
     ckpt_path = ckpt or os.path.join(out_dir, 'best.pt')
     if not os.path.isfile(ckpt_path):
-        sys.exit(f"error: checkpoint {ckpt_path} does not exist: set out_dir to a run's folder, or ckpt to a .pt file")
+        fail(f"checkpoint {ckpt_path} does not exist: set out_dir to a run's folder, or ckpt to a .pt file")
     try:
         model, encode, decode, saved = load_model(ckpt_path, device)
     except (checkpoint.CheckpointError, prepare.PrepareError) as e:
-        sys.exit(f"error: {e}")
+        fail(e)
     if export:
         checkpoint.save({'model': model.state_dict(), 'model_args': saved['model_args'], 'dataset': saved['dataset'],
                          'config': saved['config'], 'iter_num': saved['iter_num']}, export)
@@ -122,7 +122,7 @@ if __name__ == '__main__':
         try:
             hf.export_gpt2(model, export_hf, saved['dataset']['tokenizer'].get('eot_id'))
         except hf.HFError as e:
-            sys.exit(f"error: {e}")
+            fail(e)
         print(f"wrote {ckpt_path} (iteration {saved['iter_num']}) as a GPT2LMHeadModel to {export_hf}", file=sys.stderr)
         sys.exit(0)
     if dtype == 'auto':  # train.py's rule, for this model's shape on this device

@@ -232,7 +232,7 @@ def test_export_of_a_trained_run_generates_greedily_like_sample_py(data_dir, tmp
     sample = lambda *args: forked.run('sample.py', f'--out_dir={out}', *args, timeout=120)
     assert sample(f'--export_hf={export}').returncode == 0
     again = sample(f'--export_hf={export}')  # never over an existing export
-    assert again.returncode == 1 and again.stderr.count('\n') == 1 and 'not an empty folder' in again.stderr
+    assert again.returncode == 2 and again.stderr.count('\n') == 1 and 'not an empty folder' in again.stderr
     greedy = sample('--top_k=1', '--num_samples=1', '--max_new_tokens=24', '--dtype=float32')
     assert greedy.returncode == 0, greedy.stderr
     ckpt = torch.load(os.path.join(out, 'best.pt'), weights_only=True)
