@@ -6,9 +6,10 @@ the same folder, flush, fsync, os.replace, fsync of the folder), so a kill at an
 either the old file or the new one, never half of one. It is read with weights_only=True, so a
 checkpoint file cannot run code.
 
-FORMAT numbers the layout. 1: the first; 2: adds 'format', 'train_seconds', 'dtype' (what 'auto' resolved to) and 'pretrained';
-3: 'optimizer' and 'scheduler' are lists, one state per optimizer (AdamW, then Muon if used). A config key that a
-checkpoint's code did not have yet takes its default on resume: each new key defaults to the old behaviour.
+FORMAT numbers the layout; this code reads its own. 4: the embedding and head have padded vocabulary rows and each
+rank's RNG state holds its own CUDA device's generator only. Formats 1-3 are refused in one line: their weights
+have other shapes. A config key that a checkpoint's code did not have yet takes its default on resume: each new
+key defaults to the old behaviour.
 """
 import os
 import random
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 
-FORMAT = 3
+FORMAT = 4
 
 
 class CheckpointError(Exception):
@@ -57,25 +58,30 @@ def load(path):
     if ckpt.get('format', 1) > FORMAT:
         raise CheckpointError(f"checkpoint {path} has format {ckpt['format']}, newer than this code's {FORMAT}: "
                               f"update honestgpt (git pull) to resume it")
+    if ckpt.get('format', 1) < FORMAT:
+        raise CheckpointError(f"checkpoint {path} has format {ckpt.get('format', 1)}, written before the vocabulary was "
+                              f"padded (format {FORMAT}): finish that run with the honestgpt commit that started it, "
+                              f"or start a new out_dir")
     return ckpt
 
 
-def rng_state():
-    """Every RNG in play on this process, as plain Python values: they pass through
-    torch.load(weights_only=True) and dist.all_gather_object alike."""
+def rng_state(device):
+    """Every RNG this process draws from, as plain Python values: they pass through torch.load(weights_only=True)
+    and dist.all_gather_object alike. On CUDA only the process's own device's generator, the one its dropout draws
+    from: get_rng_state_all() would hold one per visible GPU, and fail to restore where another number is visible."""
     np_state = np.random.get_state()
     return {
         'python': random.getstate(),
         'numpy': (np_state[0], np_state[1].tolist(), *np_state[2:]),
         'torch': torch.get_rng_state().tolist(),
-        'cuda': [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+        'cuda': torch.cuda.get_rng_state(device).tolist() if torch.device(device).type == 'cuda' else None,
     }
 
 
-def set_rng_state(state):
+def set_rng_state(state, device):
     random.setstate(state['python'])
     name, key, *rest = state['numpy']
     np.random.set_state((name, np.array(key, dtype=np.uint32), *rest))
     torch.set_rng_state(torch.tensor(state['torch'], dtype=torch.uint8))
-    if state['cuda']:
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state['cuda']])
+    if state['cuda'] is not None:
+        torch.cuda.set_rng_state(torch.tensor(state['cuda'], dtype=torch.uint8), device)

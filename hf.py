@@ -17,6 +17,8 @@ import tempfile
 import torch
 from safetensors.torch import load_file, save_file
 
+from model import padded_vocab
+
 GPT2_NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
 # GPTConfig.activation -> config.json's activation_function (a name in transformers' ACT2FN)
 HF_ACTIVATION = {'gelu': 'gelu', 'gelu_tanh': 'gelu_new'}
@@ -161,6 +163,8 @@ def load_gpt2(source, block_size, vocab_size):
         key = re.sub(r'^h\.', 'blocks.', key)
         state[key] = tensor.t() if key.endswith(CONV1D_WEIGHTS) else tensor
     state['wpe.weight'] = state['wpe.weight'][:block_size]
+    # GPT's embedding has padded_vocab rows; the padding rows are never looked up or predicted
+    state['wte.weight'] = torch.cat([state['wte.weight'], torch.zeros(padded_vocab(n_vocab) - n_vocab, n_embd)])
     state['lm_head.weight'] = state['wte.weight']  # tied
     model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=True,
                       vocab_size=vocab_size, activation=activation)
@@ -195,6 +199,8 @@ def export_gpt2(model, folder, eot_id=None):
     for key, tensor in model.state_dict().items():
         if key == 'lm_head.weight':
             continue  # the tied head: transformers ties it to wte on load
+        if key == 'wte.weight':
+            tensor = tensor[:config.vocab_size]  # without GPT's padding rows
         key = re.sub(r'^blocks\.', 'h.', key)
         tensors[key] = (tensor.t() if key.endswith(CONV1D_WEIGHTS) else tensor).detach().float().cpu().contiguous()
     for key, tensor in list(tensors.items()):  # GPT-2 has a bias beside every weight but the embeddings'

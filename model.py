@@ -3,7 +3,8 @@ A GPT language model: token + position embeddings, pre-norm transformer blocks w
 self-attention (PyTorch's scaled_dot_product_attention) and an MLP, and a tied output head.
 GPTConfig's defaults are GPT-2's architecture; its other switches are what fast small-GPT trainers use:
 rotary positions, QK-norm, ReLU squared, an untied head, soft-capped logits and zero-initialized output projections.
-The loss lives in train.py; the model maps token ids to logits and nothing else.
+forward returns the logits, or with targets the cross-entropy loss, computed inside the model so that
+torch.compile fuses it with the output head instead of materializing float32 logits of B x T x vocab.
 """
 import math
 from contextlib import nullcontext
@@ -19,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 @dataclass
 class GPTConfig:
     block_size: int = 256
-    vocab_size: int = 65
+    vocab_size: int = 65  # the tokenizer's; the embedding and head have padded_vocab(vocab_size) rows
     n_layer: int = 6
     n_head: int = 6
     n_embd: int = 384
@@ -38,6 +39,13 @@ ACTIVATIONS = {
     'gelu_tanh': partial(F.gelu, approximate='tanh'),  # the tanh approximation GPT-2 was trained with
     'relu2': lambda x: F.relu(x).square(),  # ReLU squared (Primer, So et al. 2021): sparse and cheap
 }
+
+
+def padded_vocab(vocab_size):
+    """Rows of the embedding and the head: the vocabulary rounded up to a multiple of 64, as nanoGPT pads GPT-2's
+    50257 to 50304, so the head's matmul has GPU-friendly dimensions. The padding rows are never predicted: forward
+    cuts them off the logits, so they are never sampled and never enter a loss."""
+    return -(-vocab_size // 64) * 64
 
 
 def rotary_tables(block_size, head_size):
@@ -76,8 +84,9 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        if self.qk_norm:
-            q, k = F.rms_norm(q, (q.size(-1),)), F.rms_norm(k, (k.size(-1),))  # (B, nh, T, hs), unit RMS per head
+        if self.qk_norm:  # cast back: CUDA autocast runs rms_norm in float32 (torch >= 2.12), v stays in bfloat16
+            q = F.rms_norm(q, (q.size(-1),)).to(v.dtype)  # (B, nh, T, hs), unit RMS per head
+            k = F.rms_norm(k, (k.size(-1),)).to(v.dtype)  # (B, nh, T, hs)
         if self.rope:  # in q's dtype: SDPA needs q, k and v in one dtype under autocast
             cos, sin = self.cos[:T].to(q.dtype), self.sin[:T].to(q.dtype)  # (T, hs/2)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # (B, nh, T, hs)
@@ -134,12 +143,12 @@ class GPT(nn.Module):
             raise ValueError(f"pos_emb='rope' turns pairs of dimensions: the head size n_embd/n_head="
                              f"{config.n_embd // config.n_head} must be even")
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wte = nn.Embedding(padded_vocab(config.vocab_size), config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == 'learned' else None
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.n_embd, padded_vocab(config.vocab_size), bias=False)
         if config.tie_head:
             self.lm_head.weight = self.wte.weight  # weight tying: one matrix embeds and un-embeds tokens
         self.activation_checkpointing = False  # recompute each block's activations in backward: less memory, more compute
@@ -170,9 +179,10 @@ class GPT(nn.Module):
             n -= (self.wpe.weight.numel() if self.wpe is not None else 0) + (0 if self.config.tie_head else self.wte.weight.numel())
         return n
 
-    def forward(self, idx):
-        """idx: LongTensor (B, T) of token ids with T <= block_size.
-        Returns logits: (B, T, vocab_size), float (the autocast dtype under autocast)."""
+    def forward(self, idx, targets=None, reduction='mean'):
+        """idx: LongTensor (B, T) of token ids with T <= block_size. Without targets: the logits (B, T, vocab_size),
+        in the autocast dtype under autocast. With targets (B, T), -100 where nothing is predicted: the float32
+        cross-entropy over the predicted positions, their mean or (reduction='sum') their sum."""
         B, T = idx.size()
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
@@ -185,19 +195,26 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)  # (B, T, C); replays dropout masks exactly
             else:
                 x = block(x)  # (B, T, C)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
+        logits = self.lm_head(self.ln_f(x))[..., :self.config.vocab_size]  # (B, T, vocab_size): padding cut off
         if self.config.logit_softcap > 0:  # smooth, unlike clipping: gradients still flow near the cap
             logits = self.config.logit_softcap * torch.tanh(logits / self.config.logit_softcap)  # (B, T, vocab_size)
-        return logits
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction)  # ()
 
-    def fully_shard(self, dtype):
+    def fully_shard(self, dtype, device_type):
         """FSDP2 (needs a process group): each block, then the root (embeddings, final norm, tied head), owns a
-        1/world_size shard. Weights are gathered and gradients reduced in dtype; master weights stay float32."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # imported only by sharded runs: ~1 s
-        precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+        1/world_size shard. Weights are gathered in dtype; master weights stay float32. The mesh is built for the
+        device in use: FSDP's default mesh is the machine's accelerator, CUDA on a GPU host even with device=cpu."""
+        from torch.distributed.device_mesh import init_device_mesh  # imported only by sharded runs: ~1 s
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+        # gradients are reduced, and accumulated between syncs, in float32 as under DDP (torchtitan's default):
+        # bfloat16 accumulation over micro-batches loses precision that DDP keeps
+        precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for block in self.blocks:
-            fully_shard(block, mp_policy=precision)
-        fully_shard(self, mp_policy=precision)
+            fully_shard(block, mesh=mesh, mp_policy=precision)
+        fully_shard(self, mesh=mesh, mp_policy=precision)
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, optimizer='adamw', muon_lr=0.02, muon_momentum=0.95):
         """The optimizers that train.py steps, saves and schedules, as a list: AdamW first, then with

@@ -16,29 +16,32 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from model import GPT, GPTConfig
 
-# Dense (not sparse) peak FLOP/s from NVIDIA's datasheets, with float32 accumulation: bfloat16,
-# float16 tensor cores, and float32 as TF32 tensor cores where the GPU has them (train.py allows TF32).
-# First substring match wins: 'H100 PCIe' before 'H100', 'A100' before 'A10', 'L40S' before 'L4'.
-# A dtype a GPU lacks (no bfloat16 before Ampere) is measured instead.
-GPU_PEAKS = [  # name, bfloat16, float16, float32
-    ('H100 PCIe', 756e12, 756e12, 378e12),
-    ('H100', 989e12, 989e12, 495e12),
-    ('H200', 989e12, 989e12, 495e12),
-    ('B200', 2250e12, 2250e12, 1125e12),
-    ('A100', 312e12, 312e12, 156e12),
-    ('A10', 125e12, 125e12, 62.5e12),
-    ('L40S', 362e12, 362e12, 183e12),
-    ('L4', 121e12, 121e12, 60e12),
-    ('A6000', 155e12, 155e12, 77.4e12),
-    ('4090', 165e12, 165e12, 82.6e12),
-    ('3090', 71e12, 71e12, 35.6e12),
-    ('T4', None, 65e12, 8.1e12),
-    ('V100', None, 125e12, 15.7e12),
-]
+# Dense (not sparse) peak FLOP/s from NVIDIA's datasheets, with float32 accumulation, keyed by the exact name
+# torch.cuda.get_device_name gives (llm.c's llmc/mfu.h matches the same way): a substring would let 'NVIDIA L40'
+# take the L4's figure. Columns: bfloat16, float16 tensor cores, float32 as TF32 tensor cores (train.py allows
+# TF32). A GPU or dtype not listed (no bfloat16 before Ampere) is measured instead.
+GPU_PEAKS = {  # name: (bfloat16, float16, float32)
+    'NVIDIA B200': (2250e12, 2250e12, 1125e12),
+    'NVIDIA H200': (989e12, 989e12, 495e12),
+    'NVIDIA H100 80GB HBM3': (989e12, 989e12, 495e12),  # SXM
+    'NVIDIA H100 PCIe': (756e12, 756e12, 378e12),
+    'NVIDIA A100-SXM4-80GB': (312e12, 312e12, 156e12),
+    'NVIDIA A100-SXM4-40GB': (312e12, 312e12, 156e12),
+    'NVIDIA A100 80GB PCIe': (312e12, 312e12, 156e12),
+    'NVIDIA A100-PCIE-40GB': (312e12, 312e12, 156e12),
+    'NVIDIA A10': (125e12, 125e12, 62.5e12),
+    'NVIDIA L40S': (362e12, 362e12, 183e12),
+    'NVIDIA L40': (181e12, 181e12, 90.5e12),
+    'NVIDIA L4': (121e12, 121e12, 60e12),
+    'NVIDIA GeForce RTX 4090': (165e12, 165e12, 82.6e12),
+    'NVIDIA GeForce RTX 3090': (71e12, 71e12, 35.6e12),
+    'Tesla T4': (None, 65e12, 8.1e12),
+    'Tesla V100-SXM2-16GB': (None, 125e12, 15.7e12),
+    'Tesla V100-SXM2-32GB': (None, 125e12, 15.7e12),
+}
 MEASURE_TOKENS = 8192  # tokens per timed forward+backward when choosing a dtype: enough for the model's real matmul shapes
 
 
@@ -56,25 +59,46 @@ def cpu_name():
     return f"{name} ({', '.join(units) or 'no bf16 units'})"
 
 
-def resolve_device(device, local_rank=0):
-    """'auto' -> cuda if there is one, else cpu; under torchrun each rank takes its own GPU. Returns (device, type);
-    ValueError names the fix for a device this code cannot use."""
+def resolve_device(device, local_rank=None, cuda_count=None):
+    """(device, type) for a device setting; local_rank is None for one process. A CUDA device always has an index,
+    since torch.cuda.set_device('cuda') raises: 'auto' and 'cuda' are cuda:LOCAL_RANK (cuda:0 for one process);
+    under torchrun each rank takes its own GPU, so an explicit index there is refused. cuda_count: the GPUs this
+    process sees (tests pass it; None asks torch). ValueError names the fix for a device this code cannot use."""
+    if cuda_count is None:
+        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device == 'auto':
-        device = 'cuda' if torch.cuda.is_available() else 'cpu'
-    if local_rank and device.startswith('cuda'):
-        device = f'cuda:{local_rank}'
+        device = 'cuda' if cuda_count else 'cpu'
     try:
-        device_type = torch.device(device).type
+        parsed = torch.device(device)
     except RuntimeError:
-        device_type = 'unknown'
-    if device_type not in ('cpu', 'cuda'):
+        parsed = None
+    if parsed is None or parsed.type not in ('cpu', 'cuda'):
         raise ValueError(f"device='{device}' is not supported: use device=cpu, cuda, cuda:N or auto")
-    if device_type == 'cuda' and not torch.cuda.is_available():
+    if parsed.type == 'cpu':
+        return 'cpu', 'cpu'
+    if not cuda_count:
         raise ValueError(f"device='{device}' but CUDA is not available here: use device=cpu")
-    if device_type == 'cuda' and (torch.device(device).index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"device='{device}' but this machine has {torch.cuda.device_count()} GPU(s): "
-                         f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-    return device, device_type
+    if parsed.index is not None and local_rank is not None:
+        raise ValueError(f"device='{device}' under torchrun: each process takes the GPU of its local rank, so use "
+                         f"device=cuda (CUDA_VISIBLE_DEVICES chooses which GPUs)")
+    index = parsed.index if parsed.index is not None else local_rank or 0
+    if index >= cuda_count:
+        raise ValueError(f"device='{device}' needs GPU {index} but this process sees {cuda_count}: use cuda:0 to "
+                         f"cuda:{cuda_count - 1}, or as many processes per node as GPUs")
+    return f'cuda:{index}', 'cuda'
+
+
+def cuda_autocast_dtype(capability):
+    """The dtype 'auto' trains in on a GPU of this compute capability (major, minor): bfloat16 from Ampere (8.0) on,
+    float16 with the GradScaler before. torch.cuda.is_bf16_supported() also says True on a V100 or T4, which only
+    emulate bfloat16 (slowly), unless asked with including_emulation=False."""
+    return 'bfloat16' if capability[0] >= 8 else 'float16'
+
+
+def table_peak(gpu_name, dtype):
+    """The datasheet peak of this exact GPU name in a torch dtype, or None."""
+    peaks = GPU_PEAKS.get(gpu_name, (None, None, None))
+    return dict(zip((torch.bfloat16, torch.float16, torch.float32), peaks))[dtype]
 
 
 def machine(device):
@@ -130,8 +154,8 @@ def step_seconds(model_args, batch_size, device, dtypes, rounds=3):
             for name in dtypes:
                 start = time.perf_counter()
                 with torch.autocast(torch.device(device).type, getattr(torch, name), enabled=name != 'float32'):
-                    logits = model(idx)
-                F.cross_entropy(logits.view(-1, logits.size(-1)).float(), idx.view(-1)).backward()
+                    loss = model(idx, idx)
+                loss.backward()
                 model.zero_grad(set_to_none=True)
                 if round:
                     best[name] = min(best[name], time.perf_counter() - start)
@@ -148,7 +172,9 @@ def auto_dtype(device, model_args, batch_size):
     if forced:
         return forced, {'rule': 'forced by HONESTGPT_AUTO_DTYPE'}
     if torch.device(device).type == 'cuda':
-        return ('bfloat16', {'rule': 'CUDA with bfloat16'}) if torch.cuda.is_bf16_supported() else ('float16', {'rule': 'CUDA without bfloat16'})
+        capability = torch.cuda.get_device_capability(device)
+        return cuda_autocast_dtype(capability), {'rule': f"CUDA compute capability {capability[0]}.{capability[1]}: "
+                                                         f"bfloat16 from 8.0 on, else float16"}
     if not (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()):
         return 'float32', {'rule': 'CPU without bfloat16 matmul units: bfloat16 would be emulated, many times slower'}
     shape = {k: model_args[k] for k in sorted(model_args) if k != 'dropout'}
@@ -205,10 +231,9 @@ def peak_flops(device, dtype):
     """(FLOP/s, how it was obtained) for a torch dtype: the datasheet on known GPUs, else measured once per machine."""
     if torch.device(device).type == 'cuda':
         name = torch.cuda.get_device_name(device)
-        peaks = next((peaks for gpu, *peaks in GPU_PEAKS if gpu in name), [None] * 3)
-        peak = dict(zip((torch.bfloat16, torch.float16, torch.float32), peaks))[dtype]
+        peak = table_peak(name, dtype)
         if peak:
-            return peak, f"table: {name}"
+            return peak, f"datasheet: {name}, {str(dtype).removeprefix('torch.')} dense"
     entry = cached(f"peak {machine(device)} {dtype}", lambda: dict(zip(('flops', 'how'), measure_flops(device, dtype))))
     return entry['flops'], entry['how'] + (f" (cached in {entry['cached']})" if entry['cached'] else '')
 

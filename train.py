@@ -32,7 +32,6 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
@@ -42,7 +41,7 @@ import perf
 import prepare
 import report
 import sample
-from configurator import ConfigError, configure
+from configurator import ConfigError, configure, fail
 from model import ACTIVATIONS, GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -126,8 +125,7 @@ defaults = {k: globals()[k] for k in config_keys}
 def check(ok, message):
     """A user mistake: one line naming the problem and the fix, exit code 2, nothing written."""
     if not ok:
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+        fail(message)
 
 
 try:
@@ -170,7 +168,7 @@ if sharded:  # a second of imports that only sharded runs need
 rank, local_rank, world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if ddp else (0, 0, 1)
 master = rank == 0
 try:
-    device, device_type = perf.resolve_device(device, local_rank)
+    device, device_type = perf.resolve_device(device, local_rank if ddp else None)
 except ValueError as e:
     check(False, e)
 if device_type == 'cuda':
@@ -311,7 +309,7 @@ if pretrained_state is not None:
 model = model.to(device)
 model.activation_checkpointing = activation_checkpointing
 if sharded:
-    model.fully_shard(ptdtype)
+    model.fully_shard(ptdtype, device_type)
 optimizers = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), optimizer, muon_lr, muon_momentum)
 min_lr_factor = min_lr / learning_rate if learning_rate > 0 else 0.0
 decay_start = lr_decay_iters - wsd_decay_frac * (lr_decay_iters - warmup_iters) if lr_schedule == 'wsd' else warmup_iters
@@ -406,7 +404,7 @@ def reduce_sum(t):
 def run_smoke_test(steps=30):
     """Overfit this rank's first train batch for a few steps, then put weights and RNG back as they were:
     a model, loss or optimizer that is not wired up fails here in seconds instead of after hours."""
-    initial_weights, initial_rng = copy.deepcopy(model.state_dict()), checkpoint.rng_state()
+    initial_weights, initial_rng = copy.deepcopy(model.state_dict()), checkpoint.rng_state(device)
     x, y, _ = torch.utils.data.default_collate([splits['train'][s] for s in train_sampler.epoch_starts(0)[:batch_size].tolist()])
     x, y = x.to(device), y.to(device)
     smoke_optimizers = model.configure_optimizers(0.0, learning_rate, (beta1, beta2), optimizer, muon_lr, muon_momentum)
@@ -414,14 +412,13 @@ def run_smoke_test(steps=30):
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
         with autocast:
-            logits = model(x)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+            loss = model(x, y)
         loss.backward()
         for opt in smoke_optimizers:
             opt.step()
         losses.append(loss.detach())
     model.load_state_dict(initial_weights)
-    checkpoint.set_rng_state(initial_rng)
+    checkpoint.set_rng_state(initial_rng, device)
     first, final = (reduce_sum(torch.stack([losses[0], losses[-1]]).float()) / world_size).tolist()
     return {'kind': 'smoke_test', 'step': iter_num, 'steps': steps, 'first_loss': first, 'final_loss': final,
             'passed': final < 0.7 * first}
@@ -446,7 +443,7 @@ random.seed(seed + rank)
 np.random.seed(seed + rank)
 torch.manual_seed(seed + rank)  # every device, CUDA included
 if resuming and len(ckpt['rng']) == world_size:
-    checkpoint.set_rng_state(ckpt['rng'][rank])
+    checkpoint.set_rng_state(ckpt['rng'][rank], device)
 
 # -----------------------------------------------------------------------------
 # the run directory: created only now that the config, data and checkpoint are known to be good
@@ -549,8 +546,7 @@ def evaluate(split):
         for x, y, _ in eval_loaders[split]:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with autocast:
-                logits = eval_model(x)
-            sums[0] += F.cross_entropy(logits.view(-1, logits.size(-1)).float(), y.view(-1), reduction='sum')
+                sums[0] += eval_model(x, y, reduction='sum')
             sums[1] += (y != data.IGNORE_INDEX).sum()
         loss_sum, count = reduce_sum(sums).tolist()
     eval_model.train()
@@ -560,9 +556,9 @@ def evaluate(split):
 def gather_rng():
     """Each rank's RNG state, in rank order: a DDP resume restores every rank's dropout stream."""
     if not ddp:
-        return [checkpoint.rng_state()]
+        return [checkpoint.rng_state(device)]
     states = [None] * world_size
-    dist.all_gather_object(states, checkpoint.rng_state())
+    dist.all_gather_object(states, checkpoint.rng_state(device))
     return states
 
 
@@ -680,8 +676,7 @@ while iter_num < max_iters:
         elif ddp:
             model.require_backward_grad_sync = micro_step == accum_steps - 1
         with autocast:
-            logits = model(x)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+            loss = model(x, y)  # the loss, not the logits: no B x T x vocab tensor outlives the forward
         loss_sum += loss.detach()
         scaler.scale(loss / accum_steps).backward()
         if iter_num == start_iter and micro_step == 0:  # a big model on a CPU: say how long it will take, once

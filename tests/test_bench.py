@@ -149,13 +149,3 @@ def test_peak_flops_is_measured_once_per_machine(tmp_path, monkeypatch):
     assert flops > 1e7 and re.fullmatch(r'measured: (\d+)x\1 float32 matmul, the fastest of 3 layouts and sizes 128 to \d+', how)
     # the next run on this machine reads the same figure: the same speed gives the same MFU
     assert perf.peak_flops('cpu', torch.float32) == (flops, f"{how} (cached in {tmp_path / 'perf.json'})")
-
-
-def test_peak_flops_table_takes_the_gpu_whose_name_matches_first(monkeypatch):
-    # substrings nest ('A10' in 'A100', 'L4' in 'L40S', 'H100' in 'H100 PCIe'): each GPU must get its own row
-    expected = {'NVIDIA A100-SXM4-80GB': 312e12, 'NVIDIA A10': 125e12, 'NVIDIA L40S': 362e12, 'NVIDIA L4': 121e12,
-                'NVIDIA H100 PCIe': 756e12, 'NVIDIA H100 80GB HBM3': 989e12}
-    for name, peak in expected.items():
-        monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device: name)
-        assert perf.peak_flops('cuda', torch.bfloat16) == (peak, f"table: {name}")
-    assert perf.peak_flops('cuda', torch.float32)[0] == pytest.approx(989e12 / 2, rel=0.01)  # TF32, dense

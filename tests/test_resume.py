@@ -135,29 +135,27 @@ def test_refuses_mismatched_or_corrupt_checkpoints(tmp_path, data_dir):
     assert last in result.stderr and 'unreadable' in result.stderr
 
 
-def test_checkpoint_of_an_older_layout_resumes_and_a_newer_one_is_refused(tmp_path, data_dir):
-    quick = ['--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10']
-    straight, old = str(tmp_path / 'straight'), str(tmp_path / 'old')
-    run_trains(data_dir, (straight, quick), (old, [*quick, '--max_iters=10']))
-    # rewrite last.pt as format 1 wrote it: no format number, training time or pretrained start, none of the keys added since
-    last = os.path.join(old, 'last.pt')
-    ckpt = torch.load(last, weights_only=True)
-    for key in ('format', 'train_seconds', 'pretrained'):
-        del ckpt[key]
-    for key in ('checkpoint_interval', 'test_eval', 'sample_tokens', 'write_report', 'activation'):
-        del ckpt['config'][key]
-    del ckpt['model_args']['activation']
-    torch.save(ckpt, last)
-    result = run_train(old, data_dir, *quick, '--init_from=resume')
-    assert trajectory(old) == trajectory(straight)
-    assert 'all 20 iterations in a time unknown (an older checkpoint)' in result.stdout
-    # a resumed run's last line counts this session and all of them
-    run_train(old, data_dir, *quick, '--init_from=resume', '--max_iters=30', '--lr_decay_iters=20')
-    done = next(l for l in open(os.path.join(old, 'train.log')).read().splitlines()[::-1] if l.startswith('done:'))
-    assert done.startswith('done: iterations 21-30 in ') and 'all 30 iterations in a time unknown' in done
-    ckpt = torch.load(last, weights_only=True)
-    torch.save({**ckpt, 'format': 99}, last)
-    result = run_train(old, data_dir, *quick, '--init_from=resume', '--max_iters=40', check=False)
+def test_checkpoint_of_an_older_format_and_a_newer_one_are_refused(tmp_path, data_dir):
+    """tests/fixtures/format3_last.pt was written by commit 77e6651 (format 3, before the vocabulary was padded):
+    python train.py tests/run_config.py --max_iters=2 --lr_decay_iters=2 --warmup_iters=1 --eval_interval=2
+    --dtype=float32 --n_layer=1 --n_embd=16 --n_head=2 --block_size=8, on tests/conftest.py's corpus."""
+    out = tmp_path / 'old'
+    out.mkdir()
+    shutil.copy(os.path.join(os.path.dirname(__file__), 'fixtures', 'format3_last.pt'), out / 'last.pt')
+    shape = ['--max_iters=4', '--lr_decay_iters=2', '--warmup_iters=1', '--n_layer=1', '--n_embd=16', '--n_head=2',
+             '--block_size=8']
+    result = run_train(str(out), data_dir, *shape, '--init_from=resume', check=False)
+    assert result.returncode == 2 and result.stderr.count('\n') == 1, result.stderr
+    assert 'has format 3, written before the vocabulary was padded' in result.stderr
+    assert os.listdir(out) == ['last.pt']  # nothing written
+    result = forked.run('sample.py', f'--ckpt={out / "last.pt"}')
+    assert result.returncode == 2 and 'has format 3' in result.stderr
+    # a newer format than this code's
+    run_train(str(tmp_path / 'new'), data_dir, '--max_iters=2', '--lr_decay_iters=2', '--warmup_iters=1',
+              '--eval_interval=2')
+    last = tmp_path / 'new' / 'last.pt'
+    torch.save({**torch.load(last, weights_only=True), 'format': 99}, last)
+    result = run_train(str(tmp_path / 'new'), data_dir, '--max_iters=4', '--init_from=resume', check=False)
     assert result.returncode == 2 and 'has format 99, newer than this code' in result.stderr
 
 
