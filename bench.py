@@ -1,28 +1,28 @@
 """
-Measure training speed by running train.py as users run it and reading back what it records: per setting, the
-median time per iteration after a warm-up, tokens/s, model FLOPs utilization (MFU) against the peak train.py
-measured, the whole process's wall time, what each rank holds, and a profile of one iteration. Every figure
-printed also goes to a JSON file.
+Measure training speed by running train.py as users run it and reading back what it records (metrics.jsonl,
+config.json, meta.json): per setting, the median time per iteration after a warm-up, tokens/s, model FLOPs
+utilization (MFU) against the peak train.py measured, the whole process's wall time, what each rank holds, and
+where one iteration's time goes (train.py's profile_iter). Every figure printed also goes to a JSON file.
 
     python bench.py config/tiny.py --batch_size=8
     python bench.py config/tiny.py --compare='--compile=True'
     python bench.py config/tiny.py --nproc=2 --parallel=fsdp --gradient_accumulation_steps=2 --compare=--parallel=ddp
     python bench.py config/tiny.py --reference='cd ../nanoGPT && python train.py config/train_shakespeare_char.py ...'
-    python bench.py config/tiny.py --dataset=fineweb10B --loader=True --bench_iters=2000 --num_workers=2
+    python bench.py --loader=out/fineweb --bench_iters=2000   # the train loader of that run's config
 
-Takes every train.py key (passed on to train.py) plus the keys below. Each run of train.py gets a fresh out_dir in
-a temporary folder and bench_warmup + bench_iters iterations, each one logged; its one evaluation (of 1 batch) and
-checkpoint come after the last iteration, outside the timed ones. With compare, a setting B (the same arguments plus
+Takes the keys below; every other argument goes to train.py as it is (train.py checks it). Each run of train.py
+gets a fresh out_dir in a temporary folder and bench_warmup + bench_iters iterations, each one logged, then one
+more that the first round profiles; its one evaluation (of 1 batch) and checkpoint come after, outside the timed
+iterations. With compare, a setting B (the same arguments plus
 those overrides) runs too; with reference, that shell command runs as B instead, timed by the lines it prints in
 nanoGPT's format, "iter N: loss X, time Y ms". The settings run in turns, A B A B ..., one process each, so that
-other load on the machine hits both alike. With loader, no model runs: the batches/s of the loader train.py builds
-(its sampler, DataLoader and num_workers on its dataset's train shards), in this process, over bench_iters batches.
+other load on the machine hits both alike. With loader, no model runs: the batches/s of the train loader a run
+(its out_dir) used, built from its config.json in this process, over bench_iters batches.
 """
-import ast
+import difflib
 import glob
 import os
 import re
-import runpy
 import shlex
 import shutil
 import statistics
@@ -41,19 +41,14 @@ compare = ''  # overrides that make a setting B, e.g. '--compile=True'
 reference = ''  # a shell command run as B instead, e.g. nanoGPT's train.py with the same shapes and --log_interval=1
 reference_tokens_per_iter = 0  # tokens per iteration of the reference; 0: as many as ours (the shapes match)
 nproc = 1  # processes per run of train.py, under torchrun
-profile = True  # break one iteration of each setting down with torch.profiler: one more run of train.py, in this process
+profile = True  # break one iteration of each setting down (train.py's profile_iter): data, forward, backward, ...
 trace = ''  # write that iteration's chrome trace (chrome://tracing, ui.perfetto.dev) here; with compare, NAME_A.json, NAME_B.json
 json = ''  # write every figure to this file too; '' writes bench.json in the runs' temporary folder
-loader = False  # time the data loader alone: is the data path ever the bottleneck?
+loader = ''  # a run's out_dir: time its train loader alone (is the data path ever the bottleneck?)
 bench_keys = ['bench_iters', 'bench_warmup', 'rounds', 'compare', 'reference', 'reference_tokens_per_iter', 'nproc', 'profile',
               'trace', 'json', 'loader']
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')
 ITER_LINE = re.compile(r'^iter (\d+): loss [^,]*, time ([\d.]+) ?ms', re.M)  # nanoGPT's log line
-# events PyTorch records by itself that mark an iteration's phases; forward (with the loss) is the time from a
-# fetched batch to its backward, and 'other' what is left: clipping, the loss sync, the scheduler, logging
-LANDMARKS = (('enumerate(DataLoader)', 'data'), ('autograd::engine::evaluate_function', 'backward'),
-             ('Optimizer.step', 'optimizer'), ('Optimizer.zero_grad', 'optimizer'))
-PHASES = ('data', 'forward', 'backward', 'optimizer', 'other')
 
 
 def stop(message, code=2):
@@ -62,81 +57,91 @@ def stop(message, code=2):
     sys.exit(code)
 
 
-def train_defaults():
-    """train.py's keys and defaults, read from its source (importing it would start a run): the constants above config_keys."""
-    with open(TRAIN) as f:
-        assigns = [(node.targets[0].id, node.value) for node in ast.parse(f.read()).body
-                   if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)]
-    names = [name for name, _ in assigns]
-    return {name: ast.literal_eval(value) for name, value in assigns[:names.index('config_keys')]}
+def is_bench_key(arg):
+    """Whether an argument is bench.py's: one of its keys, or a misspelt one (train.py's keys are not near them)."""
+    key = arg[2:].partition('=')[0]
+    return arg.startswith('--') and (key in bench_keys or difflib.get_close_matches(key, bench_keys, cutoff=0.8))
 
 
-train_keys = train_defaults()
 try:
-    config, _ = configure(train_keys | {k: globals()[k] for k in bench_keys}, sys.argv[1:])
-    configure(train_keys, shlex.split(config['compare']))  # B's overrides are checked now, not after A's runs
+    globals().update(configure({k: globals()[k] for k in bench_keys}, [a for a in sys.argv[1:] if is_bench_key(a)])[0])
 except ConfigError as e:
     stop(e)
-globals().update({k: config[k] for k in bench_keys})
 if compare and reference:
     stop("compare and reference are both set: give one, a setting B (compare) or a command to run as B (reference)")
 for key in ('bench_iters', 'bench_warmup', 'rounds', 'nproc'):
-    if config[key] < 1:
-        stop(f"{key}={config[key]} must be at least 1")
-train_args = [a for a in sys.argv[1:] if not (a.startswith('--') and a[2:].partition('=')[0] in bench_keys)]
+    if globals()[key] < 1:
+        stop(f"{key}={globals()[key]} must be at least 1")
+train_args = [a for a in sys.argv[1:] if not is_bench_key(a)]
 settings = {'A': train_args} | ({'B': train_args + shlex.split(compare)} if compare else {})
 names = list(settings) + (['reference'] if reference else [])
 folder = tempfile.mkdtemp(prefix='bench-')
 json = json or os.path.join(folder, 'bench.json')
 
 
-def train_argv(args, out_dir, iters):
+def train_argv(args, out_dir, iters, profile_iter):
     """train.py's command line: the arguments given, then the bench's own, which win."""
-    return [TRAIN, *args, f'--out_dir={out_dir}', f'--max_iters={iters}', f'--eval_interval={iters + 1}', '--eval_iters=1',
-            '--log_interval=1', '--checkpoint_interval=0', '--init_from=scratch', '--test_eval=False', '--sample_tokens=0',
-            '--write_report=False', '--wandb_log=False', '--tensorboard_log=False']
+    return [TRAIN, *args, f'--out_dir={out_dir}', f'--max_iters={iters}', f'--eval_interval={iters + 1}',
+            '--eval_iters=1', '--log_interval=1', '--checkpoint_interval=0', '--init_from=scratch', '--test_eval=False',
+            '--sample_tokens=0', '--write_report=False', '--wandb_log=False', '--tensorboard_log=False',
+            f'--profile_iter={profile_iter}']
 
 
 def run(command, log_path, shell=False):
-    """(wall seconds, stdout) of a command, start-up included; all its output goes to log_path."""
+    """(wall seconds, stdout) of a command, start-up included; all its output goes to log_path. A mistake train.py
+    reports (exit code 2) is one line, passed on as it is."""
     start = time.perf_counter()
     result = subprocess.run(command, shell=shell, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     with open(log_path, 'w') as f:
         f.write(result.stdout + result.stderr)
+    if result.returncode == 2 and not shell and result.stderr.startswith('error: '):  # nothing measured: no trace
+        shutil.rmtree(folder)
+        stop(result.stderr.strip().removeprefix('error: '))
     if result.returncode:
         last_lines = '\n'.join((result.stdout + result.stderr).strip().splitlines()[-5:])
-        stop(f"{command if shell else 'train.py'} failed with exit code {result.returncode}; its output ends:\n{last_lines}\n"
-             f"(all of it in {log_path})", 1)
+        stop(f"{command if shell else 'train.py'} failed with exit code {result.returncode}; its output ends:\n"
+             f"{last_lines}\n(all of it in {log_path})", 1)
     return seconds, result.stdout
 
 
+def read_json(path):
+    with open(path) as f:
+        return load(f)
+
+
 def run_ours(name, round):
-    """One run of train.py: its iteration times after the warm-up, read from metrics.jsonl, and what it recorded."""
+    """One run of train.py: its iteration times after the warm-up and what it recorded. The first round also
+    profiles the iteration after the timed ones."""
     out_dir = os.path.join(folder, f'{name}{round}')
-    launcher = [sys.executable] + (['-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}'] if nproc > 1 else [])
-    wall_seconds, _ = run(launcher + train_argv(settings[name], out_dir, bench_warmup + bench_iters), out_dir + '.log')
+    launcher = [sys.executable] + (['-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}']
+                                   if nproc > 1 else [])
+    iters = bench_warmup + bench_iters + 1
+    profile_iter = iters if profile and round == 1 and nproc == 1 else 0
+    wall_seconds, _ = run(launcher + train_argv(settings[name], out_dir, iters, profile_iter), out_dir + '.log')
     for path in glob.glob(os.path.join(out_dir, '*.pt')) + glob.glob(os.path.join(out_dir, 'shards-*')):
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)  # a big model's checkpoints take gigabytes
     with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
         records = [loads(line) for line in f]
-    with open(os.path.join(out_dir, 'meta.json')) as f:
-        meta = load(f)
-    with open(os.path.join(out_dir, 'config.json')) as f:
-        used = {k: v['value'] for k, v in load(f).items() if k != 'resolved'}
+    meta = read_json(os.path.join(out_dir, 'meta.json'))
+    used = {k: v['value'] for k, v in read_json(os.path.join(out_dir, 'config.json')).items() if k != 'resolved'}
     train = [r for r in records if r['kind'] == 'train']
-    times = [r['time'] for r in records if r['kind'] == 'start'] + [r['time'] for r in train]  # log_interval=1: one per iteration
+    times = [r['time'] for r in records if r['kind'] == 'start'] + [r['time'] for r in train]  # one per iteration
     seconds = [end - start for start, end in zip(times, times[1:])]
     peak = meta['peak_flops']['per_process']
-    return {'seconds': seconds[bench_warmup:], 'first_seconds': seconds[0], 'wall_seconds': wall_seconds,
+    if profile_iter and trace:
+        shutil.copy(os.path.join(out_dir, 'trace.json'), f"{os.path.splitext(trace)[0]}_{name}.json" if compare else trace)
+    return {'seconds': seconds[bench_warmup:-1], 'first_seconds': seconds[0], 'wall_seconds': wall_seconds,
             'losses': [r['loss'] for r in train],
             'memory_ranks': next(r['ranks'] for r in records if r['kind'] == 'memory'),
+            'profile_ms': next((r['ms'] for r in records if r['kind'] == 'profile'), None),
             'tokens_per_iter': used['gradient_accumulation_steps'] * used['batch_size'] * used['block_size'],
             # train.py's MFU is tokens/s * FLOPs per token / (peak * processes): its FLOPs per token, read back
             'flops_per_token': train[-1]['mfu'] * peak * meta['world_size'] / train[-1]['tokens_per_sec'],
-            'peak_flops': peak, 'peak_how': meta['peak_flops']['how'], 'world_size': meta['world_size'], 'device': meta['device'],
-            'dtype': meta['dtype'], 'dtype_choice': meta['dtype_choice'], 'cpu': meta['hardware']['cpu'],
-            'torch': meta['versions']['torch'], 'compile': used['compile'], 'out_dir': out_dir}
+            'peak_flops': peak, 'peak_how': meta['peak_flops']['how'], 'world_size': meta['world_size'],
+            'device': meta['device'], 'dtype': meta['dtype'], 'dtype_choice': meta['dtype_choice'],
+            'cpu': meta['hardware']['cpu'], 'torch': meta['versions']['torch'], 'compile': used['compile'],
+            'out_dir': out_dir}
 
 
 def run_reference(round):
@@ -166,75 +171,24 @@ def summary(setting_runs):
     return result
 
 
-def breakdown(events):
-    """(ms of the profiled iteration, {phase: ms}) from the profiler's events. The iteration runs from one optimizer
-    step to the next; each backward pass spans its first autograd node to its last; 'other' is what is left."""
-    window = next(e for e in events if e.name.startswith('ProfilerStep'))
-    marks = sorted((e.time_range.start, e.time_range.end, phase) for e in events if e.cpu_parent in (None, window)
-                   for prefix, phase in LANDMARKS if e.name.startswith(prefix))
-    ms = dict.fromkeys(PHASES, 0.0)
-    previous = None
-    for start, end, phase in marks:
-        if phase == 'backward' and previous and previous[2] == 'data':
-            ms['forward'] += (start - previous[1]) / 1e3
-        joined = phase == 'backward' and previous and previous[2] == 'backward'  # the next node of the same pass
-        ms[phase] += (end - (previous[1] if joined else start)) / 1e3
-        previous = (start, end, phase)
-    iteration_ms = window.time_range.elapsed_us() / 1e3
-    ms['other'] = iteration_ms - sum(ms.values())
-    return iteration_ms, ms
-
-
-def profile_iteration(name):
-    """Run train.py in this process under torch.profiler and break down its iteration bench_warmup + 2, after the
-    profiler's own warm-up step. The profiler steps at every AdamW step, from a global hook: train.py is unchanged."""
-    import torch  # this process needs torch only here: a mistake in the arguments fails at once
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-    out_dir = os.path.join(folder, f'{name}_profile')
-    trace_path = f"{os.path.splitext(trace)[0]}_{name}.json" if trace and compare else trace
-    events = []
-
-    def save(prof):
-        events.extend(prof.events())
-        if trace_path:
-            prof.export_chrome_trace(trace_path)
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    prof = torch.profiler.profile(activities=activities, on_trace_ready=save,
-                                  schedule=torch.profiler.schedule(wait=bench_warmup, warmup=1, active=1))
-    hook = register_optimizer_step_post_hook(lambda opt, *_: isinstance(opt, torch.optim.AdamW) and prof.step())  # once per iteration, with Muon too
-    sys.argv = train_argv(settings[name], out_dir, bench_warmup + 2) + ['--smoke_test=False']  # its steps would count
-    code = 0
-    with open(out_dir + '.log', 'w') as log, prof:
-        terminal = os.dup(1), os.dup(2)
-        os.dup2(log.fileno(), 1)  # file descriptors, not sys.stdout: the profiler's C++ side prints too
-        os.dup2(log.fileno(), 2)
-        try:
-            runpy.run_path(TRAIN, run_name='__main__')
-        except SystemExit as e:  # train.py's exit on a stop, an abort or a mistake
-            code = e.code
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(terminal[0], 1)
-            os.dup2(terminal[1], 2)
-    hook.remove()
-    if code:
-        stop(f"train.py failed under the profiler with exit code {code}: see {out_dir}.log", 1)
-    return breakdown(events)
-
-
 def measure_loader():
-    """Windows/s of train.py's train loader on its dataset, timed over bench_iters batches after bench_warmup."""
+    """Windows/s of the train loader of the run in out_dir loader, from its config.json, timed over bench_iters
+    batches after bench_warmup."""
     import data  # torch: imported only in the modes that need it, so a mistake in the arguments fails at once
     from perf import cpu_name
-    block_size, batch_size, num_workers, seed = (config[k] for k in ('block_size', 'batch_size', 'num_workers', 'seed'))
     try:
-        _, shards = data.open_dataset(config['data_dir'], config['dataset'])
+        used = {k: v['value'] for k, v in read_json(os.path.join(loader, 'config.json')).items() if k != 'resolved'}
+    except OSError as e:
+        stop(f"loader={loader}: no config.json there ({e.strerror}): pass the out_dir of a train.py run")
+    block_size, batch_size, num_workers, seed = (used[k] for k in ('block_size', 'batch_size', 'num_workers', 'seed'))
+    try:
+        _, shards = data.open_dataset(used['data_dir'], used['dataset'])
         train = data.TokenWindows(shards['train'], block_size)
-        sampler = data.TrainSampler(train.num_tokens, block_size, batch_size, batch_size * config['gradient_accumulation_steps'], seed)
+        sampler = data.TrainSampler(train.num_tokens, block_size, batch_size,
+                                    batch_size * used['gradient_accumulation_steps'], seed)
     except data.DataError as e:
         stop(e)
-    batches = data.endless_batches(train, sampler, num_workers, seed, pin_memory=False)
+    batches = data.TrainBatches(train, sampler, num_workers, seed, pin_memory=False)
     for _ in range(bench_warmup):
         next(batches)
     start = time.perf_counter()
@@ -245,9 +199,9 @@ def measure_loader():
               'tokens_per_sec': bench_iters * batch_size * block_size / seconds, 'batch_size': batch_size,
               'block_size': block_size, 'num_workers': num_workers, 'train_shards': len(shards['train']),
               'train_tokens': train.num_tokens}
-    print(f"loader on {cpu_name()}: {result['windows_per_sec']:,.0f} windows/s ({result['tokens_per_sec']:,.0f} tokens/s), "
-          f"{bench_iters} batches of {batch_size} x {block_size} with num_workers={num_workers} from {len(shards['train'])} "
-          f"train shard(s), {train.num_tokens:,} tokens")
+    print(f"loader on {cpu_name()}: {result['windows_per_sec']:,.0f} windows/s ({result['tokens_per_sec']:,.0f} "
+          f"tokens/s), {bench_iters} batches of {batch_size} x {block_size} with num_workers={num_workers} from "
+          f"{len(shards['train'])} train shard(s), {train.num_tokens:,} tokens")
     with open(json, 'w') as f:
         dump({'command': sys.argv, 'cpu': cpu_name(), 'loader': result}, f, indent=1)
     print(f"all figures: {json}")
@@ -259,8 +213,8 @@ if loader:
 load_average = os.getloadavg()[0]
 print(f"{len(names)} setting(s), {rounds} round(s) of {bench_warmup} + {bench_iters} iterations, {nproc} process(es) per run; "
       f"load average {load_average:.2f} on {os.cpu_count()} CPUs before the runs; runs in {folder}")
-print(f"A: train.py {shlex.join(train_args)}" + (f"\nB: A {compare}" if compare else '') + (f"\nreference: {reference}" if reference else ''),
-      flush=True)
+print(f"A: train.py {shlex.join(train_args)}" + (f"\nB: A {compare}" if compare else '') +
+      (f"\nreference: {reference}" if reference else ''), flush=True)
 runs = {name: [] for name in names}
 for round in range(1, rounds + 1):
     for name in names:
@@ -276,11 +230,10 @@ if len(names) == 2:  # B over A, or ours over the reference
     per_round = [a / b for a, b in zip(results[over]['round_tokens_per_sec'], results[under]['round_tokens_per_sec'])]
     report['ratio'] = {'of': f'{over}/{under}', 'tokens_per_sec': results[over]['tokens_per_sec'] / results[under]['tokens_per_sec'],
                        'rounds': per_round}
-if profile and nproc == 1:
-    report['profile'] = {}
-    for name in settings:
-        iteration_ms, ms = profile_iteration(name)
-        report['profile'][name] = {'iteration_ms': iteration_ms, 'ms': ms, 'shares': {p: t / iteration_ms for p, t in ms.items()}}
+profiles = {name: runs[name][0]['profile_ms'] for name in settings if runs[name][0]['profile_ms']}
+if profiles:
+    report['profile'] = {name: {'iteration_ms': sum(ms.values()), 'ms': ms,
+                                'shares': {p: t / sum(ms.values()) for p, t in ms.items()}} for name, ms in profiles.items()}
 
 print(f"\non {report['cpu']}, torch {report['torch']}: median of {rounds} x {bench_iters} iterations per setting")
 for name, r in results.items():

@@ -1,24 +1,39 @@
 """
-Crash-safe files and the RNG state that exact resume needs.
+What a checkpoint holds and how it is restored, side by side, and files that survive a kill at any moment.
 
-A checkpoint is a dict of state_dicts, tensors and primitives, written atomically (temp file in
-the same folder, flush, fsync, os.replace, fsync of the folder), so a kill at any moment leaves
-either the old file or the new one, never half of one. It is read with weights_only=True, so a
-checkpoint file cannot run code.
+A checkpoint is a dict of state_dicts, tensors and plain values: state() builds it, resume() applies it. Files are
+written atomically (temp file in the same folder, flush, fsync, os.replace, fsync of the folder), so a kill leaves
+the old file or the new one, never half of one, and read with weights_only=True, so a checkpoint cannot run code. In
+fsdp mode every rank writes its part of the weights and optimizer state to out_dir/shards-ITER/ with
+torch.distributed.checkpoint, and the .pt file, written after, points there.
 
-FORMAT numbers the layout; this code reads its own. 4: the embedding and head have padded vocabulary rows and each
-rank's RNG state holds its own CUDA device's generator only. Formats 1-3 are refused in one line: their weights
-have other shapes. A config key that a checkpoint's code did not have yet takes its default on resume: each new
-key defaults to the old behaviour.
+FORMAT numbers the layout; this code reads its own. 4: the embedding and head have padded vocabulary rows, one
+optimizer and scheduler state, each rank's RNG state holds its own CUDA device's generator only. Older formats are
+refused in one line: their weights have other shapes. A config key that a checkpoint's code did not have yet takes
+its default on resume: each new key defaults to the old behaviour.
 """
+import contextlib
 import os
 import random
+import shutil
+import sys
 
 import numpy as np
 import torch
 
-
 FORMAT = 4
+# train.py's keys that may change on resume: how long, how often to evaluate, log and save, where to write, speed
+# knobs, the end-of-run extras, and the learning-rate schedule and clipping from here on (how a user recovers from
+# a blow-up; past steps keep their rates). Any other change is refused: it would be another run.
+RESUMABLE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'max_iters', 'eval_interval', 'log_interval',
+             'eval_iters', 'always_save_checkpoint', 'checkpoint_interval', 'patience', 'num_workers', 'compile',
+             'device', 'backend', 'max_consecutive_skips', 'activation_checkpointing', 'smoke_test', 'profile_iter',
+             'tensorboard_log', 'wandb_log', 'wandb_project', 'wandb_run_name', 'cost_per_hour', 'test_eval',
+             'sample_tokens', 'write_report', 'learning_rate', 'muon_lr', 'decay_lr', 'lr_schedule', 'wsd_decay_frac',
+             'warmup_iters', 'lr_decay_iters', 'min_lr', 'grad_clip'}
+# the loop's counters, saved and restored as they are
+PROGRESS = ('iter_num', 'best_val_loss', 'best_iter', 'evals_since_best', 'skipped_steps', 'consecutive_skips',
+            'train_seconds')
 
 
 class CheckpointError(Exception):
@@ -26,23 +41,56 @@ class CheckpointError(Exception):
 
 
 def atomic_write(path, write):
-    """write(f) fills a binary file object; path appears complete or not at all."""
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = path + '.tmp'  # same folder: os.replace is atomic only within one filesystem
-    with open(tmp, 'wb') as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(folder, os.O_RDONLY)  # make the rename itself durable
+    """write(f) fills a binary file object; path appears complete or not at all. The temp file is this process's
+    own (processes may write one path at once) and in the same folder (os.replace is atomic only within one
+    filesystem); a write that fails (a full disk) removes it: it would hold the space a retry needs."""
+    tmp = f'{path}.{os.getpid()}.tmp'
+    try:
+        with open(tmp, 'wb') as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)  # make the rename itself durable
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def save(obj, path):
-    atomic_write(path, lambda f: torch.save(obj, f))
+class KeepWriteError:
+    """A file for torch.save that keeps the OSError of its writes: torch.save reports a full disk only as a
+    RuntimeError ('unexpected pos ...') that names no cause."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        self.f.flush()
+
+
+def save_file(obj, path):
+    """torch.save(obj) to path, atomically; a failed write raises its OSError (errno ENOSPC for a full disk)."""
+    def write(f):
+        kept = KeepWriteError(f)
+        try:
+            torch.save(obj, kept)
+        except RuntimeError:
+            if kept.error:
+                raise kept.error from None
+            raise
+    atomic_write(path, write)
 
 
 def load(path):
@@ -64,6 +112,95 @@ def load(path):
                               f"or start a new out_dir")
     return ckpt
 
+
+def why_not_resume(ckpt, config, defaults):
+    """Why this config may not resume the checkpoint ('was trained with other settings (...)'), or ''."""
+    changed = [f"{k}={ckpt['config'].get(k, defaults[k])!r} there, {config[k]!r} here" for k in config
+               if k not in RESUMABLE and ckpt['config'].get(k, defaults[k]) != config[k]]
+    return f"was trained with other settings ({'; '.join(changed)})" if changed else ''
+
+
+# -----------------------------------------------------------------------------
+# the state: built here, applied here
+
+def state(model, optimizer, scheduler, scaler, sampler, rng, progress, run, shards=None):
+    """The checkpoint: weights and optimizer state (in fsdp mode, the name of the shards folder that holds them),
+    the schedule, the loss scale, the data position, every rank's RNG state (rng, in rank order), the loop's
+    counters (progress: PROGRESS) and what the run is (run: config, model_args, dataset, dtype, seed, ...)."""
+    weights = {'shards': shards} if shards else {'model': model.state_dict(), 'optimizer': optimizer.state_dict()}
+    return {'format': FORMAT, **run, **progress, **weights, 'scheduler': scheduler.state_dict(),
+            'scaler': scaler.state_dict(), 'sampler': sampler.state_dict(), 'rng': rng}
+
+
+def resume(ckpt, path, model, optimizer, scheduler, scaler, sampler, rank, world_size, device):
+    """Apply a checkpoint to a run built from the same config; returns the loop's counters (PROGRESS). The LR
+    schedule is this config's: each group's base rate comes from the config, not the file, so a lowered
+    learning_rate applies from here on. RNG states are restored only on the number of processes that wrote them."""
+    load_weights(ckpt, path, model, optimizer)
+    configured = scheduler.base_lrs
+    scheduler.load_state_dict(ckpt['scheduler'])
+    scheduler.base_lrs = configured
+    for group, base_lr, factor in zip(optimizer.param_groups, configured, scheduler.lr_lambdas):
+        group['lr'] = base_lr * factor(scheduler.last_epoch)
+    scaler.load_state_dict(ckpt['scaler'])
+    sampler.load_state_dict(ckpt['sampler'])
+    if len(ckpt['rng']) == world_size:
+        set_rng_state(ckpt['rng'][rank], device)
+    return {k: ckpt[k] for k in PROGRESS}
+
+
+def load_weights(ckpt, path, model, optimizer=None):
+    """The weights (and the optimizer state) of a checkpoint: from the file, or in fsdp mode from the shards folder
+    it points to, of which every rank reads its own part."""
+    if 'shards' not in ckpt:
+        model.load_state_dict(ckpt['model'])
+        if optimizer:
+            optimizer.load_state_dict(ckpt['optimizer'])
+        return
+    import torch.distributed.checkpoint as dcp  # imported only by sharded runs: ~1 s
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    sharded = sharded_state(model, optimizer)
+    dcp.load(sharded, checkpoint_id=os.path.join(os.path.dirname(path), ckpt['shards']))
+    set_model_state_dict(model, sharded['model'])
+    if optimizer:
+        set_optimizer_state_dict(model, optimizer.optimizers, sharded['optimizer'])
+
+
+def sharded_state(model, optimizer=None):
+    """This rank's part of an FSDP model's weights (and optimizer state), as DCP reads and writes it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    return {'model': get_model_state_dict(model)} | (
+        {'optimizer': get_optimizer_state_dict(model, optimizer.optimizers)} if optimizer else {})
+
+
+def save(names, out_dir, build, model, optimizer, sharded, iter_num, master):
+    """Write each of names (best.pt, last.pt) into out_dir, atomically; build(shards) gives the state. Every rank
+    calls it: in fsdp mode each first writes its shards to shards-ITER/, and only then does rank 0 write the files
+    that point there, so a shards folder counts only once complete; folders no file points to are removed."""
+    shards = None
+    if sharded:
+        import torch.distributed.checkpoint as dcp
+        shards = f'shards-{iter_num}'
+        dcp.save(sharded_state(model, optimizer), checkpoint_id=os.path.join(out_dir, shards))
+    if not master:
+        return
+    last = os.path.join(out_dir, 'last.pt')
+    if os.path.exists(last) and shutil.disk_usage(out_dir).free < 2 * len(names) * os.path.getsize(last):
+        print(f"warning: {out_dir} has {shutil.disk_usage(out_dir).free / 2**20:,.0f} MB free and a checkpoint takes "
+              f"{os.path.getsize(last) / 2**20:,.0f} MB: free space before a save fails", file=sys.stderr)
+    ckpt = build(shards)
+    for name in names:
+        save_file(ckpt, os.path.join(out_dir, name))
+    if sharded:
+        in_use = {load(os.path.join(out_dir, n))['shards'] for n in ('best.pt', 'last.pt')
+                  if os.path.exists(os.path.join(out_dir, n))}
+        for folder in os.listdir(out_dir):
+            if folder.startswith('shards-') and folder not in in_use:
+                shutil.rmtree(os.path.join(out_dir, folder))
+
+
+# -----------------------------------------------------------------------------
+# random number generators
 
 def rng_state(device):
     """Every RNG this process draws from, as plain Python values: they pass through torch.load(weights_only=True)

@@ -13,6 +13,7 @@ A dataset's shards, token windows over a split's shards, and the samplers that d
   exactly once; the last window is partial and its padding targets are ignored (-100).
 """
 import atexit
+import fcntl
 import functools
 import glob
 import hashlib
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+import prepare
 from prepare import HEADER_BYTES, SHARD_FORMATS
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
@@ -59,6 +61,18 @@ def read_shard_header(path):
         raise DataError(f"{path} is {size} bytes but its header says {num_tokens} {dtype.name} tokens "
                         f"({HEADER_BYTES + num_tokens * dtype.itemsize} bytes): truncated? prepare or download it again")
     return dtype, num_tokens, hashlib.sha256(head).hexdigest()[:16]
+
+
+def prepare_once(data_dir, name):
+    """Prepare a built-in dataset (prepare.py, offline) where it is missing. Under torchrun the first process of each
+    node calls this, since nodes need not share storage; those that do take turns on a lock file and find it
+    prepared by the first."""
+    os.makedirs(data_dir, exist_ok=True)
+    with open(os.path.join(data_dir, f'.{name}.lock'), 'w') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(os.path.join(data_dir, name, f'{name}_train_000000.bin')):
+            print(f"preparing the default dataset {name} into {os.path.join(data_dir, name)}", flush=True)
+            prepare.prepare(name, data_dir=data_dir)
 
 
 def open_dataset(data_dir, dataset):
@@ -110,17 +124,16 @@ def open_dataset(data_dir, dataset):
 
 
 def data_change(recorded, current):
-    """Why a checkpoint's data (its recorded dataset id) is not this run's, or '' when it is the same."""
-    if 'shards' not in recorded:  # its documents were split by another rule: the same source gives another train
-        return "its dataset predates shards and the document split rule changed since, so no data here matches it"
+    """Why a checkpoint's data (its recorded dataset id) is not this run's ('was trained on other data (...)'), or
+    '' when it is the same."""
     differ = [k for k in recorded if k != 'shards' and recorded[k] != current.get(k)]
     if differ:
-        return f"its {', '.join(differ)} differ"
+        return f"was trained on other data (its {', '.join(differ)} differ)"
     before, now = ({name: (tokens, fp) for name, tokens, fp in ident['shards']} for ident in (recorded, current))
     changes = [f"{what} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}" for what, names in (
         ('added', sorted(now.keys() - before.keys())), ('removed', sorted(before.keys() - now.keys())),
         ('changed', sorted(n for n in before.keys() & now.keys() if before[n] != now[n]))) if names]
-    return f"shards {'; '.join(changes)}" if changes else ''
+    return f"was trained on other data (shards {'; '.join(changes)})" if changes else ''
 
 
 class TokenWindows(Dataset):
@@ -263,11 +276,30 @@ def make_loader(dataset, batch_sampler, num_workers, seed, pin_memory):
                       generator=torch.Generator().manual_seed(seed))
 
 
-def endless_batches(dataset, batch_sampler, num_workers, seed, pin_memory):
-    """An iterator over a TrainSampler's batches. Its workers ignore SIGINT and SIGTERM (seed_worker), so at exit
-    they are shut down the DataLoader's own way, before multiprocessing would terminate() them: atexit runs the
-    last registered first."""
-    batches = iter(make_loader(dataset, batch_sampler, num_workers, seed, pin_memory))
-    if num_workers > 0:
-        atexit.register(batches._shutdown_workers)
-    return batches
+class TrainBatches:
+    """The train batches of one rank, forever, each marked consumed as the loop takes it: loader workers prefetch
+    ahead, so the sampler's own position runs ahead of training. Workers ignore SIGINT and SIGTERM (seed_worker) and
+    are shut down the DataLoader's own way at exit, before multiprocessing would terminate() them (atexit runs the
+    last registered first). A shard that changed under the run (DataError) sets fault to its message, and empty
+    batches follow, so that this rank still joins the step's collectives and the loop stops every rank there."""
+
+    def __init__(self, windows, sampler, num_workers, seed, pin_memory):
+        self.sampler, self.fault = sampler, None
+        self.batches = iter(make_loader(windows, sampler, num_workers, seed, pin_memory))
+        self.empty = torch.utils.data.default_collate([windows[EMPTY_WINDOW]] * sampler.batch_size)
+        if num_workers > 0:
+            atexit.register(self.batches._shutdown_workers)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.fault:
+            return self.empty
+        try:
+            batch = next(self.batches)
+        except DataError as e:  # from a loader worker, the original message is the last line
+            self.fault = str(e).strip().splitlines()[-1]
+            return self.empty
+        self.sampler.mark_consumed()
+        return batch

@@ -7,6 +7,7 @@ The two models are the same network under other names: GPT-2's blocks are h.N in
 files carry a 'transformer.' prefix (or none, in OpenAI's originals), and its Conv1D layers store their
 weights as (in, out) where nn.Linear has (out, in). transformers itself is not needed for either direction.
 """
+import dataclasses
 import hashlib
 import json
 import os
@@ -24,6 +25,7 @@ GPT2_NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
 HF_ACTIVATION = {'gelu': 'gelu', 'gelu_tanh': 'gelu_new'}
 # and back, with transformers' other name for the tanh approximation
 FROM_HF_ACTIVATION = {hf: ours for ours, hf in HF_ACTIVATION.items()} | {'gelu_pytorch_tanh': 'gelu_tanh'}
+SHAPE_KEYS = ('n_layer', 'n_head', 'n_embd', 'bias', 'activation')  # what GPT-2's weights decide
 CONV1D_WEIGHTS = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')  # stored (in, out)
 # config.json settings this GPT has no switch for: they must have GPT-2's values
 GPT2_FIXED = {'model_type': 'gpt2', 'layer_norm_epsilon': 1e-5, 'scale_attn_weights': True,
@@ -175,13 +177,12 @@ def load_gpt2(source, block_size, vocab_size):
 # out
 
 
-def cannot_hold(model):
-    """What of model GPT2LMHeadModel has no place for, as short phrases. A model option that GPT-2 lacks gets a
-    line here."""
-    config = model.config
+def cannot_hold(config):
+    """What of a GPTConfig GPT-2's architecture has no place for, as short phrases (empty: it fits). A model option
+    GPT-2 lacks gets a line here; GPT-2's weights are loaded and exported only when this is empty."""
     return [reason for reason, lacking in (
         (f"activation='{config.activation}'", config.activation not in HF_ACTIVATION),
-        ('an output head not tied to the token embedding', model.lm_head.weight is not model.wte.weight),
+        ('an output head not tied to the token embedding (tie_head=False)', not config.tie_head),
         (f"pos_emb='{config.pos_emb}'", config.pos_emb != 'learned'),
         ('qk_norm=True', config.qk_norm),
         (f"logit_softcap={config.logit_softcap}", config.logit_softcap > 0),
@@ -207,7 +208,8 @@ def export_gpt2(model, folder, eot_id=None):
         if key.endswith('.weight') and key not in ('wte.weight', 'wpe.weight'):
             tensors.setdefault(key[:-len('weight')] + 'bias', torch.zeros(tensor.shape[-1]))
     differences = layout_differences(tensors, gpt2_shapes(config.n_layer, config.n_embd, config.vocab_size, config.block_size))
-    problems = cannot_hold(model) + ([differences] if differences else [])
+    tied = model.lm_head.weight is model.wte.weight  # a fork may untie them by hand
+    problems = cannot_hold(dataclasses.replace(config, tie_head=tied)) + ([differences] if differences else [])
     if problems:
         raise HFError(f"GPT-2's architecture cannot hold this model ({'; '.join(problems)}): "
                       f"only models with GPT-2's blocks, learned positions, a tied head, GELU and no QK-norm or soft-cap export")

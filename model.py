@@ -7,7 +7,6 @@ forward returns the logits, or with targets the cross-entropy loss, computed ins
 torch.compile fuses it with the output head instead of materializing float32 logits of B x T x vocab.
 """
 import math
-from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -32,6 +31,25 @@ class GPTConfig:
     tie_head: bool = True  # the output head is the token embedding's matrix (GPT-2); False: a matrix of its own
     logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap), within (-cap, cap); 0: unbounded
     zero_init: bool = False  # output projections (and an untied head) start at zero: every block starts as the identity
+
+    def __post_init__(self):
+        """The one check of a model's shape, for every script: ValueError names the setting and the fix."""
+        for key in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd'):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{key}={getattr(self, key)} must be positive")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not a multiple of n_head={self.n_head}: change one of them")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation='{self.activation}': use one of {', '.join(ACTIVATIONS)}")
+        if self.pos_emb not in ('learned', 'rope'):
+            raise ValueError(f"pos_emb='{self.pos_emb}': use 'learned' or 'rope'")
+        if self.pos_emb == 'rope' and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"pos_emb='rope' turns pairs of dimensions: make the head size n_embd/n_head="
+                             f"{self.n_embd // self.n_head} even")
+        if self.logit_softcap < 0:
+            raise ValueError(f"logit_softcap={self.logit_softcap} must be 0 (off) or positive")
 
 
 ACTIVATIONS = {
@@ -62,6 +80,18 @@ def rotate(x, cos, sin):
     return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)  # (B, nh, T, hs)
 
 
+def causal_attention(q, k, v, dropout_p):
+    """PyTorch's fused attention (flash or memory-efficient kernels), each position attending to itself and the
+    positions before it. q, k, v: (B, nh, T, hs) -> (B, nh, T, hs), in q's dtype. One device quirk: on a CPU,
+    bfloat16 attention runs in float32, because PyTorch's CPU flash-attention kernel was 3x slower in bfloat16 (its
+    backward most) at head size 32 on an AVX512-BF16 CPU, where the matmuls around it gain 2x (docs/design.md)."""
+    if q.device.type != 'cpu' or q.dtype != torch.bfloat16:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    with torch.autocast('cpu', enabled=False):  # autocast would cast them back to bfloat16
+        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), dropout_p=dropout_p, is_causal=True)
+    return y.to(q.dtype)
+
+
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
@@ -90,15 +120,9 @@ class CausalSelfAttention(nn.Module):
         if self.rope:  # in q's dtype: SDPA needs q, k and v in one dtype under autocast
             cos, sin = self.cos[:T].to(q.dtype), self.sin[:T].to(q.dtype)  # (T, hs/2)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # (B, nh, T, hs)
-        # on a CPU, attention runs in float32 under bfloat16: PyTorch's CPU flash-attention kernel was 3x slower in
-        # bfloat16 at head size 32 (its backward most) on an AVX512-BF16 CPU, where the matmuls around it gain 2x
-        dtype, upcast = q.dtype, q.device.type == 'cpu' and q.dtype == torch.bfloat16
-        if upcast:
-            q, k, v = q.float(), k.float(), v.float()  # (B, nh, T, hs)
-        with torch.autocast('cpu', enabled=False) if upcast else nullcontext():  # autocast would cast them back
-            # dropout_p must be 0 in eval: SDPA does not look at self.training
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)  # (B, nh, T, hs)
-        y = y.to(dtype).transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        # dropout_p must be 0 in eval: SDPA does not look at self.training
+        y = causal_attention(q, k, v, self.dropout if self.training else 0.0)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -129,19 +153,48 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class Optimizers(torch.optim.Optimizer):
+    """Several optimizers as one: train.py zero-grads, unscales, steps, schedules and saves it without counting
+    them. Its param_groups and state are the members' own, read through each time (a member's load_state_dict
+    replaces its group dicts, so a copy would go stale): a learning rate set here, by one LR scheduler, is theirs,
+    each group keeping its own base rate. Its state_dict is the list of theirs."""
+
+    def __init__(self, optimizers):
+        self.optimizers = optimizers
+        super().__init__([{'params': []}], {})  # the hooks and settings torch.optim expects; no groups of its own
+
+    @property
+    def param_groups(self):
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, groups):  # Optimizer.__init__ starts a list of its own: the members hold the groups
+        pass
+
+    @property
+    def state(self):  # a merged copy: a ChainMap of their defaultdicts would add a key to the first it asks
+        return {p: state for opt in self.optimizers for p, state in opt.state.items()}
+
+    @state.setter
+    def state(self, state):  # likewise
+        pass
+
+    def step(self, closure=None):
+        for opt in self.optimizers:
+            opt.step()
+
+    def state_dict(self):
+        return [opt.state_dict() for opt in self.optimizers]
+
+    def load_state_dict(self, state_dict):
+        for opt, state in zip(self.optimizers, state_dict, strict=True):
+            opt.load_state_dict(state)
+
+
 class GPT(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        if config.n_embd % config.n_head != 0:
-            raise ValueError(f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}: pick n_embd as a multiple of n_head")
-        if config.activation not in ACTIVATIONS:
-            raise ValueError(f"activation='{config.activation}' is unknown: use one of {', '.join(ACTIVATIONS)}")
-        if config.pos_emb not in ('learned', 'rope'):
-            raise ValueError(f"pos_emb='{config.pos_emb}' is unknown: use 'learned' or 'rope'")
-        if config.pos_emb == 'rope' and (config.n_embd // config.n_head) % 2:
-            raise ValueError(f"pos_emb='rope' turns pairs of dimensions: the head size n_embd/n_head="
-                             f"{config.n_embd // config.n_head} must be even")
         self.config = config
         self.wte = nn.Embedding(padded_vocab(config.vocab_size), config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == 'learned' else None
@@ -217,14 +270,15 @@ class GPT(nn.Module):
         fully_shard(self, mesh=mesh, mp_policy=precision)
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, optimizer='adamw', muon_lr=0.02, muon_momentum=0.95):
-        """The optimizers that train.py steps, saves and schedules, as a list: AdamW first, then with
-        optimizer='muon' torch.optim.Muon. AdamW decays the Linear matrices only: no biases, LayerNorm gains or
-        embeddings (the token embedding may be the tied head: decaying it shrinks rare tokens' rows); fused: one
-        kernel for all parameters, on CUDA and CPU alike. Muon takes the blocks' 2-D matrices, where its
-        orthogonalized update is made for (not the embeddings, whose rows are looked up one by one, nor the head), with
-        its own base rate muon_lr; AdamW keeps learning_rate for the rest. c_attn's fused (3C, C) matrix is
-        orthogonalized as one, q, k and v together (modded-nanogpt splits them), and torch's Muon scales each matrix's
-        rate by sqrt(max(1, rows / cols)): sqrt(3) x muon_lr for c_attn, 2x for c_fc, 1x for the projections."""
+        """The optimizer train.py steps, schedules and saves. 'adamw': AdamW for every parameter. It decays the
+        Linear matrices only: no biases, LayerNorm gains or embeddings (the token embedding may be the tied head:
+        decaying it shrinks rare tokens' rows); fused: one kernel for all parameters, on CUDA and CPU alike. 'muon':
+        torch.optim.Muon for the blocks' 2-D matrices, where its orthogonalized update is made for (not the
+        embeddings, whose rows are looked up one by one, nor the head), at its own base rate muon_lr, and AdamW at
+        learning_rate for the rest. c_attn's fused (3C, C) matrix is orthogonalized as one, q, k and v together
+        (modded-nanogpt splits them), and torch's Muon scales each matrix's rate by sqrt(max(1, rows / cols)):
+        sqrt(3) x muon_lr for c_attn, 2x for c_fc, 1x for the projections. Another optimizer goes here: build it,
+        add it to the list, add its keys to train.py."""
         def by_muon(name, p):
             return optimizer == 'muon' and name.startswith('blocks.') and p.dim() == 2
 
@@ -238,7 +292,7 @@ class GPT(nn.Module):
         if optimizer == 'muon':
             optimizers.append(torch.optim.Muon([p for n, p in params if by_muon(n, p)], lr=muon_lr,
                                                weight_decay=weight_decay, momentum=muon_momentum))
-        return optimizers
+        return Optimizers(optimizers)
 
     def flops_per_token(self):
         """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12 L T C."""

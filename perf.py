@@ -1,11 +1,14 @@
 """
-Performance facts that train.py and bench.py rely on: which dtype 'auto' trains in, the peak FLOP/s that
-MFU is measured against, and peak memory. Model FLOPs per token: GPT.flops_per_token().
+The machine: which device a process uses and how processes join a group, the dtype it trains in and the autocast
+context every forward runs in, the peak FLOP/s that MFU is measured against, memory, and where an iteration's time
+goes (a profiled iteration's phases). Model FLOPs per token: GPT.flops_per_token().
 
 Measurements are taken once per machine and cached in ~/.cache/honestgpt/perf.json (HONESTGPT_CACHE
 names another folder), keyed by the processor, torch version and thread count: the same speed then
 reads as the same MFU in every run on a machine, and start-up pays for a measurement only once.
 """
+import atexit
+import datetime
 import functools
 import hashlib
 import inspect
@@ -14,9 +17,12 @@ import os
 import resource
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 
+import checkpoint
 from model import GPT, GPTConfig
 
 # Dense (not sparse) peak FLOP/s from NVIDIA's datasheets, with float32 accumulation, keyed by the exact name
@@ -42,6 +48,7 @@ GPU_PEAKS = {  # name: (bfloat16, float16, float32)
     'Tesla V100-SXM2-16GB': (None, 125e12, 15.7e12),
     'Tesla V100-SXM2-32GB': (None, 125e12, 15.7e12),
 }
+DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 MEASURE_TOKENS = 8192  # tokens per timed forward+backward when choosing a dtype: enough for the model's real matmul shapes
 
 
@@ -88,6 +95,20 @@ def resolve_device(device, local_rank=None, cuda_count=None):
     return f'cuda:{index}', 'cuda'
 
 
+def init_process_group(device_type, backend):
+    """Join torchrun's group: nccl on CUDA and gloo on a CPU for backend='auto'. torchrun keeps its store across
+    --max-restarts, so each attempt's addresses get a prefix a restarted group cannot confuse with the dead one's.
+    The timeout is 30 minutes (gloo's default): NCCL's 10 would end ranks waiting for rank 0's save of a large model.
+    At exit, on every path, a pause comes before the group is destroyed: gloo's threads free a finished collective's
+    tensors after the caller moved on, and a thread taking the GIL at interpreter shutdown aborts the process."""
+    store, _, _ = next(dist.rendezvous('env://'))
+    store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group(backend=(('nccl' if device_type == 'cuda' else 'gloo') if backend == 'auto' else backend),
+                            store=store, rank=int(os.environ['RANK']), world_size=int(os.environ['WORLD_SIZE']),
+                            timeout=datetime.timedelta(minutes=30))
+    atexit.register(lambda: time.sleep(0.1) or dist.destroy_process_group())
+
+
 def cuda_autocast_dtype(capability):
     """The dtype 'auto' trains in on a GPU of this compute capability (major, minor): bfloat16 from Ampere (8.0) on,
     float16 with the GradScaler before. torch.cuda.is_bf16_supported() also says True on a V100 or T4, which only
@@ -130,16 +151,20 @@ def cached(key, measure):
     entries[key] = entry
     try:
         os.makedirs(folder, exist_ok=True)
-        with open(f'{path}.{os.getpid()}.tmp', 'w') as f:  # a whole file or none: another process may read it now
-            json.dump(entries, f, indent=1)
-        os.replace(f'{path}.{os.getpid()}.tmp', path)
+        checkpoint.atomic_write(path, lambda f: f.write(json.dumps(entries, indent=1).encode()))  # read by others
     except OSError:
         pass  # a read-only home: measure again next time
     return entry | {'cached': None}
 
 
 # -----------------------------------------------------------------------------
-# the dtype 'auto' trains in
+# the dtype 'auto' trains in, and autocast
+
+def autocast(device_type, dtype):
+    """The context every forward runs in: autocast to bfloat16 or float16 (weights, gradients and optimizer state stay
+    float32), nothing for float32."""
+    return nullcontext() if dtype == 'float32' else torch.autocast(device_type, DTYPES[dtype])
+
 
 def step_seconds(model_args, batch_size, device, dtypes, rounds=3):
     """{dtype name: seconds of one forward+backward} of a fresh GPT of this shape on a micro-batch capped at
@@ -153,7 +178,7 @@ def step_seconds(model_args, batch_size, device, dtypes, rounds=3):
         for round in range(rounds + 1):  # round 0 warms up
             for name in dtypes:
                 start = time.perf_counter()
-                with torch.autocast(torch.device(device).type, getattr(torch, name), enabled=name != 'float32'):
+                with autocast(torch.device(device).type, name):
                     loss = model(idx, idx)
                 loss.backward()
                 model.zero_grad(set_to_none=True)
@@ -187,12 +212,16 @@ def auto_dtype(device, model_args, batch_size):
     return dtype, {'rule': 'the faster of float32 and bfloat16 for this model, measured (forward+backward seconds)', **seconds}
 
 
-def float16_slowdown(device, n_embd, tokens):
-    """How many times longer a (tokens, C) x (C, 4C) product, an MLP's, takes in float16 than in float32: CPUs have
-    no float16 matmul units and emulate it. (ratio, float16 ms, float32 ms)."""
-    a16, b16 = torch.full((tokens, n_embd), 0.5, dtype=torch.float16), torch.full((n_embd, 4 * n_embd), 0.25, dtype=torch.float16)
+def float16_warning(device, n_embd, tokens):
+    """A warning line when float16 is emulated on this CPU ('' when it is not): CPUs have no float16 matmul units.
+    Measured on a (tokens, C) x (C, 4C) product, an MLP's, in float16 and float32."""
+    a16 = torch.full((tokens, n_embd), 0.5, dtype=torch.float16)
+    b16 = torch.full((n_embd, 4 * n_embd), 0.25, dtype=torch.float16)
     slow, fast = best_seconds(a16, b16, 0.05), best_seconds(a16.float(), b16.float(), 0.05)
-    return slow / fast, slow * 1e3, fast * 1e3
+    if slow < 1.5 * fast:
+        return ''
+    return (f"warning: dtype=float16 on this CPU is emulated: an MLP matmul of this model took {slow * 1e3:.1f} ms in "
+            f"float16 against {fast * 1e3:.1f} ms in float32 ({slow / fast:.0f}x slower): use dtype=bfloat16 or float32")
 
 
 # -----------------------------------------------------------------------------
@@ -243,3 +272,53 @@ def peak_memory_mb(device):
     if torch.device(device).type == 'cuda':
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == 'darwin' else 2**10)
+
+
+def memory_held(model, optimizer, device):
+    """What this process holds, MB: weights, gradients and optimizer state (an FSDP rank its shards, a DDP rank full
+    replicas: a DTensor's own part is its to_local()), and its peak memory so far."""
+    def mb(tensors):
+        return sum(getattr(t, 'to_local', lambda: t)().nbytes for t in tensors) / 2**20
+    params = list(model.parameters())
+    return {'weights_mb': mb(params), 'grads_mb': mb(p.grad for p in params if p.grad is not None),
+            'optimizer_mb': mb(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)),
+            'peak_mb': peak_memory_mb(device)}
+
+
+# -----------------------------------------------------------------------------
+# where an iteration's time goes
+
+PHASES = ('data', 'forward', 'backward', 'optimizer')  # train.py's record_function labels
+
+
+def start_profiler(device_type):
+    activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * (device_type == 'cuda')
+    profiler = torch.profiler.profile(activities=activities)
+    profiler.start()
+    return profiler
+
+
+def stop_profiler(profiler, device_type, trace_path):
+    """{phase: ms} of the profiled iteration; its chrome trace (chrome://tracing, ui.perfetto.dev) goes to
+    trace_path, if one is given."""
+    profiler.stop()
+    if trace_path:
+        profiler.export_chrome_trace(trace_path)
+    return phase_times(profiler.events(), device_type)
+
+
+def phase_times(events, device_type):
+    """{phase: ms} of a profiled iteration from torch.profiler's events, by train.py's labelled ranges. On a CPU, the
+    wall time of each range; on CUDA, where kernels run after their launch, the device time of the kernels launched
+    inside each range (FunctionEvent.device_time_total of the CPU-side range: its kernels and its children's).
+    'other': the rest of the iteration's wall time (CPU) or of its kernels' time (CUDA)."""
+    cpu_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    cuda = device_type == 'cuda'
+    ms = dict.fromkeys(PHASES, 0.0)
+    for event in cpu_events:
+        if event.name in ms:
+            ms[event.name] += (event.device_time_total if cuda else event.cpu_time_total) / 1e3
+    # each kernel counts once, in the self time of the op that launched it
+    total = sum(e.self_device_time_total for e in cpu_events) if cuda else (
+        max(e.time_range.end for e in cpu_events) - min(e.time_range.start for e in cpu_events))
+    return ms | {'other': max(0.0, total / 1e3 - sum(ms.values()))}

@@ -114,7 +114,7 @@ if __name__ == '__main__':
     except (checkpoint.CheckpointError, prepare.PrepareError) as e:
         fail(e)
     if export:
-        checkpoint.save({'model': model.state_dict(), 'model_args': saved['model_args'], 'dataset': saved['dataset'],
+        checkpoint.save_file({'model': model.state_dict(), 'model_args': saved['model_args'], 'dataset': saved['dataset'],
                          'config': saved['config'], 'iter_num': saved['iter_num']}, export)
         print(f"wrote the weights of {ckpt_path} (iteration {saved['iter_num']}) to {export}", file=sys.stderr)
         sys.exit(0)

@@ -4,16 +4,18 @@ PROBE_COUNT=DIR   counts DDP's gradient all-reduces per rank (a comm hook) into 
 PROBE_NAN=R:N     makes rank R's loss NaN from its N-th micro-batch on
 PROBE_KILL=R:N    SIGKILLs rank R at its N-th micro-batch, on torchrun's first attempt only
 PROBE_STEPS=DIR   counts the steps each optimizer class took per rank into DIR/steps.RANK (JSON)
+PROBE_SLEEP=A-B:S sleeps S seconds in training micro-batches A to B (as compilation or a busy machine would)
 Always: the GIL changes hands at most once a second unless its holder releases it (sys.setswitchinterval), so
 a collective's tensors that gloo's worker thread frees late reach Python's shutdown unless train.py's exit gives
 way (shut_down_process_group).
-Usage: torchrun ... tests/ddp_probe.py train.py ARGS..."""
+Usage: torchrun ... tests/ddp_probe.py train.py ARGS..., or python tests/ddp_probe.py train.py ARGS..."""
 import atexit
 import json
 import os
 import runpy
 import signal
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 sys.setswitchinterval(1.0)
-rank = int(os.environ['RANK'])
+rank = int(os.environ.get('RANK', '0'))
 micro_batches = 0
 
 if 'PROBE_COUNT' in os.environ:
@@ -55,6 +57,9 @@ def probed_cross_entropy(*args, **kwargs):
     loss = cross_entropy(*args, **kwargs)
     if torch.is_grad_enabled():  # training micro-batches only, not evaluation
         micro_batches += 1
+        span, _, seconds = os.environ.get('PROBE_SLEEP', '0-0:0').partition(':')
+        if int(span.split('-')[0]) <= micro_batches <= int(span.split('-')[1]):
+            time.sleep(float(seconds))
         for name, action in (('PROBE_NAN', 'nan'), ('PROBE_KILL', 'kill')):
             target_rank, at = map(int, os.environ.get(name, '-1:0').split(':'))
             if rank == target_rank and micro_batches >= at:

@@ -60,7 +60,7 @@ def test_bench_compares_two_settings_with_speed_mfu_memory_and_profile(tmp_path,
     model, params = toy_params(data_dir)
     for s in (a, b):
         check_setting(s, 5, 8 * 32, model.flops_per_token())  # batch_size x block_size of run_config
-    assert a['runs'][0]['losses'] == b['runs'][0]['losses'] and len(a['runs'][0]['losses']) == 2 + 5
+    assert a['runs'][0]['losses'] == b['runs'][0]['losses'] and len(a['runs'][0]['losses']) == 2 + 5 + 1  # + profiled
     assert report['ratio']['of'] == 'B/A'
     assert report['ratio']['tokens_per_sec'] == pytest.approx(b['tokens_per_sec'] / a['tokens_per_sec'])
     # what the one process holds after its first step: float32 weights and grads, AdamW's two moments and a step count per tensor
@@ -75,9 +75,8 @@ def test_bench_compares_two_settings_with_speed_mfu_memory_and_profile(tmp_path,
         assert all(ms[phase] > 0 for phase in ('data', 'forward', 'backward', 'optimizer'))
         assert ms['other'] >= 0  # the phases' spans do not overlap
         assert sum(ms.values()) == pytest.approx(profile['iteration_ms'])
-        assert sum(profile['shares'].values()) == pytest.approx(1)
         events = {e.get('name', '') for e in json.load(open(tmp_path / f'iteration_{name}.json'))['traceEvents']}
-        assert any(e.startswith('enumerate(DataLoader)') for e in events) and 'Optimizer.step#AdamW.step' in events
+        assert {'data', 'forward', 'backward', 'optimizer', 'Optimizer.step#AdamW.step'} <= events
         assert any(e.startswith('autograd::engine::evaluate_function') for e in events)
 
 
@@ -110,12 +109,13 @@ def test_bench_against_a_reference_command_in_rounds(tmp_path, data_dir):
     assert ratio['rounds'] == pytest.approx([tokens / (512 / 0.025) for tokens in ours['round_tokens_per_sec']])
 
 
-def test_bench_mistakes_fail_in_one_line_before_any_run(tmp_path):
+def test_bench_mistakes_fail_in_one_line(tmp_path):
+    # its own keys before any run; train.py's in train.py's words, from the first run
     for args, message in ((['--bench_itres=5'], "unknown config key 'bench_itres': did you mean bench_iters"),
-                          (['--compare=--batch_sise=4'], "unknown config key 'batch_sise': did you mean batch_size"),
+                          (['--batch_sise=4'], "unknown config key 'batch_sise': did you mean batch_size"),
                           (['--compare=--compile=True', '--reference=true'], "compare and reference are both set")):
         result = subprocess.run([sys.executable, 'bench.py', RUN_CONFIG, *args], cwd=REPO, capture_output=True, text=True)
-        assert result.returncode == 2 and result.stdout == '', result.stdout + result.stderr
+        assert result.returncode == 2 and 'round 1/' not in result.stdout, result.stdout + result.stderr
         assert result.stderr.startswith(f"error: {message}") and result.stderr.count('\n') == 1
 
 

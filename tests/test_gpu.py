@@ -1,7 +1,6 @@
 """Every decision the CUDA paths make, checked on a CPU: no machine here has a GPU, so each decision is a small
 function tested with the values a GPU host would give it (device counts, compute capabilities, device names), and
 torch's own checks are called where they run without CUDA."""
-import os
 
 import pytest
 import torch
@@ -10,7 +9,6 @@ import torch.nn.functional as F
 from torch.cuda._utils import _get_device_index
 
 import checkpoint
-import model as model_module
 import perf
 from model import GPT, GPTConfig, padded_vocab
 

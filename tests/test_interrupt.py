@@ -100,7 +100,8 @@ def test_second_ctrl_c_exits_at_once_with_whole_checkpoints(tmp_path, data_dir):
     proc.send_signal(signal.SIGINT, group=True)
     proc.communicate(timeout=60)
     assert proc.returncode == 130 and not read_metrics(out, 'stop')  # no save-and-stop: it left at once
-    assert torch.load(os.path.join(out, 'last.pt'), weights_only=True)['iter_num'] >= 2
+    # whole, from step 1 or 2: the save of the step under way is what the second Ctrl-C may have cut short
+    assert torch.load(os.path.join(out, 'last.pt'), weights_only=True)['iter_num'] >= 1
 
 
 def test_two_ranks_stop_together_on_sigterm_and_resume_bitwise(tmp_path, data_dir):

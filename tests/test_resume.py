@@ -1,4 +1,5 @@
 """Exact resume and crash safety: an interrupted run, resumed, is the run that was never interrupted."""
+import glob
 import os
 import random
 import shutil
@@ -61,11 +62,15 @@ def start_train(out_dir, data_dir, *overrides):
     return forked.Process('train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides)
 
 
-def fresh_file(path, since):
-    try:
-        return os.stat(path).st_mtime >= since
-    except FileNotFoundError:
-        return False
+def fresh_file(pattern, since):
+    """Whether a file matching pattern was written since then (a checkpoint's temp file is NAME.PID.tmp)."""
+    for path in glob.glob(pattern):
+        try:
+            if os.stat(path).st_mtime >= since:
+                return True
+        except FileNotFoundError:
+            pass
+    return False
 
 
 def test_sigkill_at_random_moments_then_auto_resume(tmp_path, data_dir):
@@ -80,9 +85,9 @@ def test_sigkill_at_random_moments_then_auto_resume(tmp_path, data_dir):
         proc = start_train(killed, data_dir, *args)
         if attempt % 2 == 0:  # wait for a checkpoint write to be under way, then kill inside it
             started, deadline = time.time(), time.time() + 60
-            while proc.poll() is None and time.time() < deadline and not fresh_file(os.path.join(killed, 'last.pt.tmp'), started):
+            while proc.poll() is None and time.time() < deadline and not fresh_file(os.path.join(killed, 'last.pt.*.tmp'), started):
                 time.sleep(0.0005)
-            in_save = fresh_file(os.path.join(killed, 'last.pt.tmp'), started)
+            in_save = fresh_file(os.path.join(killed, 'last.pt.*.tmp'), started)
         else:  # anywhere: start-up, a step, an evaluation, a save
             time.sleep(rng.uniform(2.0, 7.0))
             in_save = False

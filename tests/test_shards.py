@@ -132,12 +132,10 @@ def test_data_change_names_the_shards():
              'shards': [['d_train_000000.bin', 10, 'f0'], ['d_val_000000.bin', 5, 'f1']]}
     assert data.data_change(ident, ident) == ''
     grown = {**ident, 'shards': [['d_train_000000.bin', 10, 'f0'], ['d_train_000001.bin', 3, 'f2'], ['d_val_000000.bin', 5, 'f9']]}
-    assert data.data_change(ident, grown) == 'shards added d_train_000001.bin; changed d_val_000000.bin'
-    assert data.data_change(grown, ident) == 'shards removed d_train_000001.bin; changed d_val_000000.bin'
-    assert data.data_change(ident, {**ident, 'vocab_size': 10}) == 'its vocab_size differ'
-    # no shards recorded: prepared by the older split rule, whose train held other documents, even from the same source
-    older = {k: v for k, v in ident.items() if k != 'shards'}
-    assert data.data_change(older, ident) == 'its dataset predates shards and the document split rule changed since, so no data here matches it'
+    other = 'was trained on other data '
+    assert data.data_change(ident, grown) == other + '(shards added d_train_000001.bin; changed d_val_000000.bin)'
+    assert data.data_change(grown, ident) == other + '(shards removed d_train_000001.bin; changed d_val_000000.bin)'
+    assert data.data_change(ident, {**ident, 'vocab_size': 10}) == other + '(its vocab_size differ)'
 
 
 # -----------------------------------------------------------------------------
@@ -215,10 +213,12 @@ def test_two_ranks_equal_one_process_on_shards(tmp_path, sharded_dir):
 
 @pytest.mark.slow
 def test_bench_loader_mode_reads_windows(tmp_path, sharded_dir):
+    run = str(tmp_path / 'run')
+    run_train(run, sharded_dir, '--max_iters=1', '--eval_interval=1', '--batch_size=4')
     out = tmp_path / 'loader.json'
-    result = forked.run('bench.py', f'--data_dir={sharded_dir}', '--dataset=toy', '--block_size=32', '--batch_size=8',
-                        '--loader=True', '--bench_iters=50', f'--json={out}', timeout=120)
+    result = forked.run('bench.py', f'--loader={run}', '--bench_iters=50', f'--json={out}', timeout=120)
     assert result.returncode == 0, result.stderr
-    report = json.loads(out.read_text())
-    assert report['loader']['batches'] == 50 and report['loader']['windows_per_sec'] > 0
+    report = json.loads(out.read_text())['loader']  # the run's own loader: its batch size and shards
+    assert report['batches'] == 50 and report['windows_per_sec'] > 0 and report['batch_size'] == 4
+    assert report['train_shards'] == len(data.open_dataset(sharded_dir, 'toy')[1]['train']) > 1
     assert 'windows/s' in result.stdout

@@ -4,7 +4,6 @@ import importlib.util
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 import forked
-from conftest import REPO, RUN_CONFIG, ok, read_metrics, run_train
+from conftest import PROBE, REPO, RUN_CONFIG, ok, read_metrics, run_train
 
 
 def test_run_learns_and_records_everything(tmp_path, data_dir):
@@ -129,7 +128,7 @@ def test_smoke_test_passes_or_refuses_to_start(tmp_path, data_dir, run_20):
     out = str(tmp_path / 'smoke')
     result = run_train(out, data_dir, '--smoke_test=True', '--max_iters=20', '--lr_decay_iters=20')
     smoke = read_metrics(out, 'smoke_test')[0]
-    assert smoke['passed'] and smoke['final_loss'] < 0.7 * smoke['first_loss'] and 'smoke test passed' in result.stdout
+    assert smoke['final_loss'] < 0.7 * smoke['first_loss'] and 'smoke test passed' in result.stdout
     # the smoke test leaves no trace in the run: same losses as without it
     assert [r['loss'] for r in read_metrics(out, 'train')] == [r['loss'] for r in read_metrics(run_20, 'train')]
     never = tmp_path / 'never'
@@ -163,7 +162,7 @@ def test_nanogpt_config_runs_unchanged(tmp_path, data_dir):
 @pytest.mark.parametrize('args, message', [
     (['--device=mps'], "error: device='mps' is not supported: use device=cpu, cuda, cuda:N or auto"),
     (['--device=cuda'], "error: device='cuda' but CUDA is not available here: use device=cpu"),
-    (['--checkpoint_interval=-1'], "error: checkpoint_interval=-1 must be 0 (only at evaluations) or positive"),
+    (['--checkpoint_interval=-1'], "error: checkpoint_interval=-1 must be 0 (off) or positive"),
 ])
 def test_mistakes_are_one_line_exit_2_nothing_written(tmp_path, data_dir, args, message):
     if args == ['--device=cuda'] and torch.cuda.is_available():
@@ -193,8 +192,9 @@ def test_start_up_says_what_it_does_and_how_long_the_run_will_take(short_run):
     lines = short_run[1].stdout.splitlines()
     first_iter = next(i for i, l in enumerate(lines) if l.startswith('iter 1/'))
     assert any(l.startswith('building the model') for l in lines[:first_iter])
-    estimate = next(l for l in lines[:first_iter] if l.startswith('the first micro-batch took'))
-    assert 's per iteration' in estimate and 'h for the 30 left' in estimate
+    # 2 micro-batches per step: the second one's time is known within the first step
+    estimate = next(l for l in lines[:first_iter] if l.startswith('a micro-batch after the first took'))
+    assert 's per iteration' in estimate and 'h for the 29 left' in estimate
 
 
 @pytest.mark.slow
@@ -208,14 +208,31 @@ def test_live_log_line(short_run):
 
 
 @pytest.mark.slow
-def test_eta_is_the_median_of_recent_iterations_without_the_first(short_run):
+def test_eta_is_the_mean_of_the_last_ten_intervals_without_the_first(short_run):
+    """The session's first interval holds one-time work (compilation, warm-up): the ETA starts from the estimate
+    (the second micro-batch's time) and then follows the mean time per iteration of the last 10 intervals, so a
+    slow spell moves it at once, by its share of those intervals."""
     steps = read_metrics(short_run[0], 'train')
+    estimate = read_metrics(short_run[0], 'estimate')[0]['seconds_per_iter']
     tokens_per_iter = 2 * 8 * 32
     seconds = [tokens_per_iter / r['tokens_per_sec'] for r in steps]  # each record's own interval: one iteration
-    assert steps[0]['eta_seconds'] == pytest.approx(29 * seconds[0], rel=1e-6)  # only the first: warm-up included
+    assert steps[0]['eta_seconds'] == pytest.approx(29 * estimate, rel=1e-6)
     for k in range(1, 30):
-        recent = seconds[max(1, k - 19):k + 1]  # the last 20 intervals, never the first
-        assert steps[k]['eta_seconds'] == pytest.approx((30 - steps[k]['step']) * statistics.median(recent), rel=1e-6, abs=1e-9)
+        recent = seconds[max(1, k - 9):k + 1]
+        assert steps[k]['eta_seconds'] == pytest.approx((30 - steps[k]['step']) * sum(recent) / len(recent), rel=1e-6,
+                                                        abs=1e-9)
+
+
+@pytest.mark.slow
+def test_one_time_work_in_the_first_micro_batch_is_left_out_of_estimate_and_eta(tmp_path, data_dir):
+    """What compilation does to the first micro-batch (here: 3 s of sleep in its loss, tests/ddp_probe.py) must not
+    reach the start-up estimate or the ETA; the step itself takes milliseconds."""
+    out = str(tmp_path / 'slow_start')
+    result = forked.run(PROBE, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=6',
+                        '--eval_interval=6', env={**os.environ, 'PROBE_SLEEP': '1-1:3'})
+    assert result.returncode == 0, result.stderr
+    assert read_metrics(out, 'estimate')[0]['seconds_per_iter'] < 1
+    assert all(r['eta_seconds'] < 5 for r in read_metrics(out, 'train')[1:])  # 3 s x 5 iterations left, were it in
 
 
 @pytest.mark.slow

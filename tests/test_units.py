@@ -56,7 +56,7 @@ def test_init_and_param_groups():
     proj = model.blocks[0].mlp.c_proj.weight.std().item()
     assert abs(proj - 0.02 / math.sqrt(2 * 2)) < 0.004  # residual projections scaled down
     assert torch.all(model.blocks[0].attn.c_attn.bias == 0)
-    [adamw] = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
+    [adamw] = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95)).optimizers
     decay, no_decay = adamw.param_groups
     decay_ids = {id(p) for p in decay['params']}
     assert id(model.blocks[0].attn.c_attn.weight) in decay_ids
