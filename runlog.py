@@ -2,8 +2,8 @@
 A run's records in out_dir, written by rank 0 alone: train.log (every line the run printed), metrics.jsonl (one
 JSON record per event: start, train, eval, test, memory, abort, stop, ...), config.json (each key, its value and
 where it came from), meta.json (command, git SHA, seed, versions, hardware, data), and TensorBoard event files and
-Weights & Biases when asked. log() prints a line and keeps it; record() keeps a metrics record everywhere it goes.
-Until open_run() there is nothing to keep: a run that stops at a mistake writes nothing.
+Weights & Biases when asked. log() prints a line and keeps it; record() keeps a metrics record everywhere it goes;
+abort() ends a run that cannot go on. Until start() nothing is kept: a run that stops at a mistake writes nothing.
 """
 import glob
 import importlib.metadata
@@ -19,10 +19,12 @@ import torch
 
 import checkpoint
 import perf
+import report
 
 LOGS = ('metrics.jsonl', 'train.log')
 master = True  # rank 0: train.py sets it; the other ranks print and write nothing
-files = {}  # LOGS, open for appending once open_run() has run
+run_dir, with_report = None, False  # set by start()
+files = {}  # LOGS, open for appending once start() has run
 tensorboard = None  # a SummaryWriter when asked
 wandb = None  # the wandb module when asked
 
@@ -57,12 +59,14 @@ def log_bytes():
     return {name: f.tell() for name, f in files.items()}
 
 
-def open_run(out_dir, keep_bytes, config, tensorboard_log, wandb_project='', wandb_run_name=''):
-    """Create out_dir (raises OSError if it cannot be written) and open the logs for appending. keep_bytes: what
-    the checkpoint a run resumes from had logged; what came after is cut, since those steps are redone (None: keep
-    all, a run's first session or one resumed from another folder; {}: cut all, a new run in a folder a run stopped
-    before its first checkpoint left). Temp files a killed save left are dropped: never read, safe to remove."""
-    global tensorboard, wandb
+def start(out_dir, keep_bytes, config, sources, resolved, run, report, tensorboard_log, wandb_project, wandb_run_name):
+    """Create out_dir (OSError if it cannot be written), open the logs for appending, write config.json (with what
+    'auto' settings resolved to) and meta.json (run: seed, dtype, device, data, ...). keep_bytes: what the checkpoint
+    a run resumes from had logged; what came after is cut, since those steps are redone (None keeps all: a first
+    session, or a resume from another folder; {} cuts all: a new run where one stopped before its first checkpoint).
+    Temp files a killed save left are dropped: never read, safe to remove. report: write report.md at the end."""
+    global run_dir, with_report, tensorboard, wandb
+    run_dir, with_report = out_dir, report
     os.makedirs(out_dir, exist_ok=True)
     for name in LOGS:
         path = os.path.join(out_dir, name)
@@ -71,6 +75,9 @@ def open_run(out_dir, keep_bytes, config, tensorboard_log, wandb_project='', wan
         files[name] = open(path, 'a')
     for path in glob.glob(os.path.join(glob.escape(out_dir), '*.tmp')):
         os.remove(path)
+    write_json(os.path.join(out_dir, 'config.json'),
+               {k: {'value': config[k], 'source': sources[k]} for k in config} | {'resolved': resolved})
+    write_meta(out_dir, run)
     if tensorboard_log:
         from torch.utils.tensorboard import SummaryWriter
         tensorboard = SummaryWriter(os.path.join(out_dir, 'tensorboard'))
@@ -80,15 +87,24 @@ def open_run(out_dir, keep_bytes, config, tensorboard_log, wandb_project='', wan
         wandb.init(project=wandb_project, name=wandb_run_name, config=config, resume='allow')
 
 
+def finish():
+    """report.md and curves.png, rebuilt from the run's files (report.py), when asked."""
+    if master and with_report:
+        report.write_report(run_dir)
+        log(f"report: {os.path.join(run_dir, 'report.md')} and curves.png")
+
+
+def abort(step, message):
+    """Stop the run now, exit code 1, with an abort record, the message and the report. Every rank calls it at the
+    same point, having decided on the same reduced values."""
+    record({'kind': 'abort', 'step': step, 'message': message})
+    log(f"error: {message}", sys.stderr)
+    finish()
+    sys.exit(1)
+
+
 def write_json(path, obj):
     checkpoint.atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2) + '\n').encode()))
-
-
-def write_config(out_dir, config, sources, resolved):
-    """config.json: each key's value and source (default, a config file, the command line, the weights), and what
-    'auto' settings resolved to."""
-    write_json(os.path.join(out_dir, 'config.json'),
-               {k: {'value': config[k], 'source': sources[k]} for k in config} | {'resolved': resolved})
 
 
 def write_meta(out_dir, run):

@@ -7,9 +7,9 @@ Data parallel on several processes or machines (gloo on CPU, nccl on GPUs):
 
     torchrun --standalone --nproc_per_node=2 train.py config/tiny.py --gradient_accumulation_steps=2
 
-The defaults below keep nanoGPT's names and meanings; config files and --key=value override them (configurator.py).
-Everything a run writes goes to out_dir: config.json, meta.json, train.log, metrics.jsonl, best.pt (lowest val loss),
-last.pt (the latest state, for resuming), report.md and curves.png.
+The defaults below keep nanoGPT's names and meanings; config files and --key=value override them
+(configurator.py). A run writes to out_dir: config.json, meta.json, train.log, metrics.jsonl, best.pt (lowest
+val loss), last.pt (the latest state, for resuming), report.md and curves.png.
 """
 import collections
 import copy
@@ -38,7 +38,7 @@ import runlog
 import sample
 from configurator import ConfigError, configure, fail
 from model import GPT, GPTConfig
-from runlog import log, record
+from runlog import abort, log, record
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -46,25 +46,23 @@ out_dir = 'out'
 eval_interval = 2000
 log_interval = 1
 eval_iters = 200  # eval batches per split and evaluation (evenly spread windows); 0 = the whole split
-always_save_checkpoint = True  # write last.pt at every evaluation; False: only at a new best val loss and at the end
-checkpoint_interval = 0  # also write last.pt every this many iterations, without evaluating; 0: only at evaluations
-# 'scratch', 'resume' (out_dir/last.pt or resume_from), 'auto' (resume if last.pt exists, else scratch), or GPT-2's
-# weights to finetune: 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', a Hugging Face model folder or .safetensors file
+always_save_checkpoint = True  # last.pt at every evaluation; False: only with a new best.pt and at the end
+checkpoint_interval = 0  # also write last.pt every this many iterations, without evaluating; 0: off
+# 'scratch', 'resume' (out_dir/last.pt or resume_from), 'auto' (resume if last.pt exists, else scratch), or
+# GPT-2's weights: 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', a Hugging Face folder or .safetensors file
 init_from = 'scratch'
-resume_from = ''  # a checkpoint to resume from instead of out_dir/last.pt, e.g. out/best.pt or out/stable.pt
-# at the end of the run, with the best weights
-test_eval = True  # evaluate them on the test split
-sample_tokens = 200  # print a sample of this many tokens; 0: none
+resume_from = ''  # a checkpoint to resume from instead of out_dir/last.pt: out/best.pt, out/stable.pt, ...
+test_eval = True  # at the end, evaluate the best weights on the test split
+sample_tokens = 200  # at the end, print a sample of this many tokens from the best weights; 0: none
 write_report = True  # out_dir/report.md and curves.png (also when a run aborts or is stopped by a signal)
-# logging services (off by default; imported only when on)
-wandb_log = False
+wandb_log = False  # Weights & Biases (imported only when on)
 wandb_project = 'honestgpt'
 wandb_run_name = 'run'
 tensorboard_log = False  # event files in out_dir/tensorboard
 cost_per_hour = 0.0  # price of one process-hour, for the report's cost estimate; 0 leaves cost out
-profile_iter = 0  # > 0: profile that iteration (torch.profiler): out_dir/trace.json, and its phases in metrics.jsonl
+profile_iter = 0  # > 0: profile that iteration: out_dir/trace.json, and its phases in metrics.jsonl
 # data
-dataset = 'pystdlib_char'  # a folder of shards under data_dir (prepare.py's, or llm.c's with a meta.json), or a glob
+dataset = 'pystdlib_char'  # a folder of shards under data_dir (prepare.py's, or llm.c's), or a glob
 data_dir = 'data'
 gradient_accumulation_steps = 40  # global: divided by the number of processes
 batch_size = 12  # micro-batch per process
@@ -76,40 +74,40 @@ n_head = 12
 n_embd = 768
 dropout = 0.0
 bias = False
-activation = 'gelu'  # the MLP's: 'gelu', 'gelu_tanh' (GPT-2's) or 'relu2' (ReLU squared). GPT-2 weights set it
-pos_emb = 'learned'  # positions: 'learned' (an embedding, GPT-2's) or 'rope' (rotary: relative, no parameters)
+activation = 'gelu'  # the MLP's: 'gelu', 'gelu_tanh' (GPT-2's) or 'relu2' (ReLU squared)
+pos_emb = 'learned'  # positions: 'learned' (an embedding, GPT-2's) or 'rope' (rotary: relative, no weights)
 qk_norm = False  # RMS-normalize each head's queries and keys before attention
 tie_head = True  # the output head shares the token embedding's matrix (GPT-2's); False: the head has its own
 logit_softcap = 0.0  # > 0: logits become logit_softcap * tanh(logits / logit_softcap); 0: off
-zero_init = False  # attention and MLP output projections (and an untied head) start at zero instead of small noise
+zero_init = False  # output projections (and an untied head) start at zero instead of small noise
 # optimizer: 'adamw' for every parameter, or 'muon': Muon for the blocks' matrices and AdamW for the rest
 optimizer = 'adamw'
 learning_rate = 6e-4  # AdamW's
 muon_lr = 0.02  # Muon's base learning rate; the schedule scales it by the same factor as learning_rate
 muon_momentum = 0.95
-max_iters = 600000  # iterations (optimizer steps attempted, each of gradient_accumulation_steps micro-batches)
+max_iters = 600000  # iterations: optimizer steps attempted, of gradient_accumulation_steps micro-batches each
 weight_decay = 1e-1
 beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0  # 0 disables clipping (the norm is still measured and logged)
 # learning rate schedule: linear warmup, decay to min_lr at lr_decay_iters, then flat
 decay_lr = True
-lr_schedule = 'cosine'  # 'cosine' (nanoGPT's) or 'wsd': warmup, stable (constant; stable.pt saved at its end), decay
-wsd_decay_frac = 0.2  # wsd: the decay takes this share of the iterations between warmup_iters and lr_decay_iters
+lr_schedule = 'cosine'  # 'cosine' (nanoGPT's) or 'wsd': warmup, stable (stable.pt saved at its end), decay
+wsd_decay_frac = 0.2  # wsd: the decay's share of the iterations between warmup_iters and lr_decay_iters
 warmup_iters = 2000
 lr_decay_iters = 600000
 min_lr = 6e-5  # AdamW's floor; Muon's is muon_lr * min_lr / learning_rate
-# early stopping and smoke test
+# early stopping and checks
 patience = 0  # stop after this many evaluations without a new best val loss; 0 never stops early
-overfit_one_batch = False  # train on one fixed batch: loss must approach zero if model, loss and optimizer are wired
-smoke_test = False  # before the run, overfit one batch for 30 steps and refuse to start if the loss does not fall
+overfit_one_batch = False  # train on one fixed batch: the loss must approach zero if everything is wired
+smoke_test = False  # first overfit one batch for 30 steps, and refuse to start if the loss does not fall
 # system
 device = 'auto'  # 'auto' (cuda:LOCAL_RANK if there is a GPU, else cpu), 'cpu', 'cuda', 'cuda:1' (one process)
 dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 uses a GradScaler)
 compile = False  # torch.compile the model
 backend = 'auto'  # distributed backend: 'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'
-parallel = 'ddp'  # with several processes: 'ddp' (replicate the model) or 'fsdp' (shard weights, grads, optimizer)
-activation_checkpointing = False  # recompute activations in backward, block by block: less memory, more compute
+parallel = 'ddp'  # several processes: 'ddp' (replicas) or 'fsdp' (weights, grads and optimizer sharded)
+activation_checkpointing = False  # recompute activations in backward, block by block: less memory
 init_scale = 65536.0  # float16 GradScaler's first loss scale
 max_consecutive_skips = 20  # abort when float16 overflow skips this many optimizer steps in a row
 seed = 1337
@@ -118,24 +116,27 @@ deterministic = False  # torch.use_deterministic_algorithms: bitwise repeatable 
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 defaults = {k: globals()[k] for k in config_keys}
 ddp = 'RANK' in os.environ  # torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
-rank, local_rank, world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if ddp else (0, 0, 1)
+rank, local_rank, world_size = (int(os.environ.get(k, default)) for k, default in
+                                (('RANK', 0), ('LOCAL_RANK', 0), ('WORLD_SIZE', 1)))
 master = runlog.master = rank == 0
 
 
 def check(ok, message):
-    """A mistake in the settings, the same on every rank: rank 0 says it in one line; all exit 2, nothing written."""
+    """A mistake in the settings, the same on every rank: rank 0 says it in one line; all exit 2."""
     if not ok:
         fail(message) if master else sys.exit(2)
 
 
 try:
     config, config_sources = configure(defaults, sys.argv[1:])
-    model_config = GPTConfig(**{f.name: config[f.name] for f in dataclasses.fields(GPTConfig) if f.name in config})
-except (ConfigError, ValueError) as e:  # the model's shape too, before anything is written
+    model_config = GPTConfig(**{f.name: config[f.name] for f in dataclasses.fields(GPTConfig)
+                                if f.name in config})
+except (ConfigError, ValueError) as e:  # the model's shape too, checked before anything is written
     check(False, e)
 globals().update(config)
 for key, allowed in (('dtype', ('auto', *perf.DTYPES)), ('backend', ('auto', 'nccl', 'gloo')),
-                     ('parallel', ('ddp', 'fsdp')), ('optimizer', ('adamw', 'muon')), ('lr_schedule', ('cosine', 'wsd'))):
+                     ('parallel', ('ddp', 'fsdp')), ('optimizer', ('adamw', 'muon')),
+                     ('lr_schedule', ('cosine', 'wsd'))):
     check(config[key] in allowed, f"{key}='{config[key]}': use {' or '.join(repr(a) for a in allowed)}")
 check(init_from in ('scratch', 'resume', 'auto') or hf.is_source(init_from),
       f"init_from='{init_from}': use 'scratch', 'resume', 'auto', a GPT-2 name ({', '.join(hf.GPT2_NAMES)}) "
@@ -144,14 +145,15 @@ for key in ('eval_interval', 'log_interval', 'gradient_accumulation_steps', 'bat
     check(config[key] > 0, f"{key}={config[key]} must be positive")
 for key in ('checkpoint_interval', 'profile_iter', 'eval_iters', 'patience'):
     check(config[key] >= 0, f"{key}={config[key]} must be 0 (off) or positive")
-check(not decay_lr or lr_decay_iters > warmup_iters, f"lr_decay_iters={lr_decay_iters} must exceed warmup_iters")
+check(not decay_lr or lr_decay_iters > warmup_iters,
+      f"lr_decay_iters={lr_decay_iters} must exceed warmup_iters={warmup_iters}")
 check(0 < wsd_decay_frac <= 1, f"wsd_decay_frac={wsd_decay_frac} must be in (0, 1]")
 check(gradient_accumulation_steps % world_size == 0,
-      f"gradient_accumulation_steps={gradient_accumulation_steps} is not divisible by the {world_size} processes: "
-      f"make it a multiple of {world_size} so the global batch stays the same")
+      f"gradient_accumulation_steps={gradient_accumulation_steps} is not divisible by the {world_size} "
+      f"processes: make it a multiple of {world_size} so the global batch stays the same")
 sharded = ddp and parallel == 'fsdp'
-check(not (sharded and dtype == 'float16'), "parallel='fsdp' trains in float32 or bfloat16: set dtype=bfloat16")
-# torch 2.13's Muon steps FSDP2's sharded matrices without an error, but not to the update it gives the whole matrix
+check(not (sharded and dtype == 'float16'), "parallel='fsdp' trains in float32 or bfloat16: use bfloat16")
+# torch 2.13's Muon steps FSDP2's sharded matrices without an error, but not to the update of the whole matrix
 check(not (sharded and optimizer == 'muon'), "optimizer='muon' does not work with parallel='fsdp' (Muon "
       "orthogonalizes whole matrices, FSDP shards them): use parallel='ddp' or optimizer='adamw'")
 for key, package in (('tensorboard_log', 'tensorboard'), ('wandb_log', 'wandb')):
@@ -187,6 +189,14 @@ def any_rank(flag):
     return bool(all_ranks(torch.tensor(float(bool(flag)), device=device)).item())
 
 
+def gather(obj):
+    """obj of every rank, in rank order: every rank calls this at the same points."""
+    objs = [obj] * world_size
+    if ddp:
+        dist.all_gather_object(objs, obj)
+    return objs
+
+
 # -----------------------------------------------------------------------------
 # data
 try:
@@ -199,19 +209,17 @@ try:
     train_sampler = data.TrainSampler(splits['train'].num_tokens, block_size, batch_size,
                                       batch_size * gradient_accumulation_steps, seed, rank, world_size)
     # a sharded forward is a collective: every rank must run as many eval batches as the others
-    eval_loaders = {s: data.make_loader(w, data.EvalSampler(w.num_tokens, block_size, batch_size, eval_iters * batch_size,
-                                                            rank, world_size, sharded), 0, seed, device_type == 'cuda')
-                    for s, w in splits.items()}
+    eval_samplers = {s: data.EvalSampler(w.num_tokens, block_size, batch_size, eval_iters * batch_size, rank,
+                                         world_size, sharded) for s, w in splits.items()}
+    eval_loaders = {s: data.make_loader(splits[s], sampler, 0, seed, device_type == 'cuda')
+                    for s, sampler in eval_samplers.items()}
 except (data.DataError, prepare.PrepareError) as e:  # a node's own data may differ from rank 0's
     fail(f"rank {rank}: {e}" if ddp else e)
 dataset_id = {'name': data_meta['name'], 'source_sha256': data_meta.get('source_sha256'),
               'vocab_size': data_meta['vocab_size'], 'tokenizer': data_meta['tokenizer'],
               'shards': [shard for s in splits.values() for shard in s.shards]}
-if ddp:  # each node opened its own copy: one model trained on two datasets would be nonsense
-    ids = [None] * world_size
-    dist.all_gather_object(ids, dataset_id)
-    check(ids.count(dataset_id) == world_size, f"the ranks see different data in {data_dir}/{dataset}: every node "
-                                               f"needs the same prepared dataset (shared storage or the same files)")
+check(gather(dataset_id).count(dataset_id) == world_size, f"the ranks see different data in {data_dir}/"
+      f"{dataset}: every node needs the same prepared dataset (shared storage, or the same files on each)")
 if 'test' not in splits and test_eval:
     log(f"dataset '{dataset}' has no test split: the test evaluation is skipped")
     test_eval = False  # config.json keeps what was asked
@@ -226,36 +234,37 @@ try:
         ckpt = checkpoint.load(ckpt_path)
         pretrained = ckpt['pretrained']  # {'init_from', 'weights', 'sha256'} of a GPT-2 start, or None
     elif init_from not in ('scratch', 'auto'):
-        pretrained_args, pretrained_state, pretrained = hf.load_gpt2(init_from, block_size, data_meta['vocab_size'])
+        pretrained_args, pretrained_state, pretrained = hf.load_gpt2(init_from, block_size,
+                                                                     data_meta['vocab_size'])
 except (checkpoint.CheckpointError, hf.HFError) as e:
     check(False, e)
-check(resuming or init_from == 'auto' or not any(os.path.exists(os.path.join(out_dir, f)) for f in ('last.pt', 'best.pt')),
-      f"out_dir '{out_dir}' already holds a checkpoint: resume it with init_from=resume (or auto), or pick a new out_dir")
+holds_one = any(os.path.exists(os.path.join(out_dir, f)) for f in ('last.pt', 'best.pt'))
+check(resuming or init_from == 'auto' or not holds_one,
+      f"out_dir '{out_dir}' already holds a checkpoint: resume it (init_from=resume or auto), or use another")
 model_config = dataclasses.replace(model_config, vocab_size=data_meta['vocab_size'])
-if pretrained:  # the shape comes from the weights, on resume too; config.json and checkpoints record it resolved
+if pretrained:  # the shape comes from the weights, on resume too; config.json and checkpoints record it
     shape = {k: (ckpt['model_args'] if resuming else pretrained_args)[k] for k in hf.SHAPE_KEYS}
     config |= shape
     config_sources |= dict.fromkeys(shape, f"weights of {pretrained['init_from']}")
     model_config = dataclasses.replace(model_config, **shape)
     lacking = hf.cannot_hold(model_config)
-    check(not lacking, f"GPT-2's weights cannot have {', '.join(lacking)}: leave those keys at their defaults")
+    check(not lacking, f"GPT-2's weights cannot have {', '.join(lacking)}: leave those keys at the defaults")
 if resuming:
-    why_not = checkpoint.why_not_resume(ckpt, config, defaults) or data.data_change(ckpt['dataset'], dataset_id)
-    check(not why_not, f"{ckpt_path} {why_not}: use the checkpoint's settings and data, or start a new out_dir")
+    why_not = checkpoint.why_not_resume(ckpt, config, defaults) or data.data_change(ckpt['dataset'],
+                                                                                     dataset_id)
+    check(not why_not, f"{ckpt_path} {why_not}: use the checkpoint's settings and data, or a new out_dir")
 
 # -----------------------------------------------------------------------------
 # precision, model, optimizer, schedule
 dtype_how = {'rule': 'set in the config'}
 if dtype == 'auto' and resuming:  # a resume continues in the dtype the run chose, whatever is measured now
-    dtype, dtype_how = ckpt['dtype'], {'rule': f"dtype='auto' as resolved by the run resumed from {ckpt_path}"}
+    dtype, dtype_how = ckpt['dtype'], {'rule': f"dtype='auto' as resolved by the run in {ckpt_path}"}
 elif dtype == 'auto':  # rank 0 decides (by measuring, on some CPUs) and every rank trains in its choice
     log("choosing the dtype for dtype='auto'")
-    choice = [perf.auto_dtype(device, dataclasses.asdict(model_config), batch_size) if master else None]
-    if ddp:
-        dist.broadcast_object_list(choice)
-    dtype, dtype_how = choice[0]
+    choice = perf.auto_dtype(device, dataclasses.asdict(model_config), batch_size) if master else None
+    dtype, dtype_how = gather(choice)[0]
     check(dtype in perf.DTYPES, f"HONESTGPT_AUTO_DTYPE={dtype}: use float32, bfloat16 or float16")
-if dtype == 'float16' and device_type == 'cpu' and perf.float16_warning(device, n_embd, batch_size * block_size):
+if dtype == 'float16' and device_type == 'cpu':
     log(perf.float16_warning(device, n_embd, batch_size * block_size), sys.stderr)
 autocast = perf.autocast(device_type, dtype)
 
@@ -269,15 +278,16 @@ model = model.to(device)
 model.activation_checkpointing = activation_checkpointing
 if sharded:
     model.fully_shard(perf.DTYPES[dtype], device_type)
-optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), config['optimizer'], muon_lr,
-                                       muon_momentum)
+optimizer_args = (learning_rate, (beta1, beta2), config['optimizer'], muon_lr, muon_momentum)
+optimizer = model.configure_optimizers(weight_decay, *optimizer_args)
 min_lr_factor = min_lr / learning_rate if learning_rate > 0 else 0.0
-decay_start = lr_decay_iters - wsd_decay_frac * (lr_decay_iters - warmup_iters) if lr_schedule == 'wsd' else warmup_iters
+decay_start = lr_decay_iters - wsd_decay_frac * (lr_decay_iters - warmup_iters)  # wsd's
 
 
 def lr_factor(opt_step):
-    """The schedule as a multiple of each group's base rate, a function of real optimizer steps only: linear warmup,
-    then cosine (nanoGPT's) or constant-then-linear (wsd) decay to min_lr at lr_decay_iters, then flat."""
+    """The schedule as a multiple of each group's base rate, a function of real optimizer steps only: linear
+    warmup, then cosine (nanoGPT's) or constant-then-linear (wsd) decay to min_lr at lr_decay_iters, then
+    flat."""
     if not decay_lr:
         return 1.0
     if opt_step < warmup_iters:
@@ -303,17 +313,18 @@ if resuming:
     progress = checkpoint.resume(ckpt, ckpt_path, model, optimizer, scheduler, scaler, train_sampler, rank,
                                  world_size, device)
     check(progress['iter_num'] < max_iters or init_from == 'auto',
-          f"{ckpt_path} is at iteration {progress['iter_num']}: max_iters={max_iters} leaves nothing to do: raise "
-          f"max_iters (see README, Resume, for the learning rate of a longer run)")
-iter_num, best_val_loss, best_iter, evals_since_best, skipped_steps, consecutive_skips, seconds_before = progress.values()
+          f"{ckpt_path} is at iteration {progress['iter_num']}: max_iters={max_iters} leaves nothing to do: "
+          f"raise max_iters (README, Resume, says what the learning rate does then)")
+iter_num, best_val_loss, best_iter, evals_since_best, skipped_steps, consecutive_skips, seconds_before = \
+    progress.values()
 start_iter = last_saved = iter_num
 
 
 def train_step(model, optimizer, scaler, micro_batches, clock=None):
-    """One optimizer step's gradients: zero_grad, then per micro-batch forward (autocast), loss / accum_steps and
-    backward, synced across ranks on the last micro-batch only; then unscale and clip. Returns this rank's loss
-    summed over its micro-batches and the gradient norm, on device, and the batches' window starts. clock gets the
-    synced end times of the session's first two micro-batches: the second one's time is the start-up estimate."""
+    """One optimizer step's gradients: zero_grad, then per micro-batch forward (autocast), loss / accum_steps
+    and backward, synced across ranks on the last micro-batch only; then unscale and clip. Returns this rank's
+    loss summed over its micro-batches and the gradient norm, on device, and the batches' window starts. clock
+    gets the synced end times of the session's first two micro-batches: the second's time is the estimate."""
     optimizer.zero_grad(set_to_none=True)
     loss_sum, starts = torch.zeros((), device=device), []
     for micro_step in range(accum_steps):
@@ -335,29 +346,30 @@ def train_step(model, optimizer, scaler, micro_batches, clock=None):
             loss.item()  # waits for the device: the time is the micro-batch's, not its launch
             clock.append(time.time())
     scaler.unscale_(optimizer)  # clip true gradients, not scaled ones
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float('inf'))
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float('inf'))
     return loss_sum, grad_norm.full_tensor() if sharded else grad_norm, starts
 
 
 def run_smoke_test(steps=30):
-    """Overfit this rank's first train batch for a few steps with the training step itself (its own optimizer and
-    loss scaler), then put the weights and RNG back: a model, loss or optimizer that is not wired up fails here in
-    seconds instead of after hours."""
+    """Overfit this rank's first train batch for a few steps with the training step itself (its own optimizer
+    and loss scaler), then put the weights and RNG back: a model, loss or optimizer that is not wired up fails
+    here in seconds instead of after hours."""
     initial_weights, initial_rng = copy.deepcopy(model.state_dict()), checkpoint.rng_state(device)
-    batch = torch.utils.data.default_collate([splits['train'][s] for s in train_sampler.epoch_starts(0)[:batch_size]])
-    smoke_optimizer = model.configure_optimizers(0.0, learning_rate, (beta1, beta2), config['optimizer'], muon_lr,
-                                                 muon_momentum)
+    first = train_sampler.epoch_starts(0)[:batch_size]
+    batch = torch.utils.data.default_collate([splits['train'][s] for s in first])
+    smoke_optimizer = model.configure_optimizers(0.0, *optimizer_args)
     smoke_scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=scaler.is_enabled())
     losses = []
     for _ in range(steps):
-        losses.append(train_step(model, smoke_optimizer, smoke_scaler, iter(lambda: batch, None))[0] / accum_steps)
+        loss_sum, _, _ = train_step(model, smoke_optimizer, smoke_scaler, iter(lambda: batch, None))
+        losses.append(loss_sum / accum_steps)
         smoke_scaler.step(smoke_optimizer)
         smoke_scaler.update()
     model.load_state_dict(initial_weights)
     checkpoint.set_rng_state(initial_rng, device)
     first, final = (all_ranks(torch.stack([losses[0], losses[-1]]).float()) / world_size).tolist()
-    check(final < 0.7 * first, f"smoke test failed: one batch overfit for {steps} steps only went from loss {first:.4f} "
-                               f"to {final:.4f}: check learning_rate, or the model and loss if you changed them")
+    check(final < 0.7 * first, f"smoke test failed: one batch overfit for {steps} steps only went from loss "
+                               f"{first:.4f} to {final:.4f}: check learning_rate, or the model and loss")
     return {'kind': 'smoke_test', 'step': iter_num, 'steps': steps, 'first_loss': first, 'final_loss': final}
 
 
@@ -367,8 +379,8 @@ if compile:
     model = torch.compile(model)
 eval_model = model  # evaluation needs no gradient sync: the compiled model without the DDP wrapper
 if ddp and not sharded:
-    # buffers (rope's tables) are synced once here, not in every forward, where DDP's default broadcast would be a
-    # collective on the micro-batches that must not sync; a buffer that changes in training would need it back
+    # buffers (rope's tables) are synced once here, not in every forward, where DDP's default broadcast
+    # would be a collective on the micro-batches that must not sync; a buffer that changes would need it
     model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None, forward_sync_buffers=False)
 
 # -----------------------------------------------------------------------------
@@ -377,19 +389,19 @@ log("measuring this machine's peak FLOP/s for MFU (once per machine and dtype: c
 peak_flops, peak_how = perf.peak_flops(device, perf.DTYPES[dtype]) if master else (float('nan'), '')
 run_record = {'config': config, 'model_args': dataclasses.asdict(model_config), 'dataset': dataset_id,
               'pretrained': pretrained, 'dtype': dtype, 'seed': seed, 'out_dir': out_dir}
+unwritable = None
 try:
     if master:
         same_run = resuming and os.path.realpath(ckpt['out_dir']) == os.path.realpath(out_dir)
-        runlog.open_run(out_dir, ckpt['log_bytes'] if same_run else None if resuming else {}, config,
-                        tensorboard_log, wandb_log and wandb_project, wandb_run_name)
-        runlog.write_config(out_dir, config, config_sources, {'device': device, 'dtype': dtype})
-        runlog.write_meta(out_dir, {
-            'seed': seed, 'dtype': dtype, 'dtype_choice': dtype_how, 'device': device, 'world_size': world_size,
-            'resumed_from': f"{ckpt_path} at iteration {iter_num}" if resuming else None, 'pretrained': pretrained,
-            'peak_flops': {'per_process': peak_flops, 'how': peak_how}, 'dataset': {
-                **dataset_id, 'tokenizer': data_meta['tokenizer']['kind'], 'dir': data_dir,
-                'split_rule': data_meta.get('split_rule', '')}})
-    unwritable = None
+        keep_bytes = ckpt['log_bytes'] if same_run else None if resuming else {}
+        runlog.start(out_dir, keep_bytes, config, config_sources, {'device': device, 'dtype': dtype}, {
+                         'seed': seed, 'dtype': dtype, 'dtype_choice': dtype_how, 'device': device,
+                         'world_size': world_size, 'pretrained': pretrained,
+                         'resumed_from': f"{ckpt_path} at iteration {iter_num}" if resuming else None,
+                         'peak_flops': {'per_process': peak_flops, 'how': peak_how},
+                         'dataset': {**dataset_id, 'tokenizer': data_meta['tokenizer']['kind'],
+                                     'dir': data_dir, 'split_rule': data_meta.get('split_rule', '')}},
+                     write_report, tensorboard_log, wandb_log and wandb_project, wandb_run_name)
 except OSError as e:
     unwritable = f"out_dir '{out_dir}' cannot be written ({e.strerror or e}): pick a writable out_dir"
 check(not any_rank(unwritable), unwritable)  # every rank stops here together
@@ -397,16 +409,16 @@ tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 record({'kind': 'start', 'step': iter_num, 'time': time.time()})
 start_point = f"resuming from {ckpt_path} at iteration {iter_num}" if resuming else \
     f"starting from {pretrained['weights'] if pretrained else 'scratch'}"
-log(f"{start_point}: {raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, {world_size} process(es), "
+log(f"{start_point}: "
+    f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, {world_size} process(es), "
     f"{tokens_per_iter:,} tokens per iteration ({gradient_accumulation_steps} x {batch_size} x {block_size})")
 log(f"MFU is measured against {peak_flops / 1e9:,.1f} GFLOP/s per process ({peak_how})")
 if resuming and len(ckpt['rng']) != world_size:
-    log(f"the checkpoint was written by {len(ckpt['rng'])} process(es): the data continues where it stopped, but "
-        f"dropout draws new random streams, so this is not bitwise the run that would have continued")
+    log(f"the checkpoint was written by {len(ckpt['rng'])} process(es): the data continues where it stopped, "
+        f"but dropout draws new random streams, so this is not bitwise the run that would have continued")
 if smoke_result:
     record(smoke_result)
-    log(f"smoke test passed: one batch overfit for {smoke_result['steps']} steps, loss "
-        f"{smoke_result['first_loss']:.4f} -> {smoke_result['final_loss']:.4f}")
+    log(f"smoke test passed: loss {smoke_result['first_loss']:.4f} -> {smoke_result['final_loss']:.4f}")
 
 # -----------------------------------------------------------------------------
 # evaluation, checkpoints, and the ways a run ends early
@@ -428,65 +440,55 @@ def evaluate(split):
 
 
 def save(names, rng):
-    """Write names (best.pt before last.pt: a kill in between leaves last.pt older, never ahead of best.pt), then
-    agree with the other ranks on how it went: a save that failed anywhere (a full disk) ends every rank here, with
-    every file on disk whole. Returns the seconds it took."""
+    """Write names (best.pt before last.pt: a kill in between leaves last.pt older, never ahead of best.pt),
+    then agree with the other ranks on how it went: a save that failed anywhere (a full disk) ends every rank
+    here, with every file on disk whole. Returns the seconds it took."""
     global last_saved
     start, failed = time.time(), None
-    progress = dict(zip(checkpoint.PROGRESS, (iter_num, best_val_loss, best_iter, evals_since_best, skipped_steps,
-                                              consecutive_skips, seconds_before + time.time() - t_start)))
+    progress = dict(zip(checkpoint.PROGRESS, (iter_num, best_val_loss, best_iter, evals_since_best,
+                                              skipped_steps, consecutive_skips,
+                                              seconds_before + time.time() - t_start)))
     try:
-        checkpoint.save(names, out_dir, lambda shards: checkpoint.state(
-            raw_model, optimizer, scheduler, scaler, train_sampler, rng, progress,
-            run_record | {'log_bytes': runlog.log_bytes()}, shards), model, optimizer, sharded, iter_num, master)
+        run = run_record | {'log_bytes': runlog.log_bytes()}
+        build = lambda shards: checkpoint.state(raw_model, optimizer, scheduler, scaler, train_sampler, rng,
+                                                progress, run, shards)
+        checkpoint.save(names, out_dir, build, model, optimizer, sharded, iter_num, master)
     except (OSError, checkpoint.CheckpointError) as e:
         failed = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
     if any_rank(failed):
-        abort(iter_num, f"saving {' and '.join(names)} at iteration {iter_num} failed ({failed or 'on another rank'}): "
-                        f"the checkpoints on disk are whole: free space in {out_dir}, then resume from last.pt "
-                        f"(iteration {last_saved})")
+        abort(iter_num, f"saving {' and '.join(names)} at iteration {iter_num} failed "
+                        f"({failed or 'on another rank'}): the files on disk are whole; free space in "
+                        f"{out_dir}, then resume from last.pt (iteration {last_saved})")
     last_saved = iter_num if 'last.pt' in names else last_saved
     return time.time() - start
 
 
-def finish_report():
-    if master and write_report:
-        report.write_report(out_dir)
-        log(f"report: {os.path.join(out_dir, 'report.md')} and curves.png")
-
-
-def abort(step, message):
-    """Stop the run now, exit code 1: every rank got here on the same reduced values."""
-    record({'kind': 'abort', 'step': step, 'message': message})
-    log(f"error: {message}", sys.stderr)
-    finish_report()
-    sys.exit(1)
-
-
 def explain_out_of_memory(exc_type, exc, tb):
+    """One clear line instead of a traceback; the exit code stays 1. No report: plotting needs memory this
+    process may not get (python report.py OUT_DIR writes it later)."""
     if not (issubclass(exc_type, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)):
         return sys.__excepthook__(exc_type, exc, tb)
     record({'kind': 'abort', 'step': iter_num + 1, 'message': 'out of memory'})
-    # no report here: plotting needs memory this process may not get (python report.py OUT_DIR writes it later)
-    log(f"error: out of memory at iteration {iter_num + 1} with batch_size={batch_size}, block_size={block_size} "
-        f"({perf.peak_memory_mb(device):,.0f} MB at peak): lower batch_size and raise gradient_accumulation_steps by "
-        f"the same factor (the tokens per iteration stay){', or use dtype=bfloat16' if dtype == 'float32' else ''}; "
-        f"the checkpoints are intact", sys.stderr)
+    log(f"error: out of memory at iteration {iter_num + 1} with batch_size={batch_size}, block_size="
+        f"{block_size} ({perf.peak_memory_mb(device):,.0f} MB at peak): lower batch_size and raise "
+        f"gradient_accumulation_steps by the same factor (the tokens per iteration stay)"
+        f"{', or use dtype=bfloat16' if dtype == 'float32' else ''}; the checkpoints are intact", sys.stderr)
 
 
-sys.excepthook = explain_out_of_memory  # one clear line instead of a traceback; the exit code stays 1
-stop_signal = None  # SIGINT (Ctrl-C) or SIGTERM (a cluster's notice): save last.pt after the step under way, then exit
+sys.excepthook = explain_out_of_memory
+stop_signal = None  # SIGINT (Ctrl-C) or SIGTERM (a cluster's notice): save last.pt after this step, then exit
 
 
 def request_stop(signum, frame):
     global stop_signal
     if signum == signal.SIGINT and stop_signal == signal.SIGINT:
-        os._exit(130)  # a second Ctrl-C: at once; every checkpoint on disk is whole, each was written atomically
+        os._exit(130)  # a second Ctrl-C: at once; every checkpoint on disk is whole, written atomically
     if stop_signal is None:
         stop_signal = signum
-        if master:  # os.write: print() may be in the middle of a line, and a signal handler must not re-enter it
-            os.write(2, f"\n{signal.Signals(signum).name}: saving last.pt after the iteration under way, then "
-                        f"stopping{' (Ctrl-C again to stop at once)' if signum == signal.SIGINT else ''}\n".encode())
+        if master:  # os.write: print() may be in the middle of a line, and a handler must not re-enter it
+            again = ' (Ctrl-C again to stop at once)' if signum == signal.SIGINT else ''
+            os.write(2, f"\n{signal.Signals(signum).name}: saving last.pt after the iteration under way, "
+                        f"then stopping{again}\n".encode())
 
 
 signal.signal(signal.SIGINT, request_stop)
@@ -494,9 +496,9 @@ signal.signal(signal.SIGTERM, request_stop)
 
 
 def log_progress(loss, grad_norm, lr, skipped, scale):
-    """The log line and train record: speed over the interval since the last one, and the ETA from the mean time per
-    iteration over the last 10 intervals (the session's first, with its one-time work, left out; before any other,
-    the start-up estimate)."""
+    """The log line and train record: speed over the interval since the last one, and the ETA from the mean
+    time per iteration over the last 10 intervals (the session's first, with its one-time work, left out;
+    before any other, the start-up estimate)."""
     global t_last, iters_since_log
     elapsed = time.time() - t_last
     if iter_num - iters_since_log > start_iter:
@@ -506,18 +508,19 @@ def log_progress(loss, grad_norm, lr, skipped, scale):
     tokens_per_sec = iters_since_log * tokens_per_iter / elapsed
     mfu = tokens_per_sec * raw_model.flops_per_token() / (peak_flops * world_size)
     memory = perf.peak_memory_mb(device)
-    record({'kind': 'train', 'step': iter_num, 'time': time.time(), 'loss': loss, 'lr': lr, 'grad_norm': grad_norm,
-            'tokens_per_sec': tokens_per_sec, 'mfu': mfu, 'peak_mem_mb': memory, 'eta_seconds': eta,
-            'skipped': skipped, 'skipped_total': skipped_steps, 'scale': scale, 'epoch': train_sampler.epoch})
-    log(f"iter {iter_num}/{max_iters}: loss {loss:.4f}, lr {lr:.3e}, grad norm {grad_norm:.3f}, {tokens_per_sec:,.0f} "
-        f"tok/s, MFU {mfu:.1%}, mem {memory:,.0f} MB, ETA {'?' if eta is None else f'{eta / 60:.1f} min'}"
-        f"{', step skipped (float16 overflow)' if skipped else ''}")
+    record({'kind': 'train', 'step': iter_num, 'time': time.time(), 'loss': loss, 'lr': lr,
+            'grad_norm': grad_norm, 'tokens_per_sec': tokens_per_sec, 'mfu': mfu, 'peak_mem_mb': memory,
+            'eta_seconds': eta, 'skipped': skipped, 'skipped_total': skipped_steps, 'scale': scale,
+            'epoch': train_sampler.epoch})
+    log(f"iter {iter_num}/{max_iters}: loss {loss:.4f}, lr {lr:.3e}, grad norm {grad_norm:.3f}, "
+        f"{tokens_per_sec:,.0f} tok/s, MFU {mfu:.1%}, mem {memory:,.0f} MB, "
+        f"ETA {'?' if eta is None else f'{eta / 60:.1f} min'}{', step skipped (float16 overflow)' * skipped}")
     t_last, iters_since_log = time.time(), 0
 
 
 def evaluate_and_choose_saves():
-    """Train and val loss, the best so far, and which files to write: best.pt at a new best val loss, last.pt at
-    every evaluation (without always_save_checkpoint, only with a new best.pt, so init_from=auto resumes there)."""
+    """Train and val loss, the best so far, and which files to write: best.pt at a new best val loss, last.pt
+    at every evaluation (without always_save_checkpoint, only with a new best.pt: auto resumes from there)."""
     global best_val_loss, best_iter, evals_since_best
     train_loss, val_loss = evaluate('train'), evaluate('val')
     improved = val_loss < best_val_loss
@@ -534,7 +537,7 @@ def evaluate_and_choose_saves():
 # training loop
 batches = data.TrainBatches(splits['train'], train_sampler, num_workers, seed + rank, device_type == 'cuda')
 micro_batches = iter(lambda batch=next(batches): batch, None) if overfit_one_batch else batches
-clock, step_estimate, recent = [], None, collections.deque(maxlen=10)  # recent: (seconds, iterations) per log line
+clock, step_estimate, recent = [], None, collections.deque(maxlen=10)  # recent: (seconds, iterations) a line
 t_start = t_last = time.time()
 iters_since_log, first_loss, save_seconds = 0, None, 0.0
 while iter_num < max_iters:
@@ -542,23 +545,23 @@ while iter_num < max_iters:
     lr = optimizer.param_groups[0]['lr']  # AdamW's, learning_rate's schedule
     profiler = perf.start_profiler(device_type) if iter_num + 1 == profile_iter else None
     loss_sum, grad_norm, starts = train_step(model, optimizer, scaler, micro_batches, clock)
-    # one all-reduce for the loss, a stop signal and a data fault on any rank; one host sync for the checks below
-    flags = torch.tensor([float(stop_signal is not None), float(batches.fault is not None)], device=device)
+    # one all-reduce for the loss, a stop signal and a data fault on any rank; one host sync for the checks
+    flags = torch.tensor([stop_signal is not None, batches.fault is not None], device=device).float()
     loss_sum, stops, faults = all_ranks(torch.cat([loss_sum.view(1), flags]))
-    loss, grad_norm, stops, faults = torch.stack([loss_sum / gradient_accumulation_steps, grad_norm.float(), stops,
-                                                  faults]).tolist()
+    synced = torch.stack([loss_sum / gradient_accumulation_steps, grad_norm.float(), stops, faults])
+    loss, grad_norm, stops, faults = synced.tolist()
     if faults:
-        messages = [batches.fault] * world_size
-        if ddp:
-            dist.all_gather_object(messages, batches.fault)
-        abort(iter_num + 1, f"{next(m for m in messages if m)}: restore the data and resume from last.pt (iteration "
-                            f"{last_saved}), or start a new out_dir")
+        fault = next(m for m in gather(batches.fault) if m)
+        abort(iter_num + 1, f"{fault}: restore the data and resume from last.pt (iteration {last_saved}), or "
+                            f"start a new out_dir")
     if not math.isfinite(loss) or not (math.isfinite(grad_norm) or scaler.is_enabled()):
-        abort(iter_num + 1, f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} at iteration "
-                            f"{iter_num + 1}: loss {loss}, lr {lr:.3e}, grad norm {grad_norm}, batch windows (start "
-                            f"positions in the train split) {starts[:16]}{' ...' if len(starts) > 16 else ''}; the "
-                            f"last checkpoints are untouched: lower learning_rate or raise warmup_iters, then resume")
-    skipped = scaler.is_enabled() and not math.isfinite(grad_norm)  # float16 overflow: the scaler skips the step
+        what = 'loss' if not math.isfinite(loss) else 'gradient norm'
+        abort(iter_num + 1, f"non-finite {what} at iteration {iter_num + 1}: loss {loss}, lr {lr:.3e}, grad "
+                            f"norm {grad_norm}, batch windows (start positions in the train split) "
+                            f"{starts[:16]}"
+                            f"{' ...' * (len(starts) > 16)}; the last checkpoints are untouched: lower "
+                            f"learning_rate or raise warmup_iters, then resume")
+    skipped = scaler.is_enabled() and not math.isfinite(grad_norm)  # float16 overflow: the scaler skips it
     scale = scaler.get_scale() if scaler.is_enabled() else 1.0
     with record_function('optimizer'):
         scaler.step(optimizer)
@@ -568,20 +571,17 @@ while iter_num < max_iters:
     iter_num += 1
     skipped_steps, consecutive_skips = skipped_steps + skipped, (consecutive_skips + 1) * skipped
     if consecutive_skips >= max_consecutive_skips:
-        abort(iter_num, f"float16 gradients overflowed {consecutive_skips} optimizer steps in a row (up to iteration "
-                        f"{iter_num}, loss scale now {scaler.get_scale():g}): the model diverged or float16's range is "
-                        f"too small for it; use dtype=bfloat16 or float32, or lower learning_rate, then resume")
+        abort(iter_num, f"float16 gradients overflowed {consecutive_skips} optimizer steps in a row (up to "
+                        f"iteration {iter_num}, loss scale now {scaler.get_scale():g}): the model diverged "
+                        f"or float16's range is too small for it; use dtype=bfloat16 or float32, or lower "
+                        f"learning_rate, then resume")
     if profiler:
         trace = os.path.join(out_dir, 'trace.json') if master else None
         record({'kind': 'profile', 'step': iter_num, 'ms': perf.stop_profiler(profiler, device_type, trace)})
-    if iter_num == start_iter + 1:  # what each rank holds: every rank must get here
-        held = [perf.memory_held(raw_model, optimizer, device)] * world_size
-        if ddp:
-            dist.all_gather_object(held, held[0])
+    if iter_num == start_iter + 1:  # what each rank holds: every rank gets here
+        held = gather(perf.memory_held(raw_model, optimizer, device))
         record({'kind': 'memory', 'step': iter_num, 'ranks': held})
-    rng = [checkpoint.rng_state(device)] * world_size  # right after the step: where a resume restores them
-    if ddp:
-        dist.all_gather_object(rng, rng[0])
+    rng = gather(checkpoint.rng_state(device))  # right after the step: where a resume restores them
     first_loss = first_loss if first_loss is not None else loss
 
     # logging
@@ -589,8 +589,9 @@ while iter_num < max_iters:
     if step_estimate is None and len(clock) == 2:
         step_estimate = (clock[1] - clock[0]) * accum_steps
         record({'kind': 'estimate', 'step': iter_num, 'seconds_per_iter': step_estimate})
-        log(f"a micro-batch after the first took {step_estimate / accum_steps:.2f} s: about {step_estimate:.2f} s "
-            f"per iteration, {step_estimate * (max_iters - iter_num) / 3600:.2f} h for the {max_iters - iter_num} left")
+        left = max_iters - iter_num
+        log(f"a micro-batch after the first took {step_estimate / accum_steps:.2f} s: about "
+            f"{step_estimate:.2f} s per iteration, {step_estimate * left / 3600:.2f} h for the {left} left")
     if iter_num % log_interval == 0 or iter_num == max_iters:
         log_progress(loss, grad_norm, lr, skipped, scale)
 
@@ -598,11 +599,11 @@ while iter_num < max_iters:
     evaluating = iter_num % eval_interval == 0 or iter_num == max_iters
     saves = evaluate_and_choose_saves() if evaluating else []
     stopping_early = evaluating and patience > 0 and evals_since_best >= patience
-    if (iter_num == max_iters or stops or stopping_early or checkpoint_interval and iter_num % checkpoint_interval == 0) \
-            and 'last.pt' not in saves:
+    interval = checkpoint_interval and iter_num % checkpoint_interval == 0
+    if (iter_num == max_iters or stops or stopping_early or interval) and 'last.pt' not in saves:
         saves.append('last.pt')
     if lr_schedule == 'wsd' and lr_factor(scheduler.last_epoch) < 1 == lr_factor(scheduler.last_epoch - 1):
-        saves.append('stable.pt')  # the stable phase's end: resume_from it to cool down anew, over a longer run
+        saves.append('stable.pt')  # the stable phase's end: resume_from it to cool down anew, later
     if saves:
         seconds = save(saves, rng)
         save_seconds += seconds
@@ -614,9 +615,10 @@ while iter_num < max_iters:
     if stops:  # every rank saw the same count: all saved above and stop here
         name = signal.Signals(stop_signal or signal.SIGTERM).name
         record({'kind': 'stop', 'step': iter_num, 'time': time.time(), 'signal': name})
-        log(f"stopped by {name} at iteration {iter_num}: {os.path.join(out_dir, 'last.pt')} holds it; resume with: "
-            f"{report.resume_command({'command': sys.argv, 'world_size': world_size}, True)}")
-        finish_report()
+        resume = report.resume_command({'command': sys.argv, 'world_size': world_size}, True)
+        log(f"stopped by {name} at iteration {iter_num}: {os.path.join(out_dir, 'last.pt')} holds it; resume "
+            f"with: {resume}")
+        runlog.finish()
         sys.exit(128 + (stop_signal or signal.SIGTERM))
     if stopping_early:
         log(f"early stop: no better val loss in {patience} evaluations since iteration {best_iter}")
@@ -628,19 +630,20 @@ session_seconds = time.time() - t_start
 if overfit_one_batch:
     log(f"overfit one batch: loss {first_loss:.4f} -> {loss:.4f}")
 best = os.path.join(out_dir, 'best.pt')
-if best_iter > 0 and (test_eval or sample_tokens):  # last.pt holds the trained weights; only now load the best
+if best_iter > 0 and (test_eval or sample_tokens):  # last.pt holds the trained weights: now load the best
     checkpoint.load_weights(checkpoint.load(best), best, raw_model)
 test_loss = evaluate('test') if test_eval else None
+total_seconds = seconds_before + session_seconds
 record({'kind': 'test', 'step': iter_num, 'best_iter': best_iter, 'best_val_loss': best_val_loss,
         'test_loss': test_loss, 'wall_seconds': session_seconds, 'save_seconds': save_seconds,
-        'total_seconds': seconds_before + session_seconds})
-sessions = (f"iterations {start_iter + 1}-{iter_num} in {session_seconds:.0f} s, all {iter_num} iterations in "
-            f"{seconds_before + session_seconds:.0f} s over every session" if start_iter else
-            f"{iter_num} iterations in {session_seconds:.0f} s")
-log(f"done: {sessions} (checkpoint saves {save_seconds / session_seconds:.1%} of this session), best val loss "
-    f"{best_val_loss:.4f} at iteration {best_iter}" + (f", test loss {test_loss:.4f} ({test_loss / math.log(2):.3f} "
-                                                        f"bits/token) with the best weights" if test_eval else '') +
-    f"; checkpoints in {out_dir}")
+        'total_seconds': total_seconds})
+sessions = f"{iter_num} iterations in {session_seconds:.0f} s" if not start_iter else (
+    f"iterations {start_iter + 1}-{iter_num} in {session_seconds:.0f} s, all {iter_num} iterations in "
+    f"{total_seconds:.0f} s over every session")
+tested = f", test loss {test_loss:.4f} ({test_loss / math.log(2):.3f} bits/token) with the best weights"
+log(f"done: {sessions} (checkpoint saves {save_seconds / session_seconds:.1%} of this session), best val "
+    f"loss {best_val_loss:.4f} at iteration {best_iter}{tested if test_eval else ''}; checkpoints in "
+    f"{out_dir}")
 if sample_tokens and (master or sharded):  # a sharded model's forward needs every rank
     try:
         encode, decode = prepare.load_tokenizer(data_meta)
@@ -651,4 +654,4 @@ if sample_tokens and (master or sharded):  # a sharded model's forward needs eve
             text = sample.sample_text(raw_model, encode, decode, sample.default_start(data_meta['tokenizer']),
                                       sample_tokens, 0.8, 200, seed, device)
         log(f"a sample from the best weights:\n{text}")
-finish_report()
+runlog.finish()
