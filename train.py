@@ -640,10 +640,10 @@ record({'kind': 'test', 'step': iter_num, 'best_iter': best_iter, 'best_val_loss
 sessions = f"{iter_num} iterations in {session_seconds:.0f} s" if not start_iter else (
     f"iterations {start_iter + 1}-{iter_num} in {session_seconds:.0f} s, all {iter_num} iterations in "
     f"{total_seconds:.0f} s over every session")
-tested = f", test loss {test_loss:.4f} ({test_loss / math.log(2):.3f} bits/token) with the best weights"
+tested = f", test loss {test_loss:.4f} ({test_loss / math.log(2):.3f} bits/token) with the best weights" \
+    if test_eval else ''
 log(f"done: {sessions} (checkpoint saves {save_seconds / session_seconds:.1%} of this session), best val "
-    f"loss {best_val_loss:.4f} at iteration {best_iter}{tested if test_eval else ''}; checkpoints in "
-    f"{out_dir}")
+    f"loss {best_val_loss:.4f} at iteration {best_iter}{tested}; checkpoints in {out_dir}")
 if sample_tokens and (master or sharded):  # a sharded model's forward needs every rank
     try:
         encode, decode = prepare.load_tokenizer(data_meta)
