@@ -13,6 +13,7 @@ A dataset's shards, token windows over a split's shards, and the samplers that d
   exactly once; the last window is partial and its padding targets are ignored (-100).
 """
 import atexit
+import contextlib
 import fcntl
 import functools
 import glob
@@ -27,13 +28,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+import checkpoint
 import prepare
 from prepare import HEADER_BYTES, SHARD_FORMATS
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 EMPTY_WINDOW = -1  # an eval window with no targets: pads a rank's batches without counting anything twice
 SHARD_NAME = re.compile(r'_(train|val|test)_(\d+)\.bin$')  # fineweb_train_000001.bin
-FINGERPRINT_BYTES = 4096  # the header and the first tokens: cheap to read, and they change with almost any edit
+FINGERPRINTS = 'fingerprints.json'  # in a shards' folder: each shard's hash, and the size and time it was taken at
 
 
 class DataError(Exception):
@@ -41,26 +43,53 @@ class DataError(Exception):
 
 
 def read_shard_header(path):
-    """(numpy dtype, number of tokens, fingerprint) of a shard, its header checked against llm.c's layouts and the
-    file's size."""
+    """(numpy dtype, number of tokens) of a shard, its header checked against llm.c's layouts and the file's size."""
     size = os.path.getsize(path)
     with open(path, 'rb') as f:
-        head = f.read(FINGERPRINT_BYTES)
+        head = f.read(HEADER_BYTES)
     if size < HEADER_BYTES:
-        raise DataError(f"{path} is {size} bytes, shorter than a shard's {HEADER_BYTES}-byte header: prepare or download it again")
+        raise DataError(f"{path} is {size} bytes, shorter than a shard's {HEADER_BYTES}-byte header: prepare or "
+                        f"download it again")
     magic, version, num_tokens = (int(v) for v in np.frombuffer(head[:12], dtype=np.int32))
     versions = {m: (v, dtype) for dtype, (m, v) in SHARD_FORMATS.items()}
     if magic not in versions:
-        raise DataError(f"{path} is not a token shard (magic {magic}, expected 20240520 or 20240801 as llm.c writes): "
-                        f"point the dataset at shard files, or prepare it again")
+        raise DataError(f"{path} is not a token shard (magic {magic}, expected 20240520 or 20240801 as llm.c "
+                        f"writes): point the dataset at shard files, or prepare it again")
     if version != versions[magic][0]:
-        raise DataError(f"{path} has shard version {version}, this code reads version {versions[magic][0]} for magic "
-                        f"{magic}: prepare it again with this prepare.py")
+        raise DataError(f"{path} has shard version {version}, this code reads version {versions[magic][0]} for "
+                        f"magic {magic}: prepare it again with this prepare.py")
     dtype = np.dtype(versions[magic][1])
     if size != HEADER_BYTES + num_tokens * dtype.itemsize:
         raise DataError(f"{path} is {size} bytes but its header says {num_tokens} {dtype.name} tokens "
                         f"({HEADER_BYTES + num_tokens * dtype.itemsize} bytes): truncated? prepare or download it again")
-    return dtype, num_tokens, hashlib.sha256(head).hexdigest()[:16]
+    return dtype, num_tokens
+
+
+def fingerprints(paths):
+    """{shard file name: sha256 of its whole content}. Hashing reads every byte, so each folder keeps its shards'
+    hashes in FINGERPRINTS with the size and modification time of the file hashed, and a shard is hashed again only
+    when either has changed (every time where the folder cannot be written). Any write or copy of a file moves its
+    modification time; an edit that keeps size and time both (touch -d) goes unseen."""
+    result = {}
+    for folder in sorted({os.path.dirname(p) for p in paths}):
+        cache = os.path.join(folder, FINGERPRINTS)
+        try:
+            with open(cache) as f:
+                known = json.load(f)
+        except (OSError, ValueError):  # none yet, or a broken one: hash again
+            known = {}
+        changed = False
+        for path in (p for p in paths if os.path.dirname(p) == folder):
+            stat, name = os.stat(path), os.path.basename(path)
+            if known.get(name, [None, None])[:2] != [stat.st_size, stat.st_mtime_ns]:
+                with open(path, 'rb') as f:
+                    digest = hashlib.file_digest(f, 'sha256').hexdigest()
+                known[name], changed = [stat.st_size, stat.st_mtime_ns, digest], True
+            result[name] = known[name][2]
+        if changed:
+            with contextlib.suppress(OSError):  # a read-only dataset: hashed again next time
+                checkpoint.atomic_write(cache, lambda f: f.write(json.dumps(known, indent=1).encode()))
+    return result
 
 
 def prepare_once(data_dir, name):
@@ -142,12 +171,16 @@ class TokenWindows(Dataset):
     def __init__(self, paths, block_size):
         self.paths, self.block_size = list(paths), block_size
         headers = [read_shard_header(p) for p in self.paths]
-        if len({dtype for dtype, _, _ in headers}) > 1:
-            raise DataError(f"the shards of {os.path.dirname(self.paths[0])} mix uint16 and uint32 tokens: prepare them again")
+        if len({dtype for dtype, _ in headers}) > 1:
+            raise DataError(f"the shards of {os.path.dirname(self.paths[0])} mix uint16 and uint32 tokens: prepare "
+                            f"them again")
         self.dtype = headers[0][0]
-        self.shards = [[os.path.basename(p), n, fp] for p, (_, n, fp) in zip(self.paths, headers)]
-        self.offsets = np.cumsum([0] + [n for _, n, _ in headers])
+        hashes = fingerprints(self.paths)
+        self.shards = [[os.path.basename(p), n, hashes[os.path.basename(p)]] for p, (_, n) in zip(self.paths, headers)]
+        self.offsets = np.cumsum([0] + [n for _, n in headers])
         self.num_tokens = int(self.offsets[-1])
+        # what every read checks: a shard truncated or rewritten under a running job fails the read, not the model
+        self.stats = [(s.st_size, s.st_mtime_ns) for s in map(os.stat, self.paths)]
 
     def read(self, start, stop):
         """Tokens [start, stop) of the stream: one slice of a shard, or pieces of several across boundaries."""
@@ -156,9 +189,13 @@ class TokenWindows(Dataset):
             i = int(np.searchsorted(self.offsets, start, side='right')) - 1  # empty shards are never picked
             end = min(stop, int(self.offsets[i + 1]))
             # opened for this read alone: a file kept open per shard would exhaust the descriptor limit (often 1024)
-            # on a dataset of a thousand shards; open, pread and close cost ~6 us a window (docs/design.md)
+            # on a dataset of a thousand shards; open, fstat, pread and close cost ~6 us a window (docs/design.md)
             fd = os.open(self.paths[i], os.O_RDONLY)
             try:
+                stat = os.fstat(fd)
+                if (stat.st_size, stat.st_mtime_ns) != self.stats[i]:
+                    raise DataError(f"{self.paths[i]} changed while the run was reading it (its size or modification "
+                                    f"time is not what it was when the run opened it)")
                 raw = os.pread(fd, (end - start) * self.dtype.itemsize,
                                HEADER_BYTES + int(start - self.offsets[i]) * self.dtype.itemsize)
             finally:
@@ -299,7 +336,7 @@ class TrainBatches:
         try:
             batch = next(self.batches)
         except DataError as e:  # from a loader worker, the original message is the last line
-            self.fault = str(e).strip().splitlines()[-1]
+            self.fault = str(e).strip().splitlines()[-1].removeprefix('data.DataError: ')
             return self.empty
         self.sampler.mark_consumed()
         return batch

@@ -90,7 +90,10 @@ def start(out_dir, keep_bytes, config, sources, resolved, run, report, tensorboa
 def finish():
     """report.md and curves.png, rebuilt from the run's files (report.py), when asked."""
     if master and with_report:
-        report.write_report(run_dir)
+        try:
+            report.write_report(run_dir)
+        except OSError as e:  # a full disk: the run's files are whole, and python report.py OUT_DIR writes it later
+            return log(f"no report ({e.strerror}): python report.py {run_dir} writes it once there is room")
         log(f"report: {os.path.join(run_dir, 'report.md')} and curves.png")
 
 

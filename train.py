@@ -200,8 +200,10 @@ def gather(obj):
 # -----------------------------------------------------------------------------
 # data
 try:
-    if dataset == 'pystdlib_char' and local_rank == 0:  # the default: prepared on first use, on each node
-        data.prepare_once(data_dir, dataset)
+    if local_rank == 0:  # first on each node: the default dataset prepared on first use, new shards hashed
+        if dataset == 'pystdlib_char':
+            data.prepare_once(data_dir, dataset)
+        data.fingerprints([p for paths in data.open_dataset(data_dir, dataset)[1].values() for p in paths])
     if ddp:
         dist.barrier()
     data_meta, shard_paths = data.open_dataset(data_dir, dataset)
@@ -456,9 +458,11 @@ def save(names, rng):
     except (OSError, checkpoint.CheckpointError) as e:
         failed = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
     if any_rank(failed):
+        has_last = os.path.exists(os.path.join(out_dir, 'last.pt'))
+        held = f" (last.pt holds iteration {last_saved})" if has_last else ''
         abort(iter_num, f"saving {' and '.join(names)} at iteration {iter_num} failed "
                         f"({failed or 'on another rank'}): the files on disk are whole; free space in "
-                        f"{out_dir}, then resume from last.pt (iteration {last_saved})")
+                        f"{out_dir}, then run again with init_from=auto{held}")
     last_saved = iter_num if 'last.pt' in names else last_saved
     return time.time() - start
 

@@ -5,6 +5,11 @@ PROBE_NAN=R:N     makes rank R's loss NaN from its N-th micro-batch on
 PROBE_KILL=R:N    SIGKILLs rank R at its N-th micro-batch, on torchrun's first attempt only
 PROBE_STEPS=DIR   counts the steps each optimizer class took per rank into DIR/steps.RANK (JSON)
 PROBE_SLEEP=A-B:S sleeps S seconds in training micro-batches A to B (as compilation or a busy machine would)
+PROBE_DATA=R:N:HOW:PATH  at rank R's N-th micro-batch, truncates the file PATH to half its size (HOW=truncate) or
+                  rewrites its second half with other bytes, keeping its size (HOW=rewrite), as a job re-preparing the
+                  data under the run would
+PROBE_FSIZE=BYTES no file this process writes may grow past BYTES (RLIMIT_FSIZE): writes fail with EFBIG, as on a
+                  full disk where no small filesystem can be mounted
 Always: the GIL changes hands at most once a second unless its holder releases it (sys.setswitchinterval), so
 a collective's tensors that gloo's worker thread frees late reach Python's shutdown unless train.py's exit gives
 way (shut_down_process_group).
@@ -12,6 +17,7 @@ Usage: torchrun ... tests/ddp_probe.py train.py ARGS..., or python tests/ddp_pro
 import atexit
 import json
 import os
+import resource
 import runpy
 import signal
 import sys
@@ -25,6 +31,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 sys.setswitchinterval(1.0)
 rank = int(os.environ.get('RANK', '0'))
+if 'PROBE_FSIZE' in os.environ:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(os.environ['PROBE_FSIZE']),) * 2)
 micro_batches = 0
 
 if 'PROBE_COUNT' in os.environ:
@@ -57,6 +66,16 @@ def probed_cross_entropy(*args, **kwargs):
     loss = cross_entropy(*args, **kwargs)
     if torch.is_grad_enabled():  # training micro-batches only, not evaluation
         micro_batches += 1
+        target_rank, at, how, path = os.environ.get('PROBE_DATA', '-1:0::').split(':', 3)
+        if rank == int(target_rank) and micro_batches == int(at):
+            if how == 'truncate':
+                os.truncate(path, os.path.getsize(path) // 2)
+            else:
+                with open(path, 'r+b') as f:
+                    f.seek(os.path.getsize(path) // 2)
+                    rest = f.read()
+                    f.seek(os.path.getsize(path) // 2)
+                    f.write(bytes(255 - b for b in rest))
         span, _, seconds = os.environ.get('PROBE_SLEEP', '0-0:0').partition(':')
         if int(span.split('-')[0]) <= micro_batches <= int(span.split('-')[1]):
             time.sleep(float(seconds))

@@ -170,7 +170,13 @@ def test_resume_across_shard_boundaries_is_bitwise_and_refused_after_shards_chan
     a = torch.load(os.path.join(straight, 'last.pt'), weights_only=True)['model']
     b = torch.load(os.path.join(split, 'last.pt'), weights_only=True)['model']
     assert all(torch.equal(a[k], b[k]) for k in a)
-    # a shard added, then one changed: each refused in one line naming the shard
+    # the same bytes copied with new modification times: hashed again, and the resume goes on
+    copied = tmp_path / 'copied' / 'toy'
+    copied.mkdir(parents=True)
+    for name in os.listdir(os.path.join(sharded_dir, 'toy')):
+        shutil.copyfile(os.path.join(sharded_dir, 'toy', name), copied / name)
+    run_train(split, str(tmp_path / 'copied'), *args, '--init_from=resume', '--max_iters=31')
+    # a shard added, then one token changed at the end of a shard, its size kept: each refused in one line
     changed_data = str(tmp_path / 'changed')
     shutil.copytree(sharded_dir, changed_data)
     val = os.path.join(changed_data, 'toy', 'toy_val_000000.bin')
@@ -178,9 +184,11 @@ def test_resume_across_shard_boundaries_is_bitwise_and_refused_after_shards_chan
     llmc_shard(added, [1] * 100)
     assert_refused(split, changed_data, args, 'added toy_train_000099.bin')
     os.remove(added)
-    with open(val, 'r+b') as f:  # one token inside the fingerprinted start of the shard
-        f.seek(1024 + 10)
-        f.write(b'\x01\x00')
+    with open(val, 'r+b') as f:
+        f.seek(-2, os.SEEK_END)
+        last = int.from_bytes(f.read(2), 'little')
+        f.seek(-2, os.SEEK_END)
+        f.write(((last + 1) % meta['vocab_size']).to_bytes(2, 'little'))
     assert_refused(split, changed_data, args, 'changed toy_val_000000.bin')
 
 
