@@ -42,6 +42,7 @@ import perf
 import prepare
 import report
 import sample
+import tokenizer
 from configurator import ConfigError, configure
 from model import ACTIVATIONS, GPT, GPTConfig
 
@@ -805,13 +806,12 @@ log(f"done: {sessions} (checkpoint saves {save_seconds_total / session_seconds:.
     f"; checkpoints in {out_dir}")
 if sample_tokens:
     try:
-        encode, decode = prepare.load_tokenizer(data_meta)
-    except prepare.PrepareError as e:
+        tok = tokenizer.load(data_meta['tokenizer'])
+    except tokenizer.TokenizerError as e:
         log(f"no sample: {e}")
     else:
         if master or sharded:  # a sharded model's forward needs every rank
             with autocast:
-                text = sample.sample_text(raw_model, encode, decode, sample.default_start(data_meta['tokenizer']),
-                                          sample_tokens, 0.8, 200, seed, device)
+                text = sample.sample_text(raw_model, tok, tok.start, sample_tokens, 0.8, 200, seed, device)
             log(f"a sample from the best weights:\n{text}")
 finish_report()
