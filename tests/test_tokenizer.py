@@ -16,7 +16,7 @@ import data
 import forked
 import prepare
 import tokenizer
-from conftest import make_corpus, run_train
+from conftest import make_corpus, run_train, write_ranks
 from model import GPT, GPTConfig
 from test_prepare import folder_snapshot, read_meta, read_split, run_cli
 
@@ -116,20 +116,28 @@ def test_bad_bpe_sizes_are_one_line_errors(tmp_path):
             prepare.given_tokenizer(spec)
 
 
-@pytest.mark.parametrize('kind', ['char', 'bpe'])
+@pytest.mark.parametrize('kind', ['char', 'learned', 'hand-made'])
 def test_hugging_face_files_encode_and_decode_as_ours(tmp_path, kind):
     from tokenizers import Tokenizer as HFTokenizer
     text = 'the cat sees café ☃ 𝄞\n\n\t  x  <|endoftext|> 12 unseen: Ω\ufffd'
     if kind == 'char':  # U+FFFD a character of the vocabulary: the unknown id keeps a name of its own
         tok = tokenizer.char(sorted(set('the cat sees café\n\t 12\ufffd')))
-    else:
-        write_split_docs(tmp_path / 'docs')
+    elif kind == 'learned':
+        texts = write_split_docs(tmp_path / 'docs')
         out_dir = prepare.prepare('b', data_dir=tmp_path / 'data', input_path=tmp_path / 'docs', tokenizer='bpe:300')
         tok = tokenizer.load(read_meta(out_dir)['tokenizer'], out_dir)
+        text += ''.join(t for _, t in texts.values())
+    else:
+        # 'abcd' is a token that merging never reaches (bc first, then no pair is a token): tiktoken takes a piece
+        # that is a token whole; and '  ' merges two spaces that GPT-2's split keeps apart
+        write_ranks(tmp_path / 'edge.tiktoken', [b'bc', b'ab', b'cd', b'abcd', b'  ', b' a'])
+        tok = tokenizer.ranks_file(str(tmp_path / 'edge.tiktoken'))
+        text = 'abcd x  abcd'
+        assert tok.encode(text) == [259, 32, 120, 32, 261, 256, 100]
     theirs = HFTokenizer.from_str(tok.hf_files()['tokenizer.json'])
     ids = theirs.encode(text).ids
-    assert ids == tok.encode(text) and (0 in ids) == (kind == 'char') and (tok.eot_id in ids) == (kind == 'bpe')
-    known = [i for i in ids if kind == 'bpe' or i != 0]  # ours shows the unknown id as U+FFFD, a character here too
+    assert ids == tok.encode(text) and (0 in ids) == (kind == 'char') and (tok.eot_id in ids) == (kind == 'learned')
+    known = [i for i in ids if kind != 'char' or i != 0]  # ours shows the unknown id as U+FFFD, a character here too
     assert theirs.decode(known, skip_special_tokens=False) == tok.decode(known)
 
 
