@@ -259,6 +259,7 @@ worker = {}  # this process's job(text, digest), set once by init_worker
 def init_worker(job):
     worker['job'] = job
 
+
 def process_batch(batch):
     out = []
     for doc_id, raw, kind, split, offset in batch:
@@ -497,7 +498,7 @@ def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, t
         counts = {split: {'tokens': 0, 'documents': 0, 'bytes': 0, 'unknown_chars': 0} for split in SPLITS}
         splitter, source_hash, has_any_text = DocumentSplitter(seed), hashlib.sha256(), False
 
-        def encode(text, digest):
+        def encode(text, digest):  # ids in the shards' dtype: half the bytes to send back and hold, for uint16
             return tok.ids(text, dtype, end_of_document=documents)
         for split, has_text, text_bytes, tokens in run_pass('tokenizing', text_path, reader, num_proc, encode,
                                                             splitter, source_hash):
