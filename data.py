@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 import checkpoint
 import prepare
+import tokenizer
 from prepare import HEADER_BYTES, SHARD_FORMATS
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
@@ -108,7 +109,8 @@ def open_dataset(data_dir, dataset):
     """(meta, {split: [shard paths]}) of a dataset: a folder under data_dir, or a glob of shard files under data_dir
     whose folder holds meta.json. The splits come from the file names; test may be missing (FineWeb's shards have
     none), train and val may not. A hand-written meta.json needs only vocab_size and tokenizer (gpt2 or
-    PATH.tiktoken); a char vocabulary comes only from prepare.py."""
+    PATH.tiktoken, a relative path inside the folder); a char vocabulary comes only from prepare.py. The meta
+    returned names a ranks file by its absolute path, checked against the sha256 that prepare.py recorded."""
     path = os.path.join(data_dir, dataset)
     if any(c in dataset for c in '*?['):
         files = sorted(glob.glob(path))
@@ -129,12 +131,16 @@ def open_dataset(data_dir, dataset):
     missing = [k for k in ('vocab_size', 'tokenizer') if k not in meta]
     if missing:
         raise DataError(f"{meta_path} lacks {' and '.join(missing)}: add them, e.g. {{\"vocab_size\": 50257, \"tokenizer\": \"gpt2\"}}")
-    tokenizer = meta['tokenizer']
-    if tokenizer == 'char' or isinstance(tokenizer, dict) and tokenizer.get('kind') == 'char' and 'chars' not in tokenizer:
+    entry = meta['tokenizer']
+    if entry == 'char' or isinstance(entry, dict) and entry.get('kind') == 'char' and 'chars' not in entry:
         raise DataError(f"{meta_path} names a char tokenizer without its characters, which only prepare.py writes: "
                         f"prepare the dataset with prepare.py, or name \"gpt2\" or a .tiktoken path")
-    if isinstance(tokenizer, str):  # a hand-written meta.json: 'gpt2' or a .tiktoken path
-        meta['tokenizer'] = {'kind': 'tiktoken', 'encoding': tokenizer}
+    if isinstance(entry, str):  # a hand-written meta.json: 'gpt2' or a .tiktoken path
+        entry = {'kind': 'tiktoken', 'encoding': entry}
+    try:  # a ranks file that is missing or changed would give the ids another meaning
+        meta['tokenizer'] = tokenizer.resolve(entry, folder)
+    except tokenizer.TokenizerError as e:
+        raise DataError(str(e)) from None
     meta.setdefault('name', os.path.basename(folder))
     shards = {}
     for f in files:

@@ -1,7 +1,8 @@
 """
 GPT-2 in and out of the Hugging Face format. In: OpenAI's GPT-2 by name (from the Hugging Face cache,
 downloaded once when online), a GPT2LMHeadModel folder, or a single .safetensors file, as this repo's GPT.
-Out: a GPT as a folder (config.json, model.safetensors) that transformers loads as GPT2LMHeadModel.
+Out: a GPT as a folder (config.json, model.safetensors, and the tokenizer's files if given) that transformers loads
+as GPT2LMHeadModel.
 
 The two models are the same network under other names: GPT-2's blocks are h.N instead of blocks.N, its
 files carry a 'transformer.' prefix (or none, in OpenAI's originals), and its Conv1D layers store their
@@ -189,10 +190,11 @@ def cannot_hold(config):
     ) if lacking]
 
 
-def export_gpt2(model, folder, eot_id=None):
+def export_gpt2(model, folder, eot_id=None, tokenizer_files=None):
     """Write folder/config.json and folder/model.safetensors, loadable with transformers'
-    AutoModelForCausalLM.from_pretrained(folder) as GPT2LMHeadModel with the same outputs. A model without
-    biases gets zero biases, which compute the same. The folder appears complete or not at all."""
+    AutoModelForCausalLM.from_pretrained(folder) as GPT2LMHeadModel with the same outputs, and tokenizer_files
+    {name: text} (tokenizer.Tokenizer.hf_files) beside them. A model without biases gets zero biases, which compute
+    the same. The folder appears complete or not at all."""
     if os.path.exists(folder) and not (os.path.isdir(folder) and not os.listdir(folder)):
         raise HFError(f"{folder} already exists and is not an empty folder: pick a new path for the export")
     config = model.config
@@ -226,9 +228,11 @@ def export_gpt2(model, folder, eot_id=None):
     try:
         save_file({'transformer.' + k: v for k, v in tensors.items()}, os.path.join(work, 'model.safetensors'),
                   metadata={'format': 'pt'})  # transformers reads only files marked as PyTorch's
-        with open(os.path.join(work, 'config.json'), 'w') as f:
-            json.dump(hf_config, f, indent=2)
-        for name in ('model.safetensors', 'config.json'):
+        texts = {'config.json': json.dumps(hf_config, indent=2)} | (tokenizer_files or {})
+        for name, text in texts.items():
+            with open(os.path.join(work, name), 'w', encoding='utf-8') as f:
+                f.write(text)
+        for name in ['model.safetensors', *texts]:
             with open(os.path.join(work, name), 'rb') as f:
                 os.fsync(f.fileno())
         os.replace(work, folder)  # atomic; replaces an empty folder

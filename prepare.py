@@ -3,16 +3,19 @@ Prepare a dataset for training: stream the source documents, split them into tra
 any text leak across splits, tokenize them in parallel, and write DATA_DIR/NAME/ as shards in llm.c's format
 (NAME_train_000000.bin, ...: a header of 256 int32, then uint16 or uint32 token ids) plus meta.json.
 Memory stays bounded whatever the corpus size: documents are read, tokenized and written a batch at a time.
+It reads top to bottom as the data flows: source -> split -> tokenizer fit on train -> encode -> write.
 
 $ python prepare.py pystdlib_char                     # this Python's stdlib source, offline
 $ python prepare.py shakespeare_char --input input.txt
 $ python prepare.py mydata --input corpus/ --tokenizer gpt2
+$ python prepare.py code --input src/ --tokenizer bpe:8192     # a BPE learned on the train split
 $ python prepare.py web --input dump.jsonl.gz --text_key text --tokenizer gpt2 --num_proc 8
 """
 import argparse
 import collections
 import gzip
 import hashlib
+import importlib.metadata
 import json
 import multiprocessing
 import os
@@ -26,34 +29,26 @@ import urllib.request
 import zlib
 
 import numpy as np
-import tiktoken
-import tiktoken.load
+
+import tokenizer
 
 SHAKESPEARE_URL = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt'
 KNOWN_DATASETS = ('pystdlib_char', 'shakespeare_char', 'shakespeare')
 SPLITS = ('train', 'val', 'test')
-EOT = '<|endoftext|>'
-GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # llm.c's shard header (dev/data/data_common.py): 256 int32, [0] magic, [1] version, [2] tokens; then the tokens
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 SHARD_FORMATS = {'uint16': (20240520, 1), 'uint32': (20240801, 7)}  # llm.c's gpt-2 and llama-3 layouts
 BATCH_BYTES = 1 << 20  # text per task sent to a tokenizer process: large enough that pickling costs little
 VAL_FRACTION, TEST_FRACTION = 0.10, 0.05
+BPE_SAMPLE_BYTES = 1_000_000_000  # the most train text a BPE learns from: bounds its memory (docs/design.md)
 
 
 class PrepareError(Exception):
     """A user mistake; the one-line message says what is wrong and how to fix it."""
 
-
-def shard_header(num_tokens, dtype):
-    magic, version = SHARD_FORMATS[np.dtype(dtype).name]
-    header = np.zeros(HEADER_INTS, dtype=np.int32)
-    header[:3] = magic, version, num_tokens
-    return header.tobytes()
-
 # -----------------------------------------------------------------------------
-# sources: items (id, raw bytes, kind, split, offset) read lazily. kind says how a tokenizer process gets the text
+# source: items (id, raw bytes, kind, split, offset) read lazily. kind says how a tokenizer process gets the text
 # out; a single text's pieces come with their split (by position) and offset in the file, a document with None, 0
 
 def decode_utf8(data, where, offset=0):
@@ -170,205 +165,6 @@ def position_bounds(path):
         a, b = bound(TEST_FRACTION), bound(1 - VAL_FRACTION)
     return {'test': (0, a), 'train': (a, b), 'val': (b, n)}
 
-# -----------------------------------------------------------------------------
-# tokenizers
-
-def char_encoder(chars):
-    """str -> array of ids: chars[k] gets id k+1, anything else the unknown id 0."""
-    table = np.zeros(0x110000, dtype=np.uint32)  # one slot per unicode code point
-    table[[ord(c) for c in chars]] = np.arange(1, len(chars) + 1)
-    return lambda text: table[np.frombuffer(text.encode('utf-32-le'), dtype=np.uint32)]
-
-
-def tiktoken_encoding(spec, pat_str=GPT2_PAT_STR, expected_sha256=None):
-    """'gpt2' or PATH.tiktoken -> (tiktoken Encoding, its meta['tokenizer'] entry)."""
-    if spec == 'gpt2':
-        try:
-            enc = tiktoken.get_encoding('gpt2')
-        except Exception:
-            raise PrepareError('could not load the gpt2 tokenizer (tiktoken needs a one-time download; offline?): '
-                               'put the cached file in TIKTOKEN_CACHE_DIR, or use --tokenizer char') from None
-        return enc, {'kind': 'tiktoken', 'encoding': 'gpt2', 'pat_str': GPT2_PAT_STR, 'eot_id': enc.eot_token}
-    if not spec.endswith('.tiktoken'):
-        raise PrepareError(f'tokenizer {spec!r} not understood: use char, gpt2, or a path to a .tiktoken ranks file')
-    path = os.path.abspath(spec)
-    if not os.path.isfile(path):
-        raise PrepareError(f'tokenizer file {path} not found: check the --tokenizer path')
-    with open(path, 'rb') as f:
-        ranks_sha256 = hashlib.sha256(f.read()).hexdigest()
-    if expected_sha256 not in (None, ranks_sha256):
-        raise PrepareError(f'tokenizer file {path} changed since the dataset was prepared: '
-                           f'restore it, or re-run prepare.py')
-    try:
-        # tiktoken caches even local files by path; the hash makes it re-read a stale cached copy
-        ranks = tiktoken.load.load_tiktoken_bpe(path, expected_hash=ranks_sha256)
-        enc = tiktoken.Encoding(name=os.path.basename(path)[:-len('.tiktoken')], pat_str=pat_str,
-                                mergeable_ranks=ranks, special_tokens={EOT: len(ranks)})
-    except ValueError as e:
-        raise PrepareError(f'tokenizer file {path} is not a tiktoken ranks file ({e}): '
-                           f'each line must be "base64(token bytes) rank"') from None
-    return enc, {'kind': 'tiktoken', 'encoding': path, 'ranks_sha256': ranks_sha256,
-                 'pat_str': pat_str, 'eot_id': enc.eot_token}
-
-
-def load_tokenizer(meta):
-    """meta.json's dict -> (encode: str -> list[int], decode: list[int] -> str)."""
-    tok = meta['tokenizer']
-    if tok['kind'] == 'char':
-        if 'chars' not in tok:
-            raise PrepareError("the char tokenizer's characters are missing from the dataset's meta.json: "
-                               "prepare the dataset again with prepare.py")
-        encode_array, itos = char_encoder(tok['chars']), ['\ufffd'] + tok['chars']
-        return (lambda s: encode_array(s).tolist()), (lambda ids: ''.join(itos[i] for i in ids))
-    enc, _ = tiktoken_encoding(tok['encoding'], tok.get('pat_str', GPT2_PAT_STR), tok.get('ranks_sha256'))
-    return (lambda s: enc.encode(s, allowed_special={EOT})), enc.decode
-
-# -----------------------------------------------------------------------------
-# the work of a tokenizer process: one batch of items in, per item (content digest, split or None for a document,
-# has text, tokens or characters) out
-
-worker = {}  # this process's tokenizer and rules, set once by init_worker
-
-
-def init_worker(tokenizer, chars, eot_after_each_document, dtype):
-    """Ids come back in the shards' dtype: half the bytes to send and to hold while in flight, for uint16."""
-    encode = None  # the first pass over a char-level dataset: no vocabulary yet, characters are collected
-    if chars is not None:
-        char_ids = char_encoder(chars)
-        encode = lambda text: char_ids(text).astype(dtype)
-    elif tokenizer != 'char':
-        enc, _ = tiktoken_encoding(tokenizer)
-        eot = [enc.eot_token] if eot_after_each_document else []
-        encode = lambda text: np.array(enc.encode_ordinary(text) + eot, dtype=dtype)
-    worker['encode'] = encode
-
-
-def process_batch(batch):
-    out = []
-    for doc_id, raw, kind, split, offset in batch:
-        if kind.startswith('json:'):
-            key = kind[5:]
-            try:
-                text = json.loads(decode_utf8(raw, doc_id))[key]
-            except (ValueError, KeyError, TypeError):
-                raise PrepareError(f'{doc_id} is not a JSON object with a {key!r} field: '
-                                   f'pass --text_key NAME of the field that holds the text') from None
-            if not isinstance(text, str):
-                raise PrepareError(f'{doc_id} has {key!r}: {json.dumps(text)[:40]}, not a string: fix or drop that record')
-            try:
-                data = text.encode('utf-8')
-            except UnicodeEncodeError as e:  # JSON's \ud800 escapes can name half a character
-                raise PrepareError(f'{doc_id} holds a lone surrogate {text[e.start]!r}, which is not text: '
-                                   f'fix or drop that record') from None
-        else:
-            text, data = decode_utf8(raw, doc_id, offset), raw
-        digest = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), 'little')
-        result = ''.join(set(text)) if worker['encode'] is None else worker['encode'](text)
-        out.append((digest, split, bool(text) and not text.isspace(), result))
-    return out
-
-
-def batched(items):
-    """Items grouped into lists of about BATCH_BYTES of raw text."""
-    batch, size = [], 0
-    for item in items:
-        batch.append(item)
-        size += len(item[1])
-        if size >= BATCH_BYTES:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
-
-
-def processed(items, num_proc, init_args):
-    """process_batch over batches of items, in order, whatever num_proc: the output does not depend on it. At most
-    2 x num_proc batches are in flight, so reading never runs ahead of tokenizing (Pool.imap would read it all)."""
-    if num_proc == 1:
-        init_worker(*init_args)
-        for batch in batched(items):
-            yield from process_batch(batch)
-        return
-    with multiprocessing.get_context('fork').Pool(num_proc, init_worker, init_args) as pool:
-        pending = collections.deque()
-        for batch in batched(items):
-            pending.append(pool.apply_async(process_batch, (batch,)))
-            if len(pending) >= 2 * num_proc:
-                yield from pending.popleft().get()
-        while pending:
-            yield from pending.popleft().get()
-
-
-class DocumentSplitter:
-    """Splits of documents in the order they come, drawn in blocks of 20 distinct documents: a permutation from
-    (seed, block) puts 2 in val, 1 in test, 17 in train. No list of all documents is needed, every block holds
-    exactly 10% val and 5% test, so 20 documents make three splits. Exact copies are dropped (None), otherwise a
-    copy in train would make the model look better on val than it is. seen holds a Python int per distinct
-    document: about 70 bytes each (69.5 measured with tracemalloc over a million)."""
-    BLOCK = ['val'] * 2 + ['test'] + ['train'] * 17
-
-    def __init__(self, seed):
-        self.seed, self.seen, self.items = seed, set(), 0
-
-    def __call__(self, digest):
-        self.items += 1
-        if digest in self.seen:
-            return None
-        block, slot = divmod(len(self.seen), len(self.BLOCK))
-        self.seen.add(digest)
-        if slot == 0:
-            self.layout = random.Random(f'{self.seed}/{block}').sample(self.BLOCK, len(self.BLOCK))
-        return self.layout[slot]
-
-
-class Progress:
-    """One line on stderr at most once a second: documents, tokens, MB/s, ETA."""
-
-    def __init__(self, what, total_bytes):
-        self.what, self.total_bytes = what, total_bytes
-        self.bytes_done = self.documents = self.tokens = 0
-        self.start = self.last = time.time()
-
-    def update(self, documents, tokens):
-        self.documents += documents
-        self.tokens += tokens
-        now = time.time()
-        if now - self.last >= 1:
-            self.last = now
-            rate = self.bytes_done / (now - self.start)
-            eta = (self.total_bytes - self.bytes_done) / rate if rate else float('inf')
-            print(f'{self.what}: {self.documents:,} documents, {self.tokens:,} tokens, {self.bytes_done / 1e6:,.0f} of '
-                  f'{self.total_bytes / 1e6:,.0f} MB, {rate / 1e6:.1f} MB/s, ETA {eta:.0f} s', file=sys.stderr, flush=True)
-
-# -----------------------------------------------------------------------------
-
-class ShardWriter:
-    """A split's tokens appended to NAME_SPLIT_000000.bin, NAME_SPLIT_000001.bin, ... of shard_size tokens each (the
-    last one shorter). The header's token count is written when a shard is complete."""
-
-    def __init__(self, folder, name, split, dtype, shard_size):
-        self.folder, self.name, self.split, self.dtype, self.shard_size = folder, name, split, np.dtype(dtype), shard_size
-        self.files, self.file, self.count = [], None, 0
-
-    def append(self, tokens):
-        while len(tokens):
-            if self.file is None:
-                self.file = open(os.path.join(self.folder, f'{self.name}_{self.split}_{len(self.files):06d}.bin'), 'wb')
-                self.file.write(shard_header(0, self.dtype))
-            piece, tokens = tokens[:self.shard_size - self.count], tokens[self.shard_size - self.count:]
-            self.file.write(piece.astype(self.dtype).tobytes())
-            self.count += len(piece)
-            if self.count == self.shard_size:
-                self.close()
-
-    def close(self):
-        if self.file is not None:
-            self.file.seek(0)
-            self.file.write(shard_header(self.count, self.dtype))
-            self.file.close()
-            self.files.append(os.path.basename(self.file.name))
-            self.file, self.count = None, 0
-
 
 def source_items(name, input_path, text_key, work_dir):
     """(description, single text path or None, Reader of documents or None) for a dataset's source."""
@@ -407,40 +203,250 @@ def download(url):
                            f'pass --input PATH to a local copy') from None
 
 
-def run_pass(what, text_path, reader, num_proc, init_args, on_item):
-    """One streaming pass over the source; on_item(digest, split, has_text, result) for every item, in order.
-    Returns the source's sha256 (of the file for a single text, of ids, lengths and bytes for documents)."""
-    h = hashlib.sha256()
-    progress = Progress(what, os.path.getsize(text_path) if text_path else reader.total_bytes)
+def read_source(text_path, reader, progress, source_hash):
+    """The source's items, in order; source_hash (a hashlib object) gets its bytes: a single text's, or the ids,
+    lengths and bytes of its documents."""
+    if text_path:
+        for split, (a, b) in position_bounds(text_path).items():
+            for offset, chunk in text_chunks(text_path, a, b, progress):
+                source_hash.update(chunk)
+                yield text_path, chunk, 'text', split, offset
+        return
+    for item in reader:
+        doc_id, raw = item[:2]
+        source_hash.update(f'{doc_id}\0{len(raw)}\0'.encode('utf-8') + raw)  # lengths keep boundaries unambiguous
+        progress.bytes_done = reader.bytes_done
+        yield item
 
-    def items():
-        if text_path:
-            for split, (a, b) in position_bounds(text_path).items():
-                for offset, chunk in text_chunks(text_path, a, b, progress):
-                    h.update(chunk)
-                    yield text_path, chunk, 'text', split, offset
-            return
-        for item in reader:
-            doc_id, raw = item[:2]
-            h.update(f'{doc_id}\0{len(raw)}\0'.encode('utf-8') + raw)  # lengths keep boundaries unambiguous
-            progress.bytes_done = reader.bytes_done
-            yield item
-    for digest, split, has_text, result in processed(items(), num_proc, init_args):
-        on_item(digest, split, has_text, result)
+# -----------------------------------------------------------------------------
+# split: a single text's by position (position_bounds), documents' in order as they come
+
+class DocumentSplitter:
+    """Splits of documents in the order they come, drawn in blocks of 20 distinct documents: a permutation from
+    (seed, block) puts 2 in val, 1 in test, 17 in train. No list of all documents is needed, every block holds
+    exactly 10% val and 5% test, so 20 documents make three splits. Exact copies are dropped (None), otherwise a
+    copy in train would make the model look better on val than it is. seen holds a Python int per distinct
+    document: about 70 bytes each (69.5 measured with tracemalloc over a million)."""
+    BLOCK = ['val'] * 2 + ['test'] + ['train'] * 17
+
+    def __init__(self, seed):
+        self.seed, self.seen, self.items = seed, set(), 0
+
+    def __call__(self, digest):
+        self.items += 1
+        if digest in self.seen:
+            return None
+        block, slot = divmod(len(self.seen), len(self.BLOCK))
+        self.seen.add(digest)
+        if slot == 0:
+            self.layout = random.Random(f'{self.seed}/{block}').sample(self.BLOCK, len(self.BLOCK))
+        return self.layout[slot]
+
+
+def split_rule(documents, seed):
+    if documents:
+        return (f'documents: in blocks of 20 distinct documents, a seeded permutation (seed {seed}) puts '
+                f'2 in val, 1 in test, 17 in train; exact duplicates dropped')
+    return 'contiguous: test [0, 0.05n), train [0.05n, 0.9n), val [0.9n, n) bytes'
+
+# -----------------------------------------------------------------------------
+# encode: tokenizer processes run a job on every item, a batch at a time: one batch of items in, per item (content
+# digest, split or None for a document, has text, bytes of text, the job's result) out
+
+worker = {}  # this process's job(text, digest), set once by init_worker
+
+
+def init_worker(job):
+    worker['job'] = job
+
+
+def process_batch(batch):
+    out = []
+    for doc_id, raw, kind, split, offset in batch:
+        if kind.startswith('json:'):
+            key = kind[5:]
+            try:
+                text = json.loads(decode_utf8(raw, doc_id))[key]
+            except (ValueError, KeyError, TypeError):
+                raise PrepareError(f'{doc_id} is not a JSON object with a {key!r} field: '
+                                   f'pass --text_key NAME of the field that holds the text') from None
+            if not isinstance(text, str):
+                raise PrepareError(f'{doc_id} has {key!r}: {json.dumps(text)[:40]}, not a string: fix or drop that record')
+            try:
+                data = text.encode('utf-8')
+            except UnicodeEncodeError as e:  # JSON's \ud800 escapes can name half a character
+                raise PrepareError(f'{doc_id} holds a lone surrogate {text[e.start]!r}, which is not text: '
+                                   f'fix or drop that record') from None
+        else:
+            text, data = decode_utf8(raw, doc_id, offset), raw
+        digest = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), 'little')
+        out.append((digest, split, bool(text) and not text.isspace(), len(data), worker['job'](text, digest)))
+    return out
+
+
+def batched(items):
+    """Items grouped into lists of about BATCH_BYTES of raw text."""
+    batch, size = [], 0
+    for item in items:
+        batch.append(item)
+        size += len(item[1])
+        if size >= BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def processed(items, num_proc, job):
+    """process_batch over batches of items, in order, whatever num_proc: the output does not depend on it. At most
+    2 x num_proc batches are in flight, so reading never runs ahead of tokenizing (Pool.imap would read it all).
+    The processes are forked: job, a closure over a tokenizer too, reaches them without pickling."""
+    if num_proc == 1:
+        init_worker(job)
+        for batch in batched(items):
+            yield from process_batch(batch)
+        return
+    with multiprocessing.get_context('fork').Pool(num_proc, init_worker, (job,)) as pool:
+        pending = collections.deque()
+        for batch in batched(items):
+            pending.append(pool.apply_async(process_batch, (batch,)))
+            if len(pending) >= 2 * num_proc:
+                yield from pending.popleft().get()
+        while pending:
+            yield from pending.popleft().get()
+
+
+class Progress:
+    """One line on stderr at most once a second: documents, tokens, MB/s, ETA."""
+
+    def __init__(self, what, total_bytes):
+        self.what, self.total_bytes = what, total_bytes
+        self.bytes_done = self.documents = self.tokens = 0
+        self.start = self.last = time.time()
+
+    def update(self, documents, tokens):
+        self.documents += documents
+        self.tokens += tokens
+        now = time.time()
+        if now - self.last >= 1:
+            self.last = now
+            rate = self.bytes_done / (now - self.start)
+            eta = (self.total_bytes - self.bytes_done) / rate if rate else float('inf')
+            print(f'{self.what}: {self.documents:,} documents, {self.tokens:,} tokens, {self.bytes_done / 1e6:,.0f} of '
+                  f'{self.total_bytes / 1e6:,.0f} MB, {rate / 1e6:.1f} MB/s, ETA {eta:.0f} s', file=sys.stderr, flush=True)
+
+
+def run_pass(what, text_path, reader, num_proc, job, splitter, source_hash=None):
+    """One streaming pass over the source, job(text, digest) run on every item by num_proc processes: per item, in
+    order, (split, has text, bytes of text, the job's result), split None for an exact copy of a document."""
+    progress = Progress(what, os.path.getsize(text_path) if text_path else reader.total_bytes)
+    items = read_source(text_path, reader, progress, source_hash or hashlib.sha256())
+    for digest, split, has_text, text_bytes, result in processed(items, num_proc, job):
         progress.update(1, len(result) if isinstance(result, np.ndarray) else 0)  # not a character set's size
-    return h.hexdigest()
+        yield split or splitter(digest), has_text, text_bytes, result
+
+
+# -----------------------------------------------------------------------------
+# the tokenizer: given, or fit on the train split alone (val and test are new text: the model must not have
+# seen it, its vocabulary included)
+
+def given_tokenizer(spec):
+    """--tokenizer's value -> (the Tokenizer, or None for one fit on the train split, the BPE vocabulary asked)."""
+    if spec == 'char':
+        return None, 0
+    if spec.startswith('bpe:'):
+        if not spec[4:].isdigit() or int(spec[4:]) < 257:
+            raise PrepareError(f'tokenizer {spec!r}: the vocabulary size after bpe: must be a whole number of at '
+                               f'least 257 (256 bytes and end-of-text), e.g. bpe:8192')
+        return None, int(spec[4:])
+    if spec == 'gpt2':
+        return tokenizer.gpt2(), 0
+    if not spec.endswith('.tiktoken'):
+        raise PrepareError(f'tokenizer {spec!r} not understood: use char, gpt2, bpe:VOCAB_SIZE (e.g. bpe:8192) '
+                           f'or a path to a .tiktoken ranks file')
+    return tokenizer.ranks_file(os.path.abspath(spec)), 0
+
+
+def collect_chars(text, digest):
+    return ''.join(set(text))
 
 
 def train_chars(text_path, reader, num_proc, seed):
-    """The sorted characters of the train split: a first pass, since the vocabulary comes from train only (val and
-    test are new text, whose unseen characters the model could not have an id for either). At most all of unicode."""
-    chars, splitter = set(), DocumentSplitter(seed)
+    """The character tokenizer of the train split's characters, at most all of unicode."""
+    chars = set()
+    for split, _, _, found in run_pass('pass 1/2, characters', text_path, reader, num_proc, collect_chars,
+                                       DocumentSplitter(seed)):
+        if split == 'train':
+            chars.update(found)
+    return tokenizer.char(sorted(chars))
 
-    def collect(digest, split, has_text, result):
-        if (split or splitter(digest)) == 'train':
-            chars.update(result)
-    run_pass('pass 1/2, characters', text_path, reader, num_proc, ('char', None, text_path is None, None), collect)
-    return sorted(chars)
+
+def train_bpe(vocab_size, text_path, reader, num_proc, seed, folder, name):
+    """A BPE learned on the train split's documents (a single text's pieces), written to folder/NAME.tiktoken; returns
+    the Tokenizer. The sample: every train document whose content digest, uniform over 2**64, falls below
+    BPE_SAMPLE_BYTES / the source's size on disk times 2**64, so it is spread over the corpus and the same for any
+    num_proc; all of train when the source is smaller. A compressed source holds more text than its size: the
+    sample also ends before the document that would take it past BPE_SAMPLE_BYTES."""
+    source_bytes = os.path.getsize(text_path) if text_path else reader.total_bytes
+    fraction = min(BPE_SAMPLE_BYTES / max(source_bytes, 1), 1.0)
+    sample = {'documents': 0, 'bytes': 0}
+
+    def sampled(text, digest):
+        return text if digest < fraction * 2**64 else None
+
+    def train_texts():
+        for split, _, text_bytes, text in run_pass('pass 1/2, BPE sample', text_path, reader, num_proc, sampled,
+                                                   DocumentSplitter(seed)):
+            if split == 'train' and text is not None:
+                if sample['bytes'] + text_bytes > BPE_SAMPLE_BYTES:
+                    return
+                sample['documents'] += 1
+                sample['bytes'] += text_bytes
+                yield text
+    tokenizer.train_bpe(train_texts(), vocab_size, os.path.join(folder, f'{name}.tiktoken'))
+    tok = tokenizer.ranks_file(f'{name}.tiktoken', folder)
+    tok.entry['trained'] = {
+        'vocab_size_asked': vocab_size, 'trainer': f"rustbpe {importlib.metadata.version('rustbpe')}", **sample,
+        'sample_rule': f'train documents whose content digest < {fraction:.6g} x 2**64, '
+                       f'at most {BPE_SAMPLE_BYTES:,} bytes'}
+    return tok
+
+# -----------------------------------------------------------------------------
+# write: each split's ids appended to its shards, then meta.json
+
+def shard_header(num_tokens, dtype):
+    magic, version = SHARD_FORMATS[np.dtype(dtype).name]
+    header = np.zeros(HEADER_INTS, dtype=np.int32)
+    header[:3] = magic, version, num_tokens
+    return header.tobytes()
+
+
+class ShardWriter:
+    """A split's tokens appended to NAME_SPLIT_000000.bin, NAME_SPLIT_000001.bin, ... of shard_size tokens each (the
+    last one shorter). The header's token count is written when a shard is complete."""
+
+    def __init__(self, folder, name, split, dtype, shard_size):
+        self.folder, self.name, self.split, self.dtype, self.shard_size = folder, name, split, np.dtype(dtype), shard_size
+        self.files, self.file, self.count = [], None, 0
+
+    def append(self, tokens):
+        while len(tokens):
+            if self.file is None:
+                self.file = open(os.path.join(self.folder, f'{self.name}_{self.split}_{len(self.files):06d}.bin'), 'wb')
+                self.file.write(shard_header(0, self.dtype))
+            piece, tokens = tokens[:self.shard_size - self.count], tokens[self.shard_size - self.count:]
+            self.file.write(piece.astype(self.dtype).tobytes())
+            self.count += len(piece)
+            if self.count == self.shard_size:
+                self.close()
+
+    def close(self):
+        if self.file is not None:
+            self.file.seek(0)
+            self.file.write(shard_header(self.count, self.dtype))
+            self.file.close()
+            self.files.append(os.path.basename(self.file.name))
+            self.file, self.count = None, 0
 
 
 def splits_meta(counts, writers, text_path, char_level):
@@ -458,13 +464,6 @@ def splits_meta(counts, writers, text_path, char_level):
     return splits
 
 
-def split_rule(documents, seed):
-    if documents:
-        return (f'documents: in blocks of 20 distinct documents, a seeded permutation (seed {seed}) puts '
-                f'2 in val, 1 in test, 17 in train; exact duplicates dropped')
-    return 'contiguous: test [0, 0.05n), train [0.05n, 0.9n), val [0.9n, n) bytes'
-
-
 def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, text_key='text', num_proc=None,
             shard_size=100_000_000):
     """Write data_dir/name/ (shards and meta.json); returns data_dir/name."""
@@ -476,8 +475,7 @@ def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, t
     if num_proc < 1:
         raise PrepareError(f'num_proc={num_proc} must be at least 1 (tokenizer processes)')
     tokenizer = tokenizer or ('gpt2' if name == 'shakespeare' else 'char')
-    # load the tokenizer before reading anything, so a bad --tokenizer fails fast
-    tokenizer_meta = None if tokenizer == 'char' else tiktoken_encoding(tokenizer)[1]
+    tok, bpe_vocab_size = given_tokenizer(tokenizer)  # before reading anything, so a bad --tokenizer fails fast
 
     # build the dataset in a temp folder beside the target and swap it in at the end,
     # so a failed run never leaves a half-written dataset or destroys the previous one
@@ -488,33 +486,33 @@ def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, t
     try:
         source, text_path, reader = source_items(name, input_path, text_key, work_dir)
         documents = text_path is None
-        if tokenizer == 'char':
-            chars = train_chars(text_path, reader, num_proc, seed)
-            tokenizer_meta, vocab_size = {'kind': 'char', 'chars': chars, 'unk_id': 0}, len(chars) + 1
-        else:
-            chars, vocab_size = None, tokenizer_meta['eot_id'] + 1
-        dtype = np.uint16 if vocab_size <= 65535 else np.uint32
-
         new_dir = os.path.join(work_dir, name)
         os.mkdir(new_dir)
-        writers = {split: ShardWriter(new_dir, name, split, dtype, shard_size) for split in SPLITS}
-        counts = {split: {'tokens': 0, 'documents': 0, 'unknown_chars': 0} for split in SPLITS}
-        splitter, has_any_text = DocumentSplitter(seed), False
+        if tokenizer == 'char':
+            tok = train_chars(text_path, reader, num_proc, seed)
+        elif bpe_vocab_size:
+            tok = train_bpe(bpe_vocab_size, text_path, reader, num_proc, seed, new_dir, name)
+        dtype = np.uint16 if tok.vocab_size <= 65535 else np.uint32
 
-        def write(digest, split, has_text, tokens):
-            nonlocal has_any_text
+        writers = {split: ShardWriter(new_dir, name, split, dtype, shard_size) for split in SPLITS}
+        counts = {split: {'tokens': 0, 'documents': 0, 'bytes': 0, 'unknown_chars': 0} for split in SPLITS}
+        splitter, source_hash, has_any_text = DocumentSplitter(seed), hashlib.sha256(), False
+
+        def encode(text, digest):  # ids in the shards' dtype: half the bytes to send back and hold, for uint16
+            return tok.ids(text, dtype, end_of_document=documents)
+        for split, has_text, text_bytes, tokens in run_pass('tokenizing', text_path, reader, num_proc, encode,
+                                                            splitter, source_hash):
             has_any_text |= has_text
-            split = split or splitter(digest)
             if split is None:
-                return
+                continue
             writers[split].append(tokens)
             c = counts[split]
             c['tokens'] += len(tokens)
+            c['bytes'] += text_bytes
             if documents or c['documents'] == 0:  # a single text's chunks make one document per split
                 c['documents'] += 1
             if tokenizer == 'char':
                 c['unknown_chars'] += int(np.count_nonzero(tokens == 0))
-        source_sha256 = run_pass('tokenizing', text_path, reader, num_proc, (tokenizer, chars, documents, dtype), write)
         for writer in writers.values():
             writer.close()
 
@@ -523,11 +521,12 @@ def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, t
         if documents and len(splitter.seen) < 3:
             raise PrepareError(f'only {len(splitter.seen)} distinct documents: need at least 3 (one per split); '
                                f'add files, or pass a single file to split it by position')
+        splits = splits_meta(counts, writers, text_path, tokenizer == 'char')
         meta = {
-            'name': name, 'tokenizer': tokenizer_meta, 'vocab_size': vocab_size, 'dtype': np.dtype(dtype).name,
-            'splits': splits_meta(counts, writers, text_path, tokenizer == 'char'), 'source': source,
-            'source_sha256': source_sha256, 'split_rule': split_rule(documents, seed), 'seed': seed,
-            'duplicates_dropped': splitter.items - len(splitter.seen), 'shard_size': shard_size,
+            'name': name, 'tokenizer': tok.entry, 'vocab_size': tok.vocab_size, 'dtype': np.dtype(dtype).name,
+            'splits': splits, 'val_bytes_per_token': round(splits['val']['bytes'] / splits['val']['tokens'], 4),
+            'source': source, 'source_sha256': source_hash.hexdigest(), 'split_rule': split_rule(documents, seed),
+            'seed': seed, 'duplicates_dropped': splitter.items - len(splitter.seen), 'shard_size': shard_size,
         }
         with open(os.path.join(new_dir, 'meta.json'), 'w', encoding='utf-8') as f:
             json.dump(meta, f, indent=2, ensure_ascii=False)
@@ -548,7 +547,8 @@ def main(argv=None):
     parser.add_argument('name', help=f'dataset name: {", ".join(KNOWN_DATASETS)}, or any name with --input')
     parser.add_argument('--input', dest='input_path',
                         help='a text file (split by position), a folder (split by document), .jsonl, .jsonl.gz or .parquet')
-    parser.add_argument('--tokenizer', help='char, gpt2 or PATH.tiktoken (default: gpt2 for shakespeare, else char)')
+    parser.add_argument('--tokenizer', help='char, gpt2, PATH.tiktoken, or bpe:VOCAB_SIZE to learn a BPE on the train '
+                                            'split (default: gpt2 for shakespeare, else char)')
     parser.add_argument('--data_dir', default='data', help='where the dataset folder is written')
     parser.add_argument('--seed', type=int, default=1337, help='seed of the split of documents')
     parser.add_argument('--text_key', default='text', help='the field that holds the text in .jsonl and .parquet records')
@@ -558,13 +558,15 @@ def main(argv=None):
     try:
         out_dir = prepare(args.name, args.data_dir, args.input_path, args.tokenizer, args.seed, args.text_key,
                           args.num_proc, args.shard_size)
-    except PrepareError as e:
+    except (PrepareError, tokenizer.TokenizerError) as e:
         print(f'error: {e}', file=sys.stderr)
         sys.exit(2)
     with open(os.path.join(out_dir, 'meta.json'), encoding='utf-8') as f:
         meta = json.load(f)
-    print(f"wrote {out_dir}: vocab_size {meta['vocab_size']} ({meta['tokenizer']['kind']}), {meta['dtype']}, "
-          f"{meta['duplicates_dropped']} duplicate documents dropped")
+    trained = meta['tokenizer'].get('trained')
+    kind = f"BPE learned on {trained['bytes']:,} bytes of train" if trained else meta['tokenizer']['kind']
+    print(f"wrote {out_dir}: vocab_size {meta['vocab_size']} ({kind}), {meta['dtype']}, "
+          f"{meta['val_bytes_per_token']} bytes/token on val, {meta['duplicates_dropped']} duplicate documents dropped")
     for split, s in meta['splits'].items():
         unknown = f", {s['unknown_chars']:,} unknown chars" if 'unknown_chars' in s else ''
         print(f"  {split:5s} {s['tokens']:>12,} tokens {s['documents']:>6,} documents in {len(s['shards'])} shard(s){unknown}")

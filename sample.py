@@ -3,7 +3,7 @@ Sample from a trained model with the run's own tokenizer:
 
     python sample.py --out_dir=out/tiny --start="def " --num_samples=3
     python sample.py --out_dir=out/tiny --start=FILE:prompt.txt --top_k=1   # greedy
-    python sample.py --out_dir=out/tiny --export_hf=out/tiny/hf   # a folder transformers loads as GPT2LMHeadModel
+    python sample.py --out_dir=out/tiny --export_hf=out/tiny/hf   # a folder transformers loads: GPT2LMHeadModel, tokenizer
 
 Samples go to stdout, each followed by a line of dashes; what was loaded goes to stderr. The same
 --seed gives the same samples. An empty prompt starts where documents start: a newline for a
@@ -20,7 +20,7 @@ import torch
 import checkpoint
 import hf
 import perf
-import prepare
+import tokenizer
 from configurator import ConfigError, configure, fail
 from model import GPT, GPTConfig
 
@@ -36,13 +36,13 @@ seed = 1337  # sample i uses seed + i, so it does not depend on num_samples
 device = 'auto'  # 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...
 dtype = 'auto'  # 'auto' (as train.py decides it, for this model on this device), 'float32', 'bfloat16', 'float16'
 export = ''  # write the weights to this single .pt file (e.g. from an fsdp run's shards) and exit without sampling
-export_hf = ''  # write a Hugging Face GPT2LMHeadModel folder (config.json, model.safetensors) here and exit without sampling
+export_hf = ''  # write a Hugging Face GPT2LMHeadModel folder (config.json, model.safetensors, the tokenizer) here and exit
 # -----------------------------------------------------------------------------
 
 
 def load_model(path, device):
-    """(GPT in eval mode on device, encode, decode, the checkpoint dict) from a checkpoint file.
-    Raises checkpoint.CheckpointError, or prepare.PrepareError when the tokenizer cannot be loaded."""
+    """(GPT in eval mode on device, the checkpoint dict) from a checkpoint file; raises checkpoint.CheckpointError.
+    The tokenizer is the dataset's: tokenizer.load(checkpoint['dataset']['tokenizer'])."""
     saved = checkpoint.load(path)
     try:
         model = GPT(GPTConfig(**saved['model_args']))
@@ -55,30 +55,24 @@ def load_model(path, device):
             saved['model'] = state['model']
         # checkpoints saved from a torch.compile or DDP wrapper elsewhere carry these prefixes
         model.load_state_dict({re.sub(r'^((_orig_mod|module)\.)+', '', k): v for k, v in saved['model'].items()})
-        tokenizer = saved['dataset']['tokenizer']
+        saved['dataset']['tokenizer']['kind']  # every use needs the dataset's tokenizer: missing, the file is not ours
     except (KeyError, TypeError, RuntimeError) as e:
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise checkpoint.CheckpointError(f"{path} is not a train.py checkpoint ({first_line}): "
                                          f"pass the best.pt or last.pt of a run")
-    encode, decode = prepare.load_tokenizer({'tokenizer': tokenizer})
-    return model.to(device).eval(), encode, decode, saved
+    return model.to(device).eval(), saved
 
 
-def default_start(tokenizer):
-    """Where documents start, given a dataset's meta['tokenizer']."""
-    return '\n' if tokenizer['kind'] == 'char' else prepare.EOT
-
-
-def sample_text(model, encode, decode, start, max_new_tokens, temperature, top_k, seed, device):
+def sample_text(model, tok, start, max_new_tokens, temperature, top_k, seed, device):
     """The non-empty text start and its continuation. Draws from its own generator, so the global
     RNG (and with it a training run's random stream) is left as it was."""
     was_training = model.training
     model.eval()
     generator = torch.Generator(device=device).manual_seed(seed)
-    idx = torch.tensor([encode(start)], dtype=torch.long, device=device)  # (1, T)
+    idx = torch.tensor([tok.encode(start)], dtype=torch.long, device=device)  # (1, T)
     idx = model.generate(idx, max_new_tokens, temperature, top_k, generator)  # (1, T + max_new_tokens)
     model.train(was_training)
-    return decode(idx[0].tolist())
+    return tok.decode(idx[0].tolist())
 
 
 if __name__ == '__main__':
@@ -110,8 +104,8 @@ if __name__ == '__main__':
     if not os.path.isfile(ckpt_path):
         fail(f"checkpoint {ckpt_path} does not exist: set out_dir to a run's folder, or ckpt to a .pt file")
     try:
-        model, encode, decode, saved = load_model(ckpt_path, device)
-    except (checkpoint.CheckpointError, prepare.PrepareError) as e:
+        model, saved = load_model(ckpt_path, device)
+    except checkpoint.CheckpointError as e:
         fail(e)
     if export:
         checkpoint.save_file({'model': model.state_dict(), 'model_args': saved['model_args'], 'dataset': saved['dataset'],
@@ -120,17 +114,25 @@ if __name__ == '__main__':
         sys.exit(0)
     if export_hf:
         try:
-            hf.export_gpt2(model, export_hf, saved['dataset']['tokenizer'].get('eot_id'))
-        except hf.HFError as e:
+            eot_id, tokenizer_files = tokenizer.hf_export(saved['dataset']['tokenizer'])
+            hf.export_gpt2(model, export_hf, eot_id, tokenizer_files)
+        except (tokenizer.TokenizerError, hf.HFError) as e:
             fail(e)
-        print(f"wrote {ckpt_path} (iteration {saved['iter_num']}) as a GPT2LMHeadModel to {export_hf}", file=sys.stderr)
+        with_tokenizer = ("with its tokenizer" if tokenizer_files else
+                          "(its tokenizer: AutoTokenizer.from_pretrained('gpt2'))")
+        print(f"wrote {ckpt_path} (iteration {saved['iter_num']}) as a GPT2LMHeadModel {with_tokenizer} to "
+              f"{export_hf}", file=sys.stderr)
         sys.exit(0)
+    try:
+        tok = tokenizer.load(saved['dataset']['tokenizer'])
+    except tokenizer.TokenizerError as e:
+        fail(e)
     if dtype == 'auto':  # train.py's rule, for this model's shape on this device
         dtype = perf.auto_dtype(device, {**saved['model_args'], 'dropout': 0.0}, 1)[0]
     autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
-    start = start or default_start(saved['dataset']['tokenizer'])
+    start = start or tok.start
     print(f"sampling {ckpt_path} (iteration {saved.get('iter_num', '?')}) on {device} {dtype}", file=sys.stderr)
     for i in range(num_samples):
         with autocast:
-            print(sample_text(model, encode, decode, start, max_new_tokens, temperature, top_k, seed + i, device))
+            print(sample_text(model, tok, start, max_new_tokens, temperature, top_k, seed + i, device))
         print('-' * 40)

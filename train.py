@@ -36,6 +36,7 @@ import prepare
 import report
 import runlog
 import sample
+import tokenizer
 from configurator import ConfigError, configure, fail
 from model import GPT, GPTConfig
 from runlog import abort, log, record
@@ -650,12 +651,11 @@ log(f"done: {sessions} (checkpoint saves {save_seconds / session_seconds:.1%} of
     f"loss {best_val_loss:.4f} at iteration {best_iter}{tested}; checkpoints in {out_dir}")
 if sample_tokens and (master or sharded):  # a sharded model's forward needs every rank
     try:
-        encode, decode = prepare.load_tokenizer(data_meta)
-    except prepare.PrepareError as e:
+        tok = tokenizer.load(data_meta['tokenizer'])
+    except tokenizer.TokenizerError as e:
         log(f"no sample: {e}")
     else:
         with autocast:
-            text = sample.sample_text(raw_model, encode, decode, sample.default_start(data_meta['tokenizer']),
-                                      sample_tokens, 0.8, 200, seed, device)
+            text = sample.sample_text(raw_model, tok, tok.start, sample_tokens, 0.8, 200, seed, device)
         log(f"a sample from the best weights:\n{text}")
 runlog.finish()

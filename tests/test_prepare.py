@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import prepare
+import tokenizer
 from conftest import write_ranks
 
 PREPARE_PY = os.path.abspath(prepare.__file__)
@@ -55,7 +56,7 @@ def write_docs(folder, n=30):
 
 
 def doc_tags(out_dir, split):
-    _, decode = prepare.load_tokenizer(read_meta(out_dir))
+    decode = tokenizer.load(read_meta(out_dir)['tokenizer']).decode
     return re.findall(r'\[doc (\d\d)\]', decode(read_split(out_dir, split).tolist()))
 
 
@@ -101,9 +102,9 @@ def test_char_vocab_is_fit_on_train_only(tmp_path):
     test_ids, val_ids = read_split(out_dir, 'test'), read_split(out_dir, 'val')
     assert np.flatnonzero(test_ids == 0).tolist() == [10, 11, 12]
     assert np.flatnonzero(val_ids == 0).tolist() == [50, 51, 52, 53]
-    encode, decode = prepare.load_tokenizer(meta)
-    assert encode('abW') == [3, 4, 0]
-    assert decode(val_ids.tolist()) == text[900:].replace('V', '\ufffd')
+    tok = tokenizer.load(meta['tokenizer'])
+    assert tok.encode('abW') == [3, 4, 0]
+    assert tok.decode(val_ids.tolist()) == text[900:].replace('V', '\ufffd')
 
 
 def test_single_file_contiguous_split(tmp_path):
@@ -112,11 +113,11 @@ def test_single_file_contiguous_split(tmp_path):
     (tmp_path / 'in.txt').write_text(text, encoding='utf-8')
     out_dir = prepare.prepare('t', data_dir=tmp_path / 'data', input_path=tmp_path / 'in.txt')
     meta = read_meta(out_dir)
-    _, decode = prepare.load_tokenizer(meta)
+    decode = tokenizer.load(meta['tokenizer']).decode
     expected = {'test': (0, 50), 'train': (50, 902), 'val': (902, 1003)}
     for split, (a, b) in expected.items():
         assert decode(read_split(out_dir, split).tolist()) == text[a:b]
-        assert meta['splits'][split] == {'tokens': b - a, 'documents': 1, 'unknown_chars': 0, 'byte_range': [a, b],
+        assert meta['splits'][split] == {'tokens': b - a, 'documents': 1, 'bytes': b - a, 'unknown_chars': 0, 'byte_range': [a, b],
                                          'shards': [f't_{split}_000000.bin']}
     assert meta['source_sha256'] == hashlib.sha256(text.encode()).hexdigest()
     assert meta['split_rule'].startswith('contiguous')
@@ -135,17 +136,17 @@ def test_bpe_from_local_tiktoken_file(tmp_path, monkeypatch):
     meta = read_meta(out_dir)
     assert meta['tokenizer'] == {'kind': 'tiktoken', 'encoding': str(ranks),
                                  'ranks_sha256': hashlib.sha256(ranks.read_bytes()).hexdigest(),
-                                 'pat_str': prepare.GPT2_PAT_STR, 'eot_id': 259}
+                                 'pat_str': tokenizer.GPT2_PAT_STR, 'eot_id': 259}
     assert meta['vocab_size'] == 260 and 'unknown_chars' not in meta['splits']['train']
-    encode, decode = prepare.load_tokenizer(meta)
-    assert encode('the') == [258]
+    tok = tokenizer.load(meta['tokenizer'])
+    assert tok.encode('the') == [258]
     id_of = {text: name for name, text in docs.items()}
     seen, n_text_tokens = [], 0
     for split in prepare.SPLITS:
         ids = read_split(out_dir, split).tolist()
         assert len(ids) == meta['splits'][split]['tokens'] and ids[-1] == 259, 'each document ends with eot'
         ends = [k for k, t in enumerate(ids) if t == 259]
-        split_docs = [decode(ids[a + 1:b]) for a, b in zip([-1] + ends, ends)]
+        split_docs = [tok.decode(ids[a + 1:b]) for a, b in zip([-1] + ends, ends)]
         assert len(split_docs) == meta['splits'][split]['documents']
         names = [id_of[t] for t in split_docs]
         assert names == sorted(names)
@@ -156,11 +157,10 @@ def test_bpe_from_local_tiktoken_file(tmp_path, monkeypatch):
     assert n_text_tokens < sum(len(t.encode()) for t in docs.values()), 'merges were used'
 
     write_ranks(ranks, [b'th', b'he'])  # same path, different merges: neither meta nor the cache may go stale
-    with pytest.raises(prepare.PrepareError, match='changed since'):
-        prepare.load_tokenizer(meta)
+    with pytest.raises(tokenizer.TokenizerError, match='changed since'):
+        tokenizer.load(meta['tokenizer'])
     out_dir = prepare.prepare('b', data_dir=tmp_path / 'data', input_path=tmp_path / 'docs', tokenizer=str(ranks))
-    encode, _ = prepare.load_tokenizer(read_meta(out_dir))
-    assert encode('the') == [256, ord('e')]
+    assert tokenizer.load(read_meta(out_dir)['tokenizer']).encode('the') == [256, ord('e')]
     assert read_meta(out_dir)['tokenizer']['eot_id'] == 258
 
 
@@ -334,7 +334,7 @@ def test_small_shards_hold_the_same_tokens(tmp_path, monkeypatch):
         assert read_split(one, split).tolist() == read_split(many, split).tolist()
         counts = [int(np.fromfile(os.path.join(many, f), dtype=np.int32, count=3)[2]) for f in meta['splits'][split]['shards']]
         assert counts[:-1] == [1000] * (len(counts) - 1) and 0 < counts[-1] <= 1000
-    _, decode = prepare.load_tokenizer(meta)
+    decode = tokenizer.load(meta['tokenizer']).decode
     assert decode(read_split(many, 'train').tolist()) == text[250:4500]
 
 

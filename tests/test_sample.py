@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import forked
-import prepare
 import sample
+import tokenizer
 from conftest import run_train
 from model import GPT, GPTConfig
 
@@ -44,12 +44,12 @@ def test_top_k_1_is_greedy_with_a_prompt_file(run_dir, tmp_path):
     model = GPT(GPTConfig(**ckpt['model_args']))
     model.load_state_dict(ckpt['model'])
     model.eval()
-    encode, decode = prepare.load_tokenizer({'tokenizer': ckpt['dataset']['tokenizer']})
-    idx = torch.tensor([encode('the cat ')])
+    tok = tokenizer.load(ckpt['dataset']['tokenizer'])
+    idx = torch.tensor([tok.encode('the cat ')])
     with torch.no_grad():
         for _ in range(12):
             idx = torch.cat([idx, model(idx)[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
-    assert result.stdout == decode(idx[0].tolist()) + '\n' + SEPARATOR
+    assert result.stdout == tok.decode(idx[0].tolist()) + '\n' + SEPARATOR
 
 
 def test_missing_checkpoint_is_a_one_line_error(tmp_path):
@@ -68,10 +68,11 @@ def test_prefixed_checkpoint_loads(run_dir, tmp_path):
 
 
 def test_sample_text_leaves_global_rng_and_train_mode(run_dir):
-    model, encode, decode, _ = sample.load_model(os.path.join(run_dir, 'best.pt'), 'cpu')
+    model, saved = sample.load_model(os.path.join(run_dir, 'best.pt'), 'cpu')
+    tok = tokenizer.load(saved['dataset']['tokenizer'])
     model.train()
     rng = torch.get_rng_state()
-    text = sample.sample_text(model, encode, decode, 'the ', 20, 1.0, 200, 7, 'cpu')
+    text = sample.sample_text(model, tok, 'the ', 20, 1.0, 200, 7, 'cpu')
     assert torch.equal(torch.get_rng_state(), rng) and model.training
     assert text.startswith('the ') and len(text) == 24
-    assert text == sample.sample_text(model, encode, decode, 'the ', 20, 1.0, 200, 7, 'cpu')
+    assert text == sample.sample_text(model, tok, 'the ', 20, 1.0, 200, 7, 'cpu')

@@ -12,6 +12,7 @@ import torch
 import data
 import forked
 import prepare
+import tokenizer
 from conftest import epoch_batches, make_corpus, ok, run_train, run_trains, torchrun
 
 
@@ -115,11 +116,11 @@ def test_dataset_mistakes_are_one_line(tmp_path):
     np.zeros(10, np.uint16).tofile(tmp_path / 'old' / 'train.bin')
     assert 'prepared by an older prepare.py (train.bin, no shards): run python prepare.py old again' in error('old')
     # a hand-written meta.json cannot give a char vocabulary: the end-of-run sample would need its characters
-    for tokenizer in ('"char"', '{"kind": "char"}'):
-        (tmp_path / 'old' / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": %s}' % tokenizer)
+    for entry in ('"char"', '{"kind": "char"}'):
+        (tmp_path / 'old' / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": %s}' % entry)
         assert 'names a char tokenizer without its characters' in error('old')
-    with pytest.raises(prepare.PrepareError, match="the char tokenizer's characters are missing"):
-        prepare.load_tokenizer({'tokenizer': {'kind': 'char'}})
+    with pytest.raises(tokenizer.TokenizerError, match="the char tokenizer's characters are missing"):
+        tokenizer.load({'kind': 'char'})
     (tmp_path / 'old' / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": "gpt2",}')
     assert 'meta.json is not valid JSON (Expecting property name' in error('old') and ': fix it' in error('old')
     (tmp_path / 'nometa').mkdir()
