@@ -362,18 +362,21 @@ def run_smoke_test(steps=30):
     batch = torch.utils.data.default_collate([splits['train'][s] for s in first])
     smoke_optimizer = model.configure_optimizers(0.0, *optimizer_args)
     smoke_scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=scaler.is_enabled())
-    losses = []
+    losses, skipped = [], 0
     for _ in range(steps):
         loss_sum, _, _ = train_step(model, smoke_optimizer, smoke_scaler, iter(lambda: batch, None))
         losses.append(loss_sum / accum_steps)
+        scale = smoke_scaler.get_scale()
         smoke_scaler.step(smoke_optimizer)
         smoke_scaler.update()
+        skipped += smoke_scaler.get_scale() < scale  # float16 overflow: the scaler skipped the step
     model.load_state_dict(initial_weights)
     checkpoint.set_rng_state(initial_rng, device)
     first, final = (all_ranks(torch.stack([losses[0], losses[-1]]).float()) / world_size).tolist()
     check(final < 0.7 * first, f"smoke test failed: one batch overfit for {steps} steps only went from loss "
                                f"{first:.4f} to {final:.4f}: check learning_rate, or the model and loss")
-    return {'kind': 'smoke_test', 'step': iter_num, 'steps': steps, 'first_loss': first, 'final_loss': final}
+    return {'kind': 'smoke_test', 'step': iter_num, 'steps': steps, 'skipped': skipped, 'first_loss': first,
+            'final_loss': final}
 
 
 smoke_result = run_smoke_test() if smoke_test and not resuming else None

@@ -45,6 +45,7 @@ def test_two_ranks_equal_one_process_and_skip_sync_between_boundaries(tmp_path, 
     run_train(one, data_dir, *SAME, *recipe)
     result = ok(torchrun(two, data_dir, *SAME, *recipe, probe=True, env_extra={'PROBE_COUNT': str(tmp_path)}))
     assert '4 x 8 x 32' in result.stdout  # tokens per step printed, global accumulation kept
+    assert 'Warning' not in result.stderr  # none per rank: DDP's broadcast_buffers is deprecated
     assert_same_run(one, two)
     # 2 micro-batches per rank per step, 1 bucket (a 30k-parameter model): one gradient all-reduce per
     # optimizer step, none on the non-boundary micro-batch
@@ -100,5 +101,5 @@ def test_bad_config_ends_every_rank(tmp_path, data_dir):
     for args, message in ((['--batch_sise=4'], "unknown config key 'batch_sise'"),
                           (['--gradient_accumulation_steps=3'], 'not divisible by the 2 processes')):
         result = torchrun(str(tmp_path / 'bad'), data_dir, *args, timeout=120)
-        assert result.returncode != 0 and message in result.stderr
+        assert result.returncode != 0 and result.stderr.count(message) == 1  # said once, by rank 0
         assert not (tmp_path / 'bad').exists()

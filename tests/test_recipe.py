@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import hf
-from conftest import ok, read_metrics, run_train, torchrun
+from conftest import ok, read_metrics, run_train, run_trains, torchrun
 from model import ACTIVATIONS, GPT, GPTConfig, rotate
 
 # every switch on, Muon's rate and the wsd decay share set apart from their defaults
@@ -155,3 +155,25 @@ def test_float16_overflow_skips_both_optimizers_and_the_wsd_schedule_waits(tmp_p
     adamw, muon = ckpt['optimizer']
     assert [g['lr'] for g in adamw['param_groups']] == pytest.approx([3e-3 * wsd_factor(real_steps)] * 2)
     assert muon['param_groups'][0]['lr'] == pytest.approx(0.03 * wsd_factor(real_steps))  # Muon's own base rate
+
+
+@pytest.mark.slow
+def test_a_finished_run_trains_further_without_warming_up_again(tmp_path, data_dir):
+    """Two ways on: a cosine run whose max_iters alone is raised goes on at min_lr; a wsd run resumed from stable.pt
+    (its state at the stable phase's end) with a longer schedule stays at the peak rate, then cools down anew.
+    Raising lr_decay_iters on a cosine run instead puts the rate back up the curve, as README says."""
+    cosine, wsd = str(tmp_path / 'cosine'), str(tmp_path / 'wsd')
+    run_trains(data_dir, (cosine, []), (wsd, ['--lr_schedule=wsd', '--wsd_decay_frac=0.5']))  # 40 iterations
+    run_train(cosine, data_dir, '--init_from=resume', '--max_iters=50')
+    lrs = [r['lr'] for r in read_metrics(cosine, 'train')]
+    assert lrs[40:] == [pytest.approx(3e-4)] * 10  # min_lr, as at the end of the first session
+    # wsd: warmup 5, stable to iteration 22.5 of lr_decay_iters=40, then linear to min_lr
+    stable = torch.load(os.path.join(wsd, 'stable.pt'), weights_only=True)
+    assert stable['iter_num'] == 23 and stable['scheduler']['last_epoch'] == 23
+    longer = str(tmp_path / 'longer')
+    run_train(longer, data_dir, '--lr_schedule=wsd', '--wsd_decay_frac=0.5', '--init_from=resume',
+              f"--resume_from={os.path.join(wsd, 'stable.pt')}", '--max_iters=80', '--lr_decay_iters=80')
+    lrs = [r['lr'] for r in read_metrics(longer, 'train')]  # iterations 24 to 80
+    assert lrs[:19] == [3e-3] * 19 and 3e-4 < lrs[20] < 3e-3 and lrs[-1] < 6e-4  # cooled down anew
+    # the straight wsd run had decayed by then: the longer one had not
+    assert [r['lr'] for r in read_metrics(wsd, 'train')][30] < 3e-3

@@ -134,6 +134,12 @@ def test_smoke_test_passes_or_refuses_to_start(tmp_path, data_dir, run_20):
     never = tmp_path / 'never'
     result = run_train(str(never), data_dir, '--smoke_test=True', '--learning_rate=0', check=False)
     assert result.returncode != 0 and result.stderr.startswith('error: smoke test failed') and not never.exists()
+    # under float16 it backs its loss off the way training does: a loss scale of 2^20 overflows at first
+    fp16 = str(tmp_path / 'fp16')
+    run_train(fp16, data_dir, '--smoke_test=True', '--dtype=float16', f'--init_scale={2.0 ** 20}', '--max_iters=1',
+              '--eval_interval=1')
+    smoke = read_metrics(fp16, 'smoke_test')[0]
+    assert 0 < smoke['skipped'] < 10 and smoke['final_loss'] < 0.7 * smoke['first_loss']
 
 
 @pytest.mark.parametrize('key, package', [('tensorboard_log', 'tensorboard'), ('wandb_log', 'wandb')])
