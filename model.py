@@ -153,6 +153,9 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+OPTIMIZERS = ('adamw', 'muon')  # what GPT.configure_optimizers builds
+
+
 class Optimizers(torch.optim.Optimizer):
     """Several optimizers as one: train.py zero-grads, unscales, steps, schedules and saves it without counting
     them. Its param_groups and state are the members' own, read through each time (a member's load_state_dict

@@ -38,7 +38,7 @@ import runlog
 import sample
 import tokenizer
 from configurator import ConfigError, configure, fail
-from model import GPT, GPTConfig
+from model import GPT, OPTIMIZERS, GPTConfig
 from runlog import abort, log, record
 
 # -----------------------------------------------------------------------------
@@ -136,7 +136,7 @@ except (ConfigError, ValueError) as e:  # the model's shape too, checked before 
     check(False, e)
 globals().update(config)
 for key, allowed in (('dtype', ('auto', *perf.DTYPES)), ('backend', ('auto', 'nccl', 'gloo')),
-                     ('parallel', ('ddp', 'fsdp')), ('optimizer', ('adamw', 'muon')),
+                     ('parallel', ('ddp', 'fsdp')), ('optimizer', OPTIMIZERS),
                      ('lr_schedule', ('cosine', 'wsd'))):
     check(config[key] in allowed, f"{key}='{config[key]}': use {' or '.join(repr(a) for a in allowed)}")
 check(init_from in ('scratch', 'resume', 'auto') or hf.is_source(init_from),
