@@ -51,15 +51,6 @@ def write_jsonl(path, records):
 
 
 @pytest.fixture(scope='module')
-def root(tmp_path_factory):
-    """Everything the module shares, with tiktoken's cache of local files kept inside it (subprocesses too)."""
-    with pytest.MonkeyPatch.context() as mp:
-        path = tmp_path_factory.mktemp('evaluate')
-        mp.setenv('TIKTOKEN_CACHE_DIR', str(path / 'tiktoken_cache'))
-        yield path
-
-
-@pytest.fixture(scope='module')
 def bpe(root):
     """(path of a tiny GPT-2-style .tiktoken BPE, its encode)."""
     write_ranks(root / 'tiny.tiktoken', MERGES)
