@@ -1,7 +1,8 @@
 """
-Benchmark accuracy on multiple-choice tasks, as llm.c and build-nanogpt measure HellaSwag: each ending is scored
-by the model's loss on the ending's tokens given the context. acc: the ending with the lowest summed loss is the
-answer; acc_norm: the lowest mean loss per ending token. On a run's checkpoint (its own tokenizer) or GPT-2's weights:
+Benchmark accuracy on multiple-choice tasks, as llm.c and build-nanogpt measure HellaSwag: each ending is
+scored by the model's loss on the ending's tokens given the context. acc: the ending with the lowest summed loss
+is the answer; acc_norm: the lowest mean loss per ending token. A run's checkpoint (with its own tokenizer) or
+GPT-2's weights:
 
     python evaluate.py --out_dir=out/tiny --tasks=mytask.jsonl              # out/tiny/best.pt
     python evaluate.py --init_from=gpt2 --tasks=hellaswag_val.jsonl         # GPT-2's tokenizer
@@ -12,8 +13,9 @@ A task file is jsonl, one example a line, in either format (per line):
   scored as " " + ending after the context, as llm.c and build-nanogpt render it.
 - generic: {"context": str, "choices": [str, ...], "answer": int}; each choice follows the context exactly as
   written, so a choice carries its own separator (" Paris", not "Paris").
-A context too long for block_size loses its first tokens; an ending is never cut. Per task, stdout gets one line:
-the example count, acc and acc_norm with 95% intervals, and chance level. What was loaded goes to stderr.
+A context too long for block_size loses its first tokens; an ending is never cut. Per task, stdout gets one
+line: the example count, acc and acc_norm with 95% intervals, and chance level. What was loaded, and how long it
+took, goes to stderr.
 """
 import json
 import math
@@ -38,13 +40,13 @@ from model import GPT, GPTConfig
 # -----------------------------------------------------------------------------
 out_dir = 'out'  # evaluates out_dir/best.pt
 ckpt = ''  # a checkpoint file instead of out_dir/best.pt, e.g. out/tiny/last.pt
-init_from = ''  # GPT-2 weights instead of a checkpoint: gpt2, gpt2-medium, ..., a Hugging Face folder or .safetensors
-tokenizer = ''  # with init_from: 'gpt2' (the default) or PATH.tiktoken; a checkpoint evaluates with its run's own
+init_from = ''  # GPT-2 weights instead: gpt2, gpt2-medium, ..., a Hugging Face folder or .safetensors file
+tokenizer = ''  # with init_from: 'gpt2' (the default) or PATH.tiktoken; a checkpoint brings its run's own
 tasks = ''  # task files (jsonl), comma-separated
 max_examples = 0  # > 0: only the first max_examples of each file, the same ones every time; 0: all
 batch_size = 8  # examples per forward, each with all its endings
 device = 'auto'  # 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...
-dtype = 'auto'  # 'auto' (as train.py decides it, for this model on this device), 'float32', 'bfloat16', 'float16'
+dtype = 'auto'  # 'auto' (train.py's choice for this model on this device), 'float32', 'bfloat16', 'float16'
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 
@@ -71,7 +73,7 @@ DUMMY = Example(rows=[[0, 0]], ending_lengths=[1], label=-1)
 
 
 def parse_line(line, where, encode, block_size):
-    """One jsonl line (at where, 'FILE:LINE') as an Example, the context left-truncated so that each row fits."""
+    """One jsonl line (at where, 'FILE:LINE') as an Example, its context left-truncated so each row fits."""
     try:
         record = json.loads(line)
     except ValueError as e:
@@ -83,16 +85,19 @@ def parse_line(line, where, encode, block_size):
     name = 'HellaSwag' if fields is HELLASWAG else 'generic'
     missing = [k for k in fields if k not in record]
     if missing:
-        raise TaskError(f"{where}: the field '{missing[0]}' is missing: a {name} line needs {', '.join(fields)}")
+        raise TaskError(f"{where}: the field '{missing[0]}' is missing: a {name} line needs "
+                        f"{', '.join(fields)}")
     context, endings, label = (record[k] for k in fields)
     context_key, endings_key, label_key = fields
     if not isinstance(context, str) or not context:
-        raise TaskError(f"{where}: {context_key} must be a non-empty string: give the text the endings continue")
+        raise TaskError(f"{where}: {context_key} must be a non-empty string: give the text the endings "
+                        f"continue")
     if not isinstance(endings, list) or len(endings) < 2:
         raise TaskError(f"{where}: {endings_key} must be a list of at least 2 strings: give every candidate")
     for i, ending in enumerate(endings):
         if not isinstance(ending, str) or not ending:
-            raise TaskError(f"{where}: {endings_key}[{i}] is {ending!r}: every candidate must be a non-empty string")
+            raise TaskError(f"{where}: {endings_key}[{i}] is {ending!r}: every candidate must be a non-empty "
+                            f"string")
     if type(label) is not int or not 0 <= label < len(endings):
         raise TaskError(f"{where}: {label_key}={label!r} is not an index of the {len(endings)} {endings_key}: "
                         f"use an int from 0 to {len(endings) - 1}")
@@ -101,8 +106,8 @@ def parse_line(line, where, encode, block_size):
     context_ids, ending_ids = encode(context), [encode(ending) for ending in endings]
     longest = max(len(ids) for ids in ending_ids)
     if longest > block_size:
-        raise TaskError(f"{where}: an ending of {longest} tokens leaves no room for context in block_size={block_size}: "
-                        f"shorten it, or evaluate a model with a larger block_size")
+        raise TaskError(f"{where}: an ending of {longest} tokens leaves no room for context in "
+                        f"block_size={block_size}: shorten it, or evaluate a model with a larger block_size")
     # the input is row[:-1]: context and ending together may take block_size + 1 ids, the context at least one
     rows = [context_ids[-(block_size + 1 - len(ids)):] + ids for ids in ending_ids]
     return Example(rows, [len(ids) for ids in ending_ids], label)
@@ -137,7 +142,8 @@ def read_tasks(paths, encode, block_size, max_examples=0):
 
 def rank_batches(examples, batch_size, rank=0, world_size=1):
     """This rank's examples, rank::world_size, in batches of batch_size. Every rank gets as many batches as the
-    fullest one, a short rank a [DUMMY] batch per missing one: under FSDP each forward is a collective of all ranks."""
+    fullest one, a short rank a [DUMMY] batch per missing one: under FSDP each forward is a collective of all
+    ranks."""
     part = examples[rank::world_size]
     batches = [part[i:i + batch_size] for i in range(0, len(part), batch_size)]
     fullest = -(-len(examples) // world_size)  # examples of the fullest rank, rounded up
@@ -145,10 +151,10 @@ def rank_batches(examples, batch_size, rank=0, world_size=1):
 
 
 def choice_losses(model, examples, batch_size, device, autocast, rank=0, world_size=1):
-    """Every ending's summed and mean loss over its own tokens, in float32: (summed, mean, labels), of shapes (E, C),
-    (E, C) and (E,), on device, over this rank's batches in order (a DUMMY has label -1); C is the most endings of
-    any example, and an example with fewer has +inf in the rest. Call it in eval mode under inference_mode, as
-    score() does. All endings of an example go into one forward, right-padded; padding is never a target."""
+    """Every ending's summed and mean loss over its own tokens, in float32: (summed, mean, labels) of shapes
+    (E, C), (E, C) and (E,), on device, over this rank's batches in order (a DUMMY has label -1). C is the most
+    endings of any example; an example with fewer has +inf in the rest. Call it in eval mode under inference_mode,
+    as score() does. All endings of an example go into one forward, right-padded; padding is never a target."""
     num_choices = max(len(e.rows) for e in examples)
     summed, mean, labels = [], [], []
     for batch in rank_batches(examples, batch_size, rank, world_size):
@@ -161,7 +167,7 @@ def choice_losses(model, examples, batch_size, device, autocast, rank=0, world_s
                      for p in range(len(row) - 1 - n, len(row) - 1)]  # in (R * T)
         targets = [t for row, n in zip(rows, lengths) for t in row[len(row) - n:]]
         owners = [r for r, n in enumerate(lengths) for _ in range(n)]  # the row of each target
-        slots = [i * num_choices + c for i, e in enumerate(batch) for c in range(len(e.rows))]  # of each row in (E, C)
+        slots = [i * num_choices + c for i, e in enumerate(batch) for c in range(len(e.rows))]  # rows in (E, C)
         positions, targets, owners, slots, lengths_t, batch_labels = (
             torch.tensor(x).to(device, non_blocking=True) for x in (positions, targets, owners, slots, lengths,
                                                                     [e.label for e in batch]))
@@ -177,16 +183,17 @@ def choice_losses(model, examples, batch_size, device, autocast, rank=0, world_s
 
 
 def score(model, examples, batch_size, device, autocast, rank=0, world_size=1):
-    """acc and acc_norm of the model on examples, each counted once across ranks: rank r scores examples r::world_size,
-    and the counts meet in one all_reduce (world_size > 1 needs the process group), then one host sync. Runs in
-    model.eval() and torch.inference_mode() and gives the model back in the mode it came in. Ties go to the first
-    ending. Returns {'examples', 'correct', 'correct_norm', 'acc', 'acc_norm', 'chance'}; chance is the mean of
-    1 / number of endings, the accuracy of a uniform guess."""
+    """acc and acc_norm of the model on examples, each counted once across ranks: rank r scores examples
+    r::world_size, and the counts meet in one all_reduce (world_size > 1 needs the process group), then one host
+    sync. Runs in model.eval() and torch.inference_mode() and gives the model back in the mode it came in. Ties go
+    to the first ending. Returns {'examples', 'correct', 'correct_norm', 'acc', 'acc_norm', 'chance'}; chance is
+    the mean of 1 / number of endings, the accuracy of a uniform guess."""
     was_training = model.training
     model.eval()
     with torch.inference_mode():
         summed, mean, labels = choice_losses(model, examples, batch_size, device, autocast, rank, world_size)
-        counts = torch.stack([(summed.argmin(1) == labels).sum(), (mean.argmin(1) == labels).sum(), (labels >= 0).sum()])
+        counts = torch.stack([(summed.argmin(1) == labels).sum(), (mean.argmin(1) == labels).sum(),
+                              (labels >= 0).sum()])  # correct, correct_norm, examples (DUMMY has label -1)
         if world_size > 1:
             dist.all_reduce(counts)
         correct, correct_norm, count = counts.tolist()
@@ -196,8 +203,9 @@ def score(model, examples, batch_size, device, autocast, rank=0, world_size=1):
 
 
 def wilson_interval(correct, n, z=Z_95):
-    """The Wilson score interval of a proportion correct / n: unlike the normal approximation (p +- z sqrt(p(1-p)/n)),
-    it stays within [0, 1] and keeps its coverage at small n and at accuracies near 0 or 1."""
+    """The Wilson score interval of a proportion correct / n: unlike the normal approximation
+    (p +- z sqrt(p(1-p)/n)), it stays within [0, 1] and keeps its coverage at small n and at accuracies near 0
+    or 1."""
     p, z2 = correct / n, z * z
     center = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
@@ -205,11 +213,14 @@ def wilson_interval(correct, n, z=Z_95):
 
 
 def describe(name, result):
-    """One line for a score() result: the example count, acc and acc_norm with 95% Wilson intervals, chance level."""
+    """One line for a score() result: the example count, acc and acc_norm with 95% Wilson intervals, and chance
+    level."""
     n = result['examples']
-    accuracies = [f"{key} {result[key]:.4f} [{low:.4f}, {high:.4f}]" for key, correct in
-                  (('acc', 'correct'), ('acc_norm', 'correct_norm')) for low, high in [wilson_interval(result[correct], n)]]
-    return f"{name}: {n} examples, {', '.join(accuracies)} (95% Wilson intervals), chance {result['chance']:.4f}"
+    acc_low, acc_high = wilson_interval(result['correct'], n)
+    norm_low, norm_high = wilson_interval(result['correct_norm'], n)
+    return (f"{name}: {n} examples, acc {result['acc']:.4f} [{acc_low:.4f}, {acc_high:.4f}], acc_norm "
+            f"{result['acc_norm']:.4f} [{norm_low:.4f}, {norm_high:.4f}] (95% Wilson intervals), "
+            f"chance {result['chance']:.4f}")
 
 # -----------------------------------------------------------------------------
 # the command
@@ -223,22 +234,47 @@ def check(ok, message):
 
 
 def load_pretrained(source, tokenizer_spec, device):
-    """(GPT in eval mode on device, encode) for GPT-2 weights and a tiktoken tokenizer of the same vocabulary."""
+    """(GPT in eval mode on device, encode) of GPT-2 weights and a tiktoken tokenizer of their vocabulary."""
     try:
         enc, entry = prepare.tiktoken_encoding(tokenizer_spec)
     except prepare.PrepareError:
         if tokenizer_spec != 'gpt2':
             raise
-        raise prepare.PrepareError("could not load the gpt2 tokenizer (tiktoken needs a one-time download; offline?): "
-                                   "run once where tiktoken can download it, or pass tokenizer=PATH.tiktoken (the "
-                                   "README's GPT-2 section writes gpt2.tiktoken)") from None
+        raise prepare.PrepareError("could not load the gpt2 tokenizer (tiktoken needs a one-time download; "
+                                   "offline?): run once where tiktoken can download it, or pass "
+                                   "tokenizer=PATH.tiktoken (the README's GPT-2 section writes one)") from None
     model_args, state, _ = hf.load_gpt2(source, None, None)  # all the positions, the weights' vocabulary
     if model_args['vocab_size'] != enc.n_vocab:
-        raise hf.HFError(f"the weights of {source} know {model_args['vocab_size']} tokens, tokenizer {tokenizer_spec} "
-                         f"{enc.n_vocab}: pass the tokenizer they were trained with (gpt2 or PATH.tiktoken)")
+        raise hf.HFError(f"the weights of {source} know {model_args['vocab_size']} tokens, tokenizer "
+                         f"{tokenizer_spec} {enc.n_vocab}: pass the tokenizer they were trained with "
+                         f"(gpt2 or PATH.tiktoken)")
     model = GPT(GPTConfig(**model_args))
     model.load_state_dict(state)
     return model.to(device).eval(), prepare.load_tokenizer({'tokenizer': entry})[0]
+
+
+def load(config, device):
+    """(model in eval mode on device, encode, what it is) as the config names it; mistakes exit 2."""
+    if config['init_from']:
+        check(not config['ckpt'], "both ckpt and init_from are set: evaluate one, a checkpoint or GPT-2 weights")
+        check(hf.is_source(config['init_from']), f"init_from='{config['init_from']}': use a GPT-2 name "
+              f"({', '.join(hf.GPT2_NAMES)}) or the path of a Hugging Face model folder or .safetensors file")
+        spec = config['tokenizer'] or 'gpt2'
+        check(spec == 'gpt2' or spec.endswith('.tiktoken'),
+              f"tokenizer='{spec}': with init_from use gpt2 (GPT-2's own) or the path of a .tiktoken file")
+        try:
+            return *load_pretrained(config['init_from'], spec, device), config['init_from']
+        except (hf.HFError, prepare.PrepareError) as e:
+            check(False, e)
+    check(not config['tokenizer'], f"tokenizer='{config['tokenizer']}' is for init_from: a checkpoint is "
+                                   f"evaluated with its run's tokenizer; leave tokenizer unset")
+    path = config['ckpt'] or os.path.join(config['out_dir'], 'best.pt')
+    check(os.path.isfile(path), f"checkpoint {path} does not exist: set out_dir to a run's folder, ckpt to "
+                                f"a .pt file, or init_from to GPT-2 weights")
+    try:
+        return *sample.load_model(path, device)[:2], path
+    except (checkpoint.CheckpointError, prepare.PrepareError) as e:
+        check(False, e)
 
 
 def main(config):
@@ -251,35 +287,14 @@ def main(config):
         device, device_type = perf.resolve_device(config['device'])
     except ValueError as e:
         check(False, e)
-    ckpt_path = config['ckpt'] or os.path.join(config['out_dir'], 'best.pt')
-    if config['init_from']:
-        check(not config['ckpt'], "both ckpt and init_from are set: evaluate one, a checkpoint or GPT-2 weights")
-        check(hf.is_source(config['init_from']), f"init_from='{config['init_from']}': use a GPT-2 name "
-              f"({', '.join(hf.GPT2_NAMES)}) or the path of a Hugging Face model folder or .safetensors file")
-        source, tokenizer_spec = config['init_from'], config['tokenizer'] or 'gpt2'
-        check(tokenizer_spec == 'gpt2' or tokenizer_spec.endswith('.tiktoken'),
-              f"tokenizer='{tokenizer_spec}': with init_from use gpt2 (GPT-2's own) or the path of a .tiktoken file")
-        try:
-            model, encode = load_pretrained(source, tokenizer_spec, device)
-        except (hf.HFError, prepare.PrepareError) as e:
-            check(False, e)
-    else:
-        check(not config['tokenizer'], f"tokenizer='{config['tokenizer']}' is for init_from: a checkpoint is "
-                                       f"evaluated with its run's tokenizer; leave tokenizer unset")
-        check(os.path.isfile(ckpt_path), f"checkpoint {ckpt_path} does not exist: set out_dir to a run's folder, "
-                                         f"ckpt to a .pt file, or init_from to GPT-2 weights")
-        source = ckpt_path
-        try:
-            model, encode, _, _ = sample.load_model(ckpt_path, device)
-        except (checkpoint.CheckpointError, prepare.PrepareError) as e:
-            check(False, e)
+    model, encode, source = load(config, device)
     try:
         tasks = read_tasks(config['tasks'], encode, model.config.block_size, config['max_examples'])
     except TaskError as e:
         check(False, e)
     dtype = config['dtype']
     if dtype == 'auto':  # train.py's rule, for this model's shape on this device
-        dtype = perf.auto_dtype(device, {**model.config.__dict__, 'dropout': 0.0}, config['batch_size'])[0]
+        dtype = perf.auto_dtype(device, {**vars(model.config), 'dropout': 0.0}, config['batch_size'])[0]
     autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type, dtype=getattr(torch, dtype))
     print(f"evaluating {source} on {device} {dtype}", file=sys.stderr)
     for path, examples in tasks.items():

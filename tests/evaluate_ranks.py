@@ -2,8 +2,8 @@
 
     python tests/evaluate_ranks.py HF_FOLDER TOKENIZER TASK BATCH_SIZE RANK WORLD_SIZE STORE_FILE ddp|fsdp
 
-Loads GPT-2 weights as evaluate.py's init_from does; 'fsdp' shards them (FSDP2), where every forward is a collective
-of all ranks. Rank 0 prints score()'s result as JSON."""
+Loads GPT-2 weights as evaluate.py's init_from does; 'fsdp' shards them (FSDP2), where every forward is a
+collective of all ranks. Rank 0 prints score()'s result as JSON."""
 import json
 import os
 import sys
@@ -26,5 +26,5 @@ examples = evaluate.read_task(task, encode, model.config.block_size)
 result = evaluate.score(model, examples, batch_size, 'cpu', nullcontext(), rank, world_size)
 if rank == 0:
     print(json.dumps(result))
-time.sleep(0.1)  # gloo's threads free the last collective's tensors late: train.py's shut_down_process_group says why
+time.sleep(0.1)  # gloo frees the last collective's tensors late: train.py's shut_down_process_group says why
 dist.destroy_process_group()

@@ -1,6 +1,6 @@
-"""evaluate.py: multiple-choice accuracy checked against transformers' GPT2LMHeadModel on random weights and the same
-token ids; the same counts on 1, 2 and 3 gloo ranks, replicated and sharded; bad task files stop with FILE:LINE; the
-command on a trained run and on a Hugging Face folder. Nothing is downloaded: the BPE is a tiny one made here."""
+"""evaluate.py: multiple-choice accuracy checked against transformers' GPT2LMHeadModel on random weights and the
+same token ids; the same counts on 1, 2 and 3 gloo ranks, replicated and sharded; bad task files stop with
+FILE:LINE; the command on a trained run and on a Hugging Face folder. Nothing is downloaded: the BPE is made here."""
 import json
 import os
 import random
@@ -30,8 +30,8 @@ def words(rng, low, high):
 
 
 def task_lines(seed=0):
-    """Examples in both formats, with contexts from 1 to 14 words (many too long for BLOCK), 2 to 5 endings of 1 to
-    4 words, and fixed random labels."""
+    """Examples in both formats, with contexts from 1 to 14 words (many too long for BLOCK), 2 to 5 endings of 1
+    to 4 words, and fixed random labels."""
     rng, lines = random.Random(seed), []
     for i in range(N_EXAMPLES):
         context = words(rng, 1, 14)
@@ -78,8 +78,8 @@ def task(root):
 
 
 def reference_losses(theirs, encode, record):
-    """Each ending's summed loss, scored the plain way: transformers' model, one ending at a time, the last BLOCK + 1
-    tokens of context + ending."""
+    """(summed loss, token count) of each ending, scored the plain way: transformers' model, one ending at a time,
+    the last BLOCK + 1 tokens of context + ending."""
     if 'ctx' in record:
         context, endings = encode(record['ctx']), [encode(' ' + e) for e in record['endings']]
     else:
@@ -89,7 +89,8 @@ def reference_losses(theirs, encode, record):
         tokens = torch.tensor(context + ending)[-(BLOCK + 1):]
         with torch.no_grad():
             logits = theirs(tokens[None, :-1]).logits[0]  # (T, vocab)
-        losses.append((F.cross_entropy(logits[-len(ending):], tokens[-len(ending):], reduction='sum').item(), len(ending)))
+        loss = F.cross_entropy(logits[-len(ending):], tokens[-len(ending):], reduction='sum')
+        losses.append((loss.item(), len(ending)))
     return losses
 
 
@@ -100,7 +101,8 @@ def test_losses_choices_and_accuracies_match_transformers(tiny_gpt2, bpe, task):
     reference = [reference_losses(theirs, encode, r) for r in records]
     labels = [r.get('label', r.get('answer')) for r in records]
     # the set is as meant: truncated rows, acc and acc_norm choosing differently, no near-ties for rounding to flip
-    rows = [len(encode(r.get('ctx', r.get('context')))) + n for r, losses in zip(records, reference) for _, n in losses]
+    rows = [len(encode(r.get('ctx', r.get('context')))) + n
+            for r, losses in zip(records, reference) for _, n in losses]
     assert sum(length > BLOCK + 1 for length in rows) >= 10 and sum(length <= BLOCK + 1 for length in rows) >= 10
     choice = [min(range(len(ls)), key=lambda c: ls[c][0]) for ls in reference]
     choice_norm = [min(range(len(ls)), key=lambda c: ls[c][0] / ls[c][1]) for ls in reference]
@@ -134,7 +136,7 @@ def test_losses_choices_and_accuracies_match_transformers(tiny_gpt2, bpe, task):
     chance = sum(1 / len(losses) for losses in reference) / N_EXAMPLES
     assert result == {'examples': N_EXAMPLES, 'correct': correct, 'correct_norm': correct_norm,
                       'acc': correct / N_EXAMPLES, 'acc_norm': correct_norm / N_EXAMPLES, 'chance': chance}
-    assert evaluate.score(ours, examples, 13, 'cpu', nullcontext()) == result  # one batch: other padding, same choices
+    assert evaluate.score(ours, examples, 13, 'cpu', nullcontext()) == result  # one batch, other padding
 
 
 def test_rows_keep_the_ending_and_the_last_context_tokens(tmp_path):
@@ -151,21 +153,24 @@ def test_rows_keep_the_ending_and_the_last_context_tokens(tmp_path):
 
 @pytest.mark.parametrize('line, message', [
     ('{"ctx": "a", "endings": ["b", "c"], "label": 0', "not valid JSON"),
-    ('["a", "b"]', "neither HellaSwag's fields (ctx, endings, label) nor the generic ones (context, choices, answer)"),
+    ('["a", "b"]', "neither HellaSwag's fields (ctx, endings, label) nor the generic ones (context, choices, "
+                   "answer)"),
     ('{"question": "a"}', "neither HellaSwag's fields"),
-    ('{"ctx": "a", "endings": ["b", "c"]}', "the field 'label' is missing: a HellaSwag line needs ctx, endings, label"),
+    ('{"ctx": "a", "endings": ["b", "c"]}', "the field 'label' is missing: a HellaSwag line needs ctx, endings, "
+                                            "label"),
     ('{"context": "a", "answer": 0}', "the field 'choices' is missing: a generic line needs context, choices, answer"),
-    ('{"ctx": "a", "endings": ["b", "c"], "label": 2}', "label=2 is not an index of the 2 endings: use an int from 0 to 1"),
+    ('{"ctx": "a", "endings": ["b", "c"], "label": 2}', "label=2 is not an index of the 2 endings: use an int from 0 "
+                                                        "to 1"),
     ('{"context": "a", "choices": ["b", "c"], "answer": -1}', "answer=-1 is not an index of the 2 choices"),
     ('{"ctx": "a", "endings": ["b", "c"], "label": "1"}', "label='1' is not an index"),
     ('{"ctx": "a", "endings": ["b", "c"], "label": true}', "label=True is not an index"),
     ('{"ctx": "a", "endings": ["b"], "label": 0}', "endings must be a list of at least 2 strings"),
     ('{"context": "a", "choices": "bc", "answer": 0}', "choices must be a list of at least 2 strings"),
-    ('{"ctx": "a", "endings": ["b", ""], "label": 0}', "endings[1] is '': every candidate must be a non-empty string"),
-    ('{"context": "a", "choices": ["b", 3], "answer": 0}', "choices[1] is 3: every candidate must be a non-empty string"),
+    ('{"ctx": "a", "endings": ["b", ""], "label": 0}', "endings[1] is '': every candidate must be a non-empty"),
+    ('{"context": "a", "choices": ["b", 3], "answer": 0}', "choices[1] is 3: every candidate must be a non-empty"),
     ('{"context": "", "choices": ["b", "c"], "answer": 0}', "context must be a non-empty string"),
-    ('{"context": "a", "choices": ["b", "123456789"], "answer": 0}', "an ending of 9 tokens leaves no room for context in "
-                                                                      "block_size=8: shorten it"),
+    ('{"context": "a", "choices": ["b", "123456789"], "answer": 0}',
+     "an ending of 9 tokens leaves no room for context in block_size=8: shorten it"),
 ])
 def test_a_bad_line_is_named_with_its_file_and_line(tmp_path, line, message):
     good = '{"context": "a", "choices": ["b", "c"], "answer": 0}\n'
@@ -178,9 +183,9 @@ def test_a_bad_line_is_named_with_its_file_and_line(tmp_path, line, message):
 
 def test_a_file_without_examples_or_a_missing_one_is_an_error(tmp_path):
     (tmp_path / 'empty.jsonl').write_text('\n\n')
-    for path, message in ((tmp_path / 'empty.jsonl', 'holds no examples'), (tmp_path / 'none.jsonl', 'cannot read')):
+    for name, message in (('empty.jsonl', 'holds no examples'), ('none.jsonl', 'cannot read the task file')):
         with pytest.raises(evaluate.TaskError, match=message):
-            evaluate.read_task(str(path), list, 8)
+            evaluate.read_task(str(tmp_path / name), list, 8)
     with pytest.raises(evaluate.TaskError, match='no task file'):
         evaluate.read_tasks(' , ', list, 8)
 
@@ -189,7 +194,8 @@ def test_rank_batches_cover_every_example_once_in_equal_numbers_of_batches():
     for n in range(1, 14):
         for world_size in (1, 2, 3, 4):
             for batch_size in (1, 2, 3, 5):
-                ranks = [evaluate.rank_batches(list(range(n)), batch_size, r, world_size) for r in range(world_size)]
+                ranks = [evaluate.rank_batches(list(range(n)), batch_size, rank, world_size)
+                         for rank in range(world_size)]
                 real = [x for batches in ranks for batch in batches for x in batch if x is not evaluate.DUMMY]
                 assert sorted(real) == list(range(n))
                 assert len({len(batches) for batches in ranks}) == 1 and all(map(len, sum(ranks, [])))
@@ -205,17 +211,19 @@ def test_wilson_interval_and_the_printed_line():
     low, high = evaluate.wilson_interval(10, 10)
     assert round(high, 4) == 1.0 and round(low, 4) == 0.7225
     result = {'examples': 10, 'correct': 5, 'correct_norm': 0, 'acc': 0.5, 'acc_norm': 0.0, 'chance': 0.3}
-    assert evaluate.describe('t.jsonl', result) == ('t.jsonl: 10 examples, acc 0.5000 [0.2366, 0.7634], acc_norm 0.0000 '
-                                                    '[0.0000, 0.2775] (95% Wilson intervals), chance 0.3000')
+    assert evaluate.describe('t.jsonl', result) == ('t.jsonl: 10 examples, acc 0.5000 [0.2366, 0.7634], acc_norm '
+                                                    '0.0000 [0.0000, 0.2775] (95% Wilson intervals), chance 0.3000')
 
 
 @pytest.mark.slow
 def test_one_two_and_three_ranks_give_the_same_counts(tiny_gpt2, bpe, task, tmp_path):
     model, encode = evaluate.load_pretrained(tiny_gpt2[1], bpe[0], 'cpu')
     one = evaluate.score(model, evaluate.read_task(task, encode, BLOCK), 2, 'cpu', nullcontext())
-    runs = {(world_size, parallel): [forked.Process('tests/evaluate_ranks.py', tiny_gpt2[1], bpe[0], task, '2', str(rank),
-                                                    str(world_size), str(tmp_path / f'{world_size}{parallel}'), parallel)
-                                     for rank in range(world_size)]
+    def start(rank, world_size, parallel):
+        store = str(tmp_path / f'store-{world_size}-{parallel}')  # the process group's rendezvous
+        return forked.Process('tests/evaluate_ranks.py', tiny_gpt2[1], bpe[0], task, '2', str(rank), str(world_size),
+                              store, parallel)
+    runs = {(world_size, parallel): [start(rank, world_size, parallel) for rank in range(world_size)]
             for world_size, parallel in ((2, 'ddp'), (3, 'ddp'), (3, 'fsdp'))}  # all 8 processes at once
     for procs in runs.values():
         outputs = [proc.communicate(timeout=120) for proc in procs]
@@ -230,14 +238,14 @@ def test_command_on_a_trained_run_and_a_hugging_face_folder(data_dir, tiny_gpt2,
     rng = random.Random(1)
     sentences = [('the cat', [' sees the moon.', ' sees a small bird.', ' loves his letter.']),
                  ('my friend finds', [' the old road.', ' the sea.'])]
-    generic = write_jsonl(tmp_path / 'generic.jsonl', [{'context': c, 'choices': e, 'answer': rng.randrange(len(e))}
-                                                      for _ in range(4) for c, e in sentences])
-    hellaswag = write_jsonl(tmp_path / 'hellaswag.jsonl', [{'ctx': c, 'endings': [e.strip() for e in ends], 'label': 0}
-                                                           for c, ends in sentences])
+    generic = write_jsonl(tmp_path / 'generic.jsonl', [
+        {'context': c, 'choices': ends, 'answer': rng.randrange(len(ends))} for _ in range(4) for c, ends in sentences])
+    hellaswag = write_jsonl(tmp_path / 'hellaswag.jsonl', [
+        {'ctx': c, 'endings': [e.strip() for e in ends], 'label': 0} for c, ends in sentences])
     model, encode, _, _ = sample.load_model(os.path.join(run, 'best.pt'), 'cpu')
 
-    def expected(path, max_examples=0, model=model, encode=encode):
-        examples = evaluate.read_task(path, encode, model.config.block_size, max_examples)
+    def expected(path, model=model, encode=encode):
+        examples = evaluate.read_task(path, encode, model.config.block_size)
         return evaluate.describe(path, evaluate.score(model, examples, 3, 'cpu', nullcontext())) + '\n'
 
     def command(*args):
@@ -252,15 +260,15 @@ def test_command_on_a_trained_run_and_a_hugging_face_folder(data_dir, tiny_gpt2,
 
 
 @pytest.mark.slow
-def test_command_mistakes_are_one_line_with_exit_2(data_dir, tiny_gpt2, bpe, task, tmp_path):
-    bad = tmp_path / 'bad.jsonl'
-    bad.write_text('{"ctx": "the cat", "endings": ["sees", "loves"], "label": 0}\n{"ctx": "a", "endings": ["b"], "label": 0}\n')
+def test_command_mistakes_are_one_line_with_exit_2(tiny_gpt2, bpe, task, tmp_path):
+    bad = write_jsonl(tmp_path / 'bad.jsonl', [{'ctx': 'the cat', 'endings': ['sees', 'loves'], 'label': 0},
+                                               {'ctx': 'a', 'endings': ['b'], 'label': 0}])
     gpt2 = [f'--init_from={tiny_gpt2[1]}', f'--tokenizer={bpe[0]}']
     for args, message in (
             ([*gpt2, f'--tasks={task},{bad}'], f"error: {bad}:2: endings must be a list of at least 2 strings"),
             ([f'--out_dir={tmp_path}', f'--tasks={task}'], f"error: checkpoint {tmp_path}/best.pt does not exist"),
             ([*gpt2, '--tasks='], "error: tasks='' names no task file"),
-            ([f'--init_from={tiny_gpt2[1]}', f'--tasks={task}', '--tokenizer=char'], "error: tokenizer='char': with init_from use gpt2"),
+            ([*gpt2, f'--tasks={task}', '--tokenizer=char'], "error: tokenizer='char': with init_from use gpt2"),
             ([*gpt2, f'--tasks={task}', '--max_exampels=3'], "error: unknown config key 'max_exampels'")):
         result = forked.run('evaluate.py', *args, timeout=120)
         assert result.returncode == 2 and result.stdout == '' and result.stderr.count('\n') == 1, result.stderr
@@ -269,5 +277,5 @@ def test_command_mistakes_are_one_line_with_exit_2(data_dir, tiny_gpt2, bpe, tas
 
 def test_weights_and_a_tokenizer_of_another_vocabulary_are_refused(tiny_gpt2, root):
     write_ranks(root / 'smaller.tiktoken', MERGES[:-1])
-    with pytest.raises(hf.HFError, match=f"know {N_VOCAB} tokens, tokenizer .*smaller.tiktoken {N_VOCAB - 1}: pass"):
+    with pytest.raises(hf.HFError, match=f"know {N_VOCAB} tokens, tokenizer .*smaller.tiktoken {N_VOCAB - 1}: "):
         evaluate.load_pretrained(tiny_gpt2[1], str(root / 'smaller.tiktoken'), 'cpu')
