@@ -29,11 +29,11 @@ RESUMABLE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'max_iters', 'ev
              'eval_iters', 'always_save_checkpoint', 'checkpoint_interval', 'patience', 'num_workers', 'compile',
              'device', 'backend', 'max_consecutive_skips', 'activation_checkpointing', 'smoke_test', 'profile_iter',
              'tensorboard_log', 'wandb_log', 'wandb_project', 'wandb_run_name', 'cost_per_hour', 'test_eval',
-             'sample_tokens', 'write_report', 'learning_rate', 'muon_lr', 'decay_lr', 'lr_schedule', 'wsd_decay_frac',
+             'sample_tokens', 'write_report', 'eval_tasks', 'eval_tasks_examples', 'learning_rate', 'muon_lr', 'decay_lr', 'lr_schedule', 'wsd_decay_frac',
              'warmup_iters', 'lr_decay_iters', 'min_lr', 'grad_clip'}
 # the loop's counters, saved and restored as they are
-PROGRESS = ('iter_num', 'best_val_loss', 'best_iter', 'evals_since_best', 'skipped_steps', 'consecutive_skips',
-            'train_seconds')
+PROGRESS = ('iter_num', 'best_val_loss', 'best_acc_norm', 'best_iter', 'evals_since_best', 'skipped_steps',
+            'consecutive_skips', 'train_seconds')
 
 
 class CheckpointError(Exception):

@@ -126,7 +126,8 @@ def read_tensors(path):
 def load_gpt2(source, block_size, vocab_size):
     """GPT-2 weights as (model_args for GPTConfig, state_dict for GPT, a record of where they came from).
     The shape comes from the weights; block_size crops the position embedding, as a finetune on short
-    windows needs; vocab_size is the dataset's, which must be the weights'. dropout is left to the caller."""
+    windows needs; vocab_size is the dataset's, which must be the weights'. None for either: the weights' own
+    (evaluate.py checks its tokenizer itself). dropout is left to the caller."""
     config_path, weights_path = find_files(source)
     hf_config = {}
     if config_path:
@@ -152,6 +153,7 @@ def load_gpt2(source, block_size, vocab_size):
     if problems:
         raise HFError(f"{weights_path} is not a GPT-2 this GPT can load ({'; '.join(problems)}): "
                       f"pass a GPT2LMHeadModel with GPT-2's layout")
+    block_size, vocab_size = block_size or n_positions, vocab_size or n_vocab
     n_head = hf_config.get('n_head', max(1, n_embd // 64))  # a single file without config.json: GPT-2's head size, 64
     if block_size > n_positions:
         raise HFError(f"block_size={block_size} exceeds the {n_positions} positions of the weights in {weights_path}: "

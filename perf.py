@@ -109,6 +109,23 @@ def init_process_group(device_type, backend):
     atexit.register(lambda: time.sleep(0.1) or dist.destroy_process_group())
 
 
+def all_ranks(values):
+    """values, a tensor on this process's device, summed over the ranks in place (alone: as they are). Every rank
+    calls it at the same points."""
+    if dist.is_initialized():
+        dist.all_reduce(values)
+    return values
+
+
+def gather(obj):
+    """obj of every rank, in rank order (alone: [obj]). Every rank calls it at the same points."""
+    if not dist.is_initialized():
+        return [obj]
+    objs = [obj] * dist.get_world_size()
+    dist.all_gather_object(objs, obj)
+    return objs
+
+
 def cuda_autocast_dtype(capability):
     """The dtype 'auto' trains in on a GPU of this compute capability (major, minor): bfloat16 from Ampere (8.0) on,
     float16 with the GradScaler before. torch.cuda.is_bf16_supported() also says True on a V100 or T4, which only

@@ -111,16 +111,31 @@ def resume_command(meta, has_last):
     return shlex.join(launcher + [meta['command'][0], *args, f"--init_from={'resume' if has_last else 'auto'}"])
 
 
+def task_names(evals):
+    """The multiple-choice tasks an evaluation scored (train.py's eval_tasks): eval records hold TASK/acc_norm."""
+    return [k.removesuffix('/acc_norm') for k in (evals[-1] if evals else {}) if k.endswith('/acc_norm')]
+
+
 def plot_curves(train, evals, path, title, log_interval):
     import matplotlib  # here: train.py imports this module, and a run stopped at start-up should not pay 0.8 s for it
     matplotlib.use('Agg')  # files only, no display
     import matplotlib.pyplot as plt
-    fig, (ax_loss, ax_lr) = plt.subplots(2, 1, sharex=True, figsize=(8, 6), height_ratios=[3, 1])
-    ax_loss.plot([r['step'] for r in train], [r['loss'] for r in train], lw=0.8, alpha=0.5, label=f'train (every {log_interval} iterations)' if log_interval > 1 else 'train (every iteration)')
+    tasks = task_names(evals)
+    fig, axes = plt.subplots(2 + bool(tasks), 1, sharex=True, figsize=(8, 6 + 2 * bool(tasks)),
+                             height_ratios=[3, 1] + [2] * bool(tasks))
+    ax_loss, ax_lr = axes[0], axes[-1]
+    ax_loss.plot([r['step'] for r in train], [r['loss'] for r in train], lw=0.8, alpha=0.5,
+                 label=f'train (every {log_interval} iterations)' if log_interval > 1 else 'train (every iteration)')
     for key, label in (('train_loss', 'train (eval)'), ('val_loss', 'val (eval)')):
         ax_loss.plot([e['step'] for e in evals], [e[key] for e in evals], 'o-', label=label)
     ax_loss.set(ylabel='loss (nats/token)', title=title)
     ax_loss.legend()
+    for task in tasks:  # accuracy beside its chance level
+        line, = axes[1].plot([e['step'] for e in evals], [e[f'{task}/acc_norm'] for e in evals], 'o-', label=task)
+        axes[1].axhline(evals[-1][f'{task}/chance'], ls='--', color=line.get_color(), lw=0.8, label=f'{task}: chance')
+    if tasks:
+        axes[1].set(ylabel='acc_norm')
+        axes[1].legend()
     ax_lr.plot([r['step'] for r in train], [r['lr'] for r in train])
     ax_lr.set(xlabel='iteration', ylabel='learning rate')
     fig.tight_layout()
@@ -156,6 +171,11 @@ def loss_lines(evals, test, split_rule):
             lines.append("- test loss sits well below val loss: with a single text, test is its first 5% and val its last "
                          "10%, so they are different text, and the opening of a text can be easier; compare val losses "
                          "between runs, not test with val")
+    for task in task_names(evals):
+        best = max(evals, key=lambda e: e[f'{task}/acc_norm'])
+        lines.append(f"- {task}: acc {last[f'{task}/acc']:.4f}, acc_norm {last[f'{task}/acc_norm']:.4f} at the last "
+                     f"evaluation, best acc_norm {best[f'{task}/acc_norm']:.4f} at iteration {best['step']} (chance "
+                     f"{last[f'{task}/chance']:.4f})")
     lines.append(f"- read: {fit_read(evals)}")
     leak = leakage(evals)
     return lines + ([f"- **possible leakage**: {leak}"] if leak else [])

@@ -30,6 +30,7 @@ from torch.profiler import record_function
 
 import checkpoint
 import data
+import evaluate
 import hf
 import perf
 import prepare
@@ -39,6 +40,7 @@ import sample
 import tokenizer
 from configurator import ConfigError, configure, fail
 from model import GPT, OPTIMIZERS, GPTConfig
+from perf import all_ranks, gather
 from runlog import abort, log, record
 
 # -----------------------------------------------------------------------------
@@ -62,6 +64,11 @@ wandb_run_name = 'run'
 tensorboard_log = False  # event files in out_dir/tensorboard
 cost_per_hour = 0.0  # price of one process-hour, for the report's cost estimate; 0 leaves cost out
 profile_iter = 0  # > 0: profile that iteration: out_dir/trace.json, and its phases in metrics.jsonl
+# multiple-choice tasks scored at every evaluation (evaluate.py): .jsonl files, HellaSwag's or
+# {"context", "choices", "answer"}, comma-separated; '' for none
+eval_tasks = ''
+eval_tasks_examples = 500  # the first this many examples of each task file; 0: all of them
+best_by = 'val_loss'  # best.pt by 'val_loss' (lowest), or 'acc_norm' (highest, the mean over eval_tasks)
 # data
 dataset = 'pystdlib_char'  # a folder of shards under data_dir (prepare.py's, or llm.c's), or a glob
 data_dir = 'data'
@@ -137,14 +144,15 @@ except (ConfigError, ValueError) as e:  # the model's shape too, checked before 
 globals().update(config)
 for key, allowed in (('dtype', ('auto', *perf.DTYPES)), ('backend', ('auto', 'nccl', 'gloo')),
                      ('parallel', ('ddp', 'fsdp')), ('optimizer', OPTIMIZERS),
-                     ('lr_schedule', ('cosine', 'wsd'))):
+                     ('lr_schedule', ('cosine', 'wsd')), ('best_by', ('val_loss', 'acc_norm'))):
     check(config[key] in allowed, f"{key}='{config[key]}': use {' or '.join(repr(a) for a in allowed)}")
 check(init_from in ('scratch', 'resume', 'auto') or hf.is_source(init_from),
       f"init_from='{init_from}': use 'scratch', 'resume', 'auto', a GPT-2 name ({', '.join(hf.GPT2_NAMES)}) "
       f"or the path of a Hugging Face model folder or .safetensors file")
 for key in ('eval_interval', 'log_interval', 'gradient_accumulation_steps', 'batch_size', 'max_iters'):
     check(config[key] > 0, f"{key}={config[key]} must be positive")
-for key in ('checkpoint_interval', 'profile_iter', 'eval_iters', 'patience'):
+check(best_by == 'val_loss' or eval_tasks, "best_by='acc_norm' needs eval_tasks: name the task files")
+for key in ('checkpoint_interval', 'profile_iter', 'eval_iters', 'patience', 'eval_tasks_examples'):
     check(config[key] >= 0, f"{key}={config[key]} must be 0 (off) or positive")
 check(not decay_lr or lr_decay_iters > warmup_iters,
       f"lr_decay_iters={lr_decay_iters} must exceed warmup_iters={warmup_iters}")
@@ -179,23 +187,8 @@ if ddp:
     perf.init_process_group(device_type, backend)
 
 
-def all_ranks(values):
-    """values (a tensor on device) summed over the ranks: every rank calls this at the same points."""
-    if ddp:
-        dist.all_reduce(values)
-    return values
-
-
 def any_rank(flag):
     return bool(all_ranks(torch.tensor(float(bool(flag)), device=device)).item())
-
-
-def gather(obj):
-    """obj of every rank, in rank order: every rank calls this at the same points."""
-    objs = [obj] * world_size
-    if ddp:
-        dist.all_gather_object(objs, obj)
-    return objs
 
 
 # -----------------------------------------------------------------------------
@@ -223,6 +216,11 @@ dataset_id = {'name': data_meta['name'], 'source_sha256': data_meta.get('source_
               'shards': [shard for s in splits.values() for shard in s.shards]}
 check(gather(dataset_id).count(dataset_id) == world_size, f"the ranks see different data in {data_dir}/"
       f"{dataset}: every node needs the same prepared dataset (shared storage, or the same files on each)")
+try:  # a bad task file is found now, before anything is written
+    encode = tokenizer.load(data_meta['tokenizer']).encode
+    tasks = evaluate.read_tasks(eval_tasks, encode, block_size, eval_tasks_examples) if eval_tasks else {}
+except (evaluate.TaskError, tokenizer.TokenizerError) as e:
+    check(False, e)
 if 'test' not in splits and test_eval:
     log(f"dataset '{dataset}' has no test split: the test evaluation is skipped")
     test_eval = False  # config.json keeps what was asked
@@ -311,15 +309,15 @@ torch.manual_seed(seed + rank)  # every device, CUDA included
 
 # -----------------------------------------------------------------------------
 # resume: everything that decides the rest of the run comes from the checkpoint
-progress = dict(zip(checkpoint.PROGRESS, (0, float('inf'), 0, 0, 0, 0, 0.0)))
+progress = dict(zip(checkpoint.PROGRESS, (0, float('inf'), 0.0, 0, 0, 0, 0, 0.0)))
 if resuming:
     progress = checkpoint.resume(ckpt, ckpt_path, model, optimizer, scheduler, scaler, train_sampler, rank,
                                  world_size, device)
     check(progress['iter_num'] < max_iters or init_from == 'auto',
           f"{ckpt_path} is at iteration {progress['iter_num']}: max_iters={max_iters} leaves nothing to do: "
           f"raise max_iters (README, Resume, says what the learning rate does then)")
-iter_num, best_val_loss, best_iter, evals_since_best, skipped_steps, consecutive_skips, seconds_before = \
-    progress.values()
+(iter_num, best_val_loss, best_acc_norm, best_iter, evals_since_best, skipped_steps, consecutive_skips,
+ seconds_before) = progress.values()
 start_iter = last_saved = iter_num
 
 
@@ -430,29 +428,14 @@ if smoke_result:
 # evaluation, checkpoints, and the ways a run ends early
 
 
-def evaluate(split):
-    """Mean loss over the split's evaluation windows, every target token counted once across ranks."""
-    eval_model.eval()
-    with torch.inference_mode():
-        sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
-        for x, y, _ in eval_loaders[split]:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with autocast:
-                sums[0] += eval_model(x, y, reduction='sum')
-            sums[1] += (y != data.IGNORE_INDEX).sum()
-        loss_sum, count = all_ranks(sums).tolist()
-    eval_model.train()
-    return loss_sum / count
-
-
 def save(names, rng):
     """Write names (best.pt before last.pt: a kill in between leaves last.pt older, never ahead of best.pt),
     then agree with the other ranks on how it went: a save that failed anywhere (a full disk) ends every rank
     here, with every file on disk whole. Returns the seconds it took."""
     global last_saved
     start, failed = time.time(), None
-    progress = dict(zip(checkpoint.PROGRESS, (iter_num, best_val_loss, best_iter, evals_since_best,
-                                              skipped_steps, consecutive_skips,
+    progress = dict(zip(checkpoint.PROGRESS, (iter_num, best_val_loss, best_acc_norm, best_iter,
+                                              evals_since_best, skipped_steps, consecutive_skips,
                                               seconds_before + time.time() - t_start)))
     try:
         run = run_record | {'log_bytes': runlog.log_bytes()}
@@ -527,17 +510,30 @@ def log_progress(loss, grad_norm, lr, skipped, scale):
 
 
 def evaluate_and_choose_saves():
-    """Train and val loss, the best so far, and which files to write: best.pt at a new best val loss, last.pt
-    at every evaluation (without always_save_checkpoint, only with a new best.pt: auto resumes from there)."""
-    global best_val_loss, best_iter, evals_since_best
-    train_loss, val_loss = evaluate('train'), evaluate('val')
-    improved = val_loss < best_val_loss
-    best_val_loss, best_iter = (val_loss, iter_num) if improved else (best_val_loss, best_iter)
+    """Train and val loss, each task's accuracy, the best so far (by best_by), and which files to write:
+    best.pt at a new best, last.pt at every evaluation (without always_save_checkpoint only with a new
+    best.pt, so that init_from=auto resumes from there)."""
+    global best_val_loss, best_acc_norm, best_iter, evals_since_best
+    train_loss, val_loss = (evaluate.loss(eval_model, eval_loaders[split], device, autocast)
+                            for split in ('train', 'val'))
+    accuracy = {os.path.splitext(os.path.basename(path))[0]:
+                evaluate.score(eval_model, examples, batch_size, device, autocast, rank, world_size)
+                for path, examples in tasks.items()}
+    acc_norm = sum(a['acc_norm'] for a in accuracy.values()) / len(accuracy) if accuracy else 0.0
+    improved = val_loss < best_val_loss if best_by == 'val_loss' else acc_norm > best_acc_norm
+    if improved:
+        best_val_loss, best_acc_norm, best_iter = val_loss, acc_norm, iter_num
     evals_since_best = 0 if improved else evals_since_best + 1
     record({'kind': 'eval', 'step': iter_num, 'train_loss': train_loss, 'val_loss': val_loss,
-            'best_val_loss': best_val_loss, 'val_bits_per_token': val_loss / math.log(2)})
-    log(f"eval {iter_num}: train {train_loss:.4f}, val {val_loss:.4f} (gap {val_loss - train_loss:+.4f}), "
-        f"best {best_val_loss:.4f} at {best_iter}{' *saved best.pt' if improved else ''}")
+            'best_val_loss': best_val_loss, 'val_bits_per_token': val_loss / math.log(2),
+            **{f'{task}/{k}': a[k] for task, a in accuracy.items()
+               for k in ('acc', 'acc_norm', 'chance', 'examples')}})
+    tasks_line = ''.join(f", {task} acc_norm {a['acc_norm']:.4f} (chance {a['chance']:.2f})"
+                         for task, a in accuracy.items())
+    best = best_val_loss if best_by == 'val_loss' else best_acc_norm
+    log(f"eval {iter_num}: train {train_loss:.4f}, val {val_loss:.4f} (gap {val_loss - train_loss:+.4f})"
+        f"{tasks_line}, best {best:.4f} at {best_iter}"
+        f"{' *saved best.pt' if improved else ''}")
     return ['best.pt'] * improved + ['last.pt'] * (always_save_checkpoint or improved)
 
 
@@ -640,7 +636,7 @@ if overfit_one_batch:
 best = os.path.join(out_dir, 'best.pt')
 if best_iter > 0 and (test_eval or sample_tokens):  # last.pt holds the trained weights: now load the best
     checkpoint.load_weights(checkpoint.load(best), best, raw_model)
-test_loss = evaluate('test') if test_eval else None
+test_loss = evaluate.loss(eval_model, eval_loaders['test'], device, autocast) if test_eval else None
 total_seconds = seconds_before + session_seconds
 record({'kind': 'test', 'step': iter_num, 'best_iter': best_iter, 'best_val_loss': best_val_loss,
         'test_loss': test_loss, 'wall_seconds': session_seconds, 'save_seconds': save_seconds,

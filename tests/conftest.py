@@ -59,6 +59,16 @@ def data_dir(tmp_path_factory):
     return str(root)
 
 
+@pytest.fixture(scope='module')
+def root(tmp_path_factory, request):
+    """A folder for what a test module shares, with tiktoken's cache of local files (.tiktoken BPEs made by the tests)
+    kept inside it, also for the processes the tests start."""
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp(request.module.__name__)
+        mp.setenv('TIKTOKEN_CACHE_DIR', str(path / 'tiktoken_cache'))
+        yield path
+
+
 def run_train(out_dir, data_dir, *overrides, check=True, env=None, timeout=300):
     """python train.py tests/run_config.py --data_dir=... --out_dir=... OVERRIDES, from the repo root (forked.py says how)."""
     result = forked.run('train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides, env=env,

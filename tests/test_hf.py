@@ -25,15 +25,6 @@ SEPARATOR = '-' * 40 + '\n'
 
 
 @pytest.fixture(scope='module')
-def root(tmp_path_factory):
-    """Everything the module shares, with tiktoken's cache of local files kept inside it (subprocesses too)."""
-    with pytest.MonkeyPatch.context() as mp:
-        path = tmp_path_factory.mktemp('hf')
-        mp.setenv('TIKTOKEN_CACHE_DIR', str(path / 'tiktoken_cache'))
-        yield path
-
-
-@pytest.fixture(scope='module')
 def bpe_data(root):
     """data_dir with a 'shakespeare' dataset: one text tokenized with a tiny GPT-2-style .tiktoken BPE."""
     write_ranks(root / 'tiny.tiktoken', MERGES)
