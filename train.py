@@ -537,19 +537,10 @@ def evaluate_and_choose_saves():
     return ['best.pt'] * improved + ['last.pt'] * (always_save_checkpoint or improved)
 
 
-# -----------------------------------------------------------------------------
-# training loop
-batches = data.TrainBatches(splits['train'], train_sampler, num_workers, seed + rank, device_type == 'cuda')
-micro_batches = iter(lambda batch=next(batches): batch, None) if overfit_one_batch else batches
-clock, step_estimate, recent = [], None, collections.deque(maxlen=10)  # recent: (seconds, iterations) a line
-t_start = t_last = time.time()
-iters_since_log, first_loss, save_seconds = 0, None, 0.0
-while iter_num < max_iters:
-    # the step
-    lr = optimizer.param_groups[0]['lr']  # AdamW's, learning_rate's schedule
-    profiler = perf.start_profiler(device_type) if iter_num + 1 == profile_iter else None
-    loss_sum, grad_norm, starts = train_step(model, optimizer, scaler, micro_batches, clock)
-    # one all-reduce for the loss, a stop signal and a data fault on any rank; one host sync for the checks
+def agree_or_abort(loss_sum, grad_norm, starts, lr):
+    """One all-reduce for the loss, a stop signal and a data fault on any rank, one host sync, and the checks
+    that end the run before the optimizer steps: changed data, a non-finite loss or gradient norm (float16's
+    are the scaler's to skip). Returns the mean loss, the gradient norm and whether a stop was asked."""
     flags = torch.tensor([stop_signal is not None, batches.fault is not None], device=device).float()
     loss_sum, stops, faults = all_ranks(torch.cat([loss_sum.view(1), flags]))
     synced = torch.stack([loss_sum / gradient_accumulation_steps, grad_norm.float(), stops, faults])
@@ -562,9 +553,33 @@ while iter_num < max_iters:
         what = 'loss' if not math.isfinite(loss) else 'gradient norm'
         abort(iter_num + 1, f"non-finite {what} at iteration {iter_num + 1}: loss {loss}, lr {lr:.3e}, grad "
                             f"norm {grad_norm}, batch windows (start positions in the train split) "
-                            f"{starts[:16]}"
-                            f"{' ...' * (len(starts) > 16)}; the last checkpoints are untouched: lower "
-                            f"learning_rate or raise warmup_iters, then resume")
+                            f"{starts[:16]}{' ...' * (len(starts) > 16)}; the last checkpoints are "
+                            f"untouched: lower learning_rate or raise warmup_iters, then resume")
+    return loss, grad_norm, stops
+
+
+def say_how_long(clock):
+    """The start-up estimate, from the second micro-batch: the first holds one-time work (compilation)."""
+    seconds_per_iter, left = (clock[1] - clock[0]) * accum_steps, max_iters - iter_num
+    record({'kind': 'estimate', 'step': iter_num, 'seconds_per_iter': seconds_per_iter})
+    log(f"a micro-batch after the first took {seconds_per_iter / accum_steps:.2f} s: about "
+        f"{seconds_per_iter:.2f} s per iteration, {seconds_per_iter * left / 3600:.2f} h for the {left} left")
+    return seconds_per_iter
+
+
+# -----------------------------------------------------------------------------
+# training loop
+batches = data.TrainBatches(splits['train'], train_sampler, num_workers, seed + rank, device_type == 'cuda')
+micro_batches = iter(lambda batch=next(batches): batch, None) if overfit_one_batch else batches
+clock, step_estimate, recent = [], None, collections.deque(maxlen=10)  # recent: (seconds, iterations) a line
+t_start = t_last = time.time()
+iters_since_log, first_loss, save_seconds = 0, None, 0.0
+while iter_num < max_iters:
+    # the step
+    lr = optimizer.param_groups[0]['lr']  # AdamW's, learning_rate's schedule
+    profiler = perf.start_profiler(device_type) if iter_num + 1 == profile_iter else None
+    loss_sum, grad_norm, starts = train_step(model, optimizer, scaler, micro_batches, clock)
+    loss, grad_norm, stops = agree_or_abort(loss_sum, grad_norm, starts, lr)
     skipped = scaler.is_enabled() and not math.isfinite(grad_norm)  # float16 overflow: the scaler skips it
     scale = scaler.get_scale() if scaler.is_enabled() else 1.0
     with record_function('optimizer'):
@@ -591,11 +606,7 @@ while iter_num < max_iters:
     # logging
     iters_since_log += 1
     if step_estimate is None and len(clock) == 2:
-        step_estimate = (clock[1] - clock[0]) * accum_steps
-        record({'kind': 'estimate', 'step': iter_num, 'seconds_per_iter': step_estimate})
-        left = max_iters - iter_num
-        log(f"a micro-batch after the first took {step_estimate / accum_steps:.2f} s: about "
-            f"{step_estimate:.2f} s per iteration, {step_estimate * left / 3600:.2f} h for the {left} left")
+        step_estimate = say_how_long(clock)
     if iter_num % log_interval == 0 or iter_num == max_iters:
         log_progress(loss, grad_norm, lr, skipped, scale)
 
