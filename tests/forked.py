@@ -1,17 +1,18 @@
 """`python ARGS` without paying for the imports: a fork of a server process that has imported torch already.
 
-Most tests start train.py, sample.py or torchrun, and most of such a process's CPU time is importing torch and
-torch._dynamo (which building any torch.optim optimizer imports): about 3 CPU-s each, the bulk of the suite on 2 cores.
-Here a run is a fork of tests/fork_server.py, started once per test process, which has imported them; the child
-takes its own argv, sys.path, cwd, environment, stdout and stderr and runs the script as __main__ at the server
-script's top level, so that it exits as the interpreter exits after any script (fork_server.py says what that
-includes). It is a real process: signals, exit codes and DataLoader workers behave as in a fresh interpreter, and
-test_train checks that a forked run and a fresh `python train.py` write the same losses and weights bit for bit.
-torchrun's workers are fresh interpreters: torchrun starts them.
+Most tests start train.py, sample.py or torchrun, and most of such a process's CPU time is importing torch
+and torch._dynamo (which building any torch.optim optimizer imports): about 3 CPU-s each, the bulk of the
+suite on 2 cores. Here a run is a fork of tests/fork_server.py, started once per test process, which has
+imported them; the child takes its own argv, sys.path, cwd, environment, stdout and stderr and runs the script
+as __main__ at the server script's top level, so that it exits as the interpreter exits after any script
+(fork_server.py says how). It is a real process: signals, exit codes and DataLoader workers behave as in a
+fresh interpreter, and test_train checks that a forked run and a fresh `python train.py` write the same losses
+and weights bit for bit. torchrun's workers are fresh interpreters: torchrun starts them.
 
-What the server fixed at its start stays: environment variables read at import (IMPORT_TIME_ENV: a run that sets
-them differently is refused), warnings printed while importing, the string hash seed. HONESTGPT_TEST_FRESH=1 starts
-every run as a fresh interpreter instead, to check the whole suite either way (docs/benchmarks.md has both times).
+What the server fixed at its start stays: environment variables read at import (IMPORT_TIME_ENV: a run that
+sets them differently is refused), warnings printed while importing, the string hash seed.
+HONESTGPT_TEST_FRESH=1 starts every run as a fresh interpreter instead, to check the whole suite either way
+(docs/benchmarks.md has both times).
 """
 import atexit
 import contextlib
@@ -37,8 +38,9 @@ def _fork(request):
     """The pid of a new child of the fork server, which runs the request."""
     global _server
     if _server is None:  # started from this process's environment, as _server_env holds
-        _server = subprocess.Popen([sys.executable, SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        atexit.register(_server.communicate)  # at the session's end: stdin closed, the server ends, waited for
+        _server = subprocess.Popen([sys.executable, SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   text=True)
+        atexit.register(_server.communicate)  # at the session's end: stdin closed, the server ends
     _server.stdin.write(json.dumps(request) + '\n')
     _server.stdin.flush()
     pid = _server.stdout.readline()
@@ -55,7 +57,7 @@ def _check_server():
 
 
 class Process:
-    """A started `python ARGS` with the parts of subprocess.Popen that tests use; stdout and stderr are captured."""
+    """A started `python ARGS` with the parts of subprocess.Popen that tests use; its output captured."""
 
     def __init__(self, *args, cwd=REPO, env=None, new_session=False):
         global _server_env
@@ -64,14 +66,14 @@ class Process:
         env = dict(os.environ if env is None else env)
         import_time = {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
         if import_time != _server_env and not FRESH:
-            raise ValueError(f"the fork server imported torch with {_server_env}, this run asks for {import_time}: "
-                             "start it with subprocess")
-        self.args, self.new_session, self.stdout, self.stderr = [sys.executable, *args], new_session, None, None
+            raise ValueError(f"the fork server imported torch with {_server_env}, this run asks for "
+                             f"{import_time}: start it with subprocess")
+        self.args, self.new_session = [sys.executable, *args], new_session
+        self.stdout, self.stderr, self._returncode = None, None, None
         self.folder = tempfile.mkdtemp(prefix='forked-')
         self.paths = [os.path.join(self.folder, name) for name in ('stdout', 'stderr')]
         for path in self.paths:  # there even if the child dies before it opens them
             open(path, 'w').close()
-        self._returncode = None
         if FRESH:
             with open(self.paths[0], 'w') as stdout, open(self.paths[1], 'w') as stderr:
                 self.process = subprocess.Popen(self.args, cwd=cwd, env=env, stdout=stdout, stderr=stderr,
@@ -87,7 +89,7 @@ class Process:
         return self.poll()
 
     def poll(self):
-        """The exit code, None while running: the fork server writes it into the run's folder when it reaps it."""
+        """The exit code, None while running: the server writes it into the run's folder as it reaps it."""
         if self._returncode is None and FRESH:
             self._returncode = self.process.poll()
         elif self._returncode is None:
@@ -99,11 +101,11 @@ class Process:
         return self._returncode
 
     def send_signal(self, signum, group=False):
-        """As Popen's: nothing once the process has exited (the fork server reaps it, so its pid may be reused)."""
+        """As Popen's: nothing once the process has exited (the server reaps it, so its pid may be reused)."""
         if self.poll() is None:
             try:
                 os.killpg(self.pid, signum) if group else os.kill(self.pid, signum)
-            except ProcessLookupError:  # exited just now; or no group yet, the child has not reached its setsid
+            except ProcessLookupError:  # exited just now; or no group yet: the child is before its setsid
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.pid, signum)
 
@@ -128,15 +130,16 @@ class Process:
 
 
 def stop_all():
-    """Kill the runs still going (with their process groups where they have their own) and remove their files."""
+    """Kill the runs still going (with their process groups where they have their own), remove their files."""
     for proc in list(_running):
         proc.kill()
         proc.wait()
 
 
 def run(*args, cwd=REPO, env=None, timeout=300):
-    """subprocess.run([sys.executable, *ARGS], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout),
-    except that a process still running after timeout seconds is killed before TimeoutExpired is raised."""
+    """subprocess.run([sys.executable, *ARGS], cwd=cwd, env=env, capture_output=True, text=True,
+    timeout=timeout), except that a process still running after timeout seconds is killed before
+    TimeoutExpired is raised."""
     proc = Process(*args, cwd=cwd, env=env)
     try:
         stdout, stderr = proc.communicate(timeout)
