@@ -55,6 +55,8 @@ def serve():
     wakeup, wakeup_write = os.pipe()  # SIGCHLD writes a byte to it, so that select wakes up to reap
     os.set_blocking(wakeup_write, False)
     signal.set_wakeup_fd(wakeup_write)
+    # the handlers a fresh interpreter would have (SIGINT's is SIG_IGN where the test process ignores it)
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGCHLD, signal.SIGINT)}
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # only a handled signal writes to the wakeup fd
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal ends the runs, not their reaper
     folders, pending = {}, b''  # each running child's folder; stdin read past the last whole line
@@ -75,8 +77,8 @@ def serve():
                     signal.set_wakeup_fd(-1)
                     os.close(wakeup)
                     os.close(wakeup_write)
-                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                    signal.signal(signal.SIGINT, signal.default_int_handler)
+                    for signum, handler in handlers.items():
+                        signal.signal(signum, handler)
                     return request
                 folders[pid] = request['folder']
                 os.write(1, b'%d\n' % pid)
