@@ -1,7 +1,9 @@
-"""tests/forked.py, the harness that forks test runs from a server that has imported torch, exits as the interpreter
-does and leaves nothing behind."""
+"""tests/forked.py, the harness that forks test runs from a server that has imported torch: a run starts and
+exits as a fresh interpreter does, and nothing is left behind."""
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -14,26 +16,48 @@ def script(tmp_path, text):
     return str(path)
 
 
-@pytest.mark.parametrize('text, code, stderr', [
-    ("import sys\nsys.exit('error: one line')\n", 1, 'error: one line\n'),
-    ("import sys\nsys.exit(2)\n", 2, ''),
-    ("import sys\nsys.excepthook = lambda *e: print('hooked', e[0].__name__, file=sys.stderr)\nraise ValueError\n", 1,
-     'hooked ValueError\n'),
-    ("raise KeyboardInterrupt\n", -signal.SIGINT, None),
+@pytest.mark.parametrize('text, code, stdout, stderr', [
+    ("import sys\nsys.exit('error: one line')\n", 1, '', 'error: one line\n'),
+    ("import sys\nsys.exit(2)\n", 2, '', ''),
+    # stdout buffered (as without PYTHONUNBUFFERED) and a line left open on stderr: flushed after atexit
+    ("import atexit, sys\nsys.stdout.reconfigure(write_through=False)\n"
+     "sys.stderr.reconfigure(write_through=False)\natexit.register(print, 'buffered')\n"
+     "atexit.register(print, 'open line', end='', file=sys.stderr)\n", 0, 'buffered\n', 'open line'),
+    ("import sys\nsys.excepthook = lambda *e: print('hooked', e[0].__name__, file=sys.stderr)\n"
+     "raise ValueError\n", 1, '', 'hooked ValueError\n'),
+    ("raise KeyboardInterrupt\n", -signal.SIGINT, '', None),
+    # the thread is joined before the atexit handlers run, as at interpreter exit
     ("import atexit, threading, time\natexit.register(print, 'atexit')\n"
-     "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()\n", 0, ''),
-])
-def test_exits_as_the_interpreter_does(tmp_path, text, code, stderr):
+     "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()\n", 0,
+     'thread\natexit\n', ''),
+    # a multiprocessing child (the platform's start method) is joined at exit: it prints after the script
+    ("import multiprocessing, time\n"
+     "multiprocessing.Process(target=lambda: (time.sleep(0.3), print('child'))).start()\n"
+     "print('main', flush=True)\n", 0, 'main\nchild\n', ''),
+], ids=['message', 'code', 'flushed', 'excepthook', 'keyboard-interrupt', 'thread-atexit', 'multiprocessing'])
+def test_exits_as_the_interpreter_does(tmp_path, text, code, stdout, stderr):
     result = forked.run(script(tmp_path, text), cwd=str(tmp_path))
-    assert result.returncode == code and (stderr is None or result.stderr == stderr), result
-    if 'atexit' in text:  # the thread is joined before the atexit handlers run, as at interpreter exit
-        assert result.stdout == 'thread\natexit\n'
+    assert result.returncode == code and result.stdout == stdout, result
+    assert stderr is None or result.stderr == stderr, result
 
 
-def test_argv_path_and_cwd_are_the_scripts(tmp_path):
-    path = script(tmp_path, "import os, sys\nprint(sys.argv, sys.path[0], os.getcwd(), __name__)\n")
-    result = forked.run(path, 'a', '--b=1', cwd='/')
-    assert result.stdout == f"{[path, 'a', '--b=1']} {tmp_path} / __main__\n"
+def test_a_run_starts_as_a_fresh_interpreter(tmp_path):
+    # what the script sees of how it was started, and what the server must not pass on: its signal handlers
+    # and wakeup fd, its request pipe (stdin) and any other open file
+    path = script(tmp_path, "import os, signal, sys\n"
+                            "print(sys.argv, sys.path, os.getcwd(), __name__, __file__, "
+                            "sys.modules['__main__'].__file__)\n"
+                            "print(signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGCHLD), "
+                            "signal.set_wakeup_fd(-1), os.readlink('/proc/self/fd/0'), "
+                            "os.listdir('/proc/self/fd'))\n")
+    args = [os.path.join(tmp_path.name, 'script.py'), 'a', '--b=1']  # relative to the working directory
+    forked_run = forked.run(*args, cwd=str(tmp_path.parent))
+    fresh = subprocess.run([sys.executable, *args], cwd=tmp_path.parent, stdin=subprocess.DEVNULL,
+                           capture_output=True, text=True)
+    assert forked_run.returncode == fresh.returncode == 0, (forked_run, fresh)
+    assert forked_run.stdout == fresh.stdout
+    assert forked_run.stdout.startswith(f"{args} ['{tmp_path}', "), forked_run.stdout
+    assert f" {tmp_path.parent} __main__ {path} {path}\n" in forked_run.stdout
 
 
 def test_leftover_runs_are_stopped_and_import_time_settings_refused(tmp_path):

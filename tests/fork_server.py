@@ -1,0 +1,137 @@
+"""The server of tests/forked.py: imports what most test runs import, then forks a child per request, and the
+child becomes `python ARGS` here, at this script's top level.
+
+The child returns from serve() and runs the requested script or module as __main__; when that ends, this
+script ends, and the interpreter exits as it does after any script: SystemExit's message or sys.excepthook on
+stderr, non-daemon threads joined, atexit handlers run (which join multiprocessing's children). The last of
+them, registered here first, flushes stdout and stderr and ends the process with the interpreter's exit code
+(death by SIGINT after an uncaught KeyboardInterrupt), but without the teardown of the modules that would
+follow: freeing the objects of torch's imports costs a child, whose memory it shares with the server until it
+writes to it, 1.3 CPU-s. So objects still alive at exit are not finalized, as after os._exit: close files with
+`with`.
+
+The server takes one request per line on stdin (JSON: args, cwd, env, new_session, folder), answers with the
+child's pid on stdout, reaps its children and writes each one's exit status into its request's folder. It
+exits when stdin closes. It never starts a thread: it forks.
+"""
+import atexit
+import builtins
+import importlib
+import json
+import os
+import runpy
+import select
+import signal
+import sys
+import types
+
+request = None  # in a child, what it runs (serve() returns it)
+ended_by = None  # in a child, what ended its script: the exception, or None for its end
+
+
+def exit_without_teardown():
+    """In a child, after the other atexit handlers: what the interpreter does next, but the teardown."""
+    if request is None:  # the server
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if isinstance(ended_by, KeyboardInterrupt):
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    if isinstance(ended_by, SystemExit):  # as the interpreter reads it: None is 0, a message (printed) 1
+        os._exit(0 if ended_by.code is None else ended_by.code if isinstance(ended_by.code, int) else 1)
+    os._exit(0 if ended_by is None else 1)
+
+
+atexit.register(exit_without_teardown)  # first, so that it runs last: after those the imports below register
+# what most runs import and take about 3 CPU-s over (torch._dynamo: building any torch.optim optimizer imports
+# it); the repo's own modules are left for each run to import, as it would
+for name in ('numpy', 'torch', 'torch._dynamo', 'torch.distributed', 'torch.utils.data', 'tiktoken'):
+    importlib.import_module(name)
+
+
+def serve():
+    """Fork a child per request, answer with its pid. Returns the request in a child, None at stdin's end."""
+    wakeup, wakeup_write = os.pipe()  # SIGCHLD writes a byte to it, so that select wakes up to reap
+    os.set_blocking(wakeup_write, False)
+    signal.set_wakeup_fd(wakeup_write)
+    # the handlers a fresh interpreter would have (SIGINT's is SIG_IGN where the test process ignores it)
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGCHLD, signal.SIGINT)}
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # only a handled signal writes to the wakeup fd
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal ends the runs, not their reaper
+    folders, pending = {}, b''  # each running child's folder; stdin read past the last whole line
+    while True:
+        ready = select.select([0, wakeup], [], [])[0]
+        if wakeup in ready:
+            os.read(wakeup, 4096)
+            reap(folders)
+        if 0 in ready:
+            data = os.read(0, 65536)
+            if not data:
+                return None
+            *lines, pending = (pending + data).split(b'\n')
+            for line in lines:
+                request = json.loads(line)
+                pid = os.fork()
+                if pid == 0:  # what the child must not inherit: the server's signal handling and its pipes
+                    signal.set_wakeup_fd(-1)
+                    os.close(wakeup)
+                    os.close(wakeup_write)
+                    for signum, handler in handlers.items():
+                        signal.signal(signum, handler)
+                    return request
+                folders[pid] = request['folder']
+                os.write(1, b'%d\n' % pid)
+
+
+def reap(folders):
+    """Write the exit status of each child that has ended, as Popen.returncode, into its folder, whole."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:  # no children left
+            return
+        if pid == 0:  # none of them has ended
+            return
+        path = os.path.join(folders.pop(pid), 'returncode')
+        with open(path + '.part', 'w') as f:
+            f.write(str(os.waitstatus_to_exitcode(status)))
+        os.replace(path + '.part', path)
+
+
+def become(args, cwd, env, new_session, folder):
+    """In the child: what the interpreter does to run `python SCRIPT ARGS` or `python -m MODULE ARGS`."""
+    # stdin off the server's requests, stdout and stderr to the files the client reads
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, os.path.join(folder, 'stdout'), os.O_WRONLY),
+                            (2, os.path.join(folder, 'stderr'), os.O_WRONLY)):
+        opened = os.open(path, flags)
+        os.dup2(opened, fd)
+        os.close(opened)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    if new_session:  # as subprocess's start_new_session: a process group of its own, for killpg
+        os.setsid()
+    if args[0] == '-m':  # sys.path[0] is the working directory; run_module puts the module's file in argv[0]
+        sys.argv, sys.path[0] = args[1:], os.getcwd()
+        runpy.run_module(args[1], run_name='__main__', alter_sys=True)
+        return
+    # sys.path[0] is the script's folder, __file__ its absolute path (sys.argv[0] stays as given), and the
+    # script runs in a new __main__ module that stays in sys.modules, as the interpreter's does
+    path = os.path.abspath(args[0])
+    sys.argv, sys.path[0] = args, os.path.dirname(os.path.realpath(path))
+    main = types.ModuleType('__main__')
+    main.__file__, main.__cached__, main.__builtins__ = path, None, builtins
+    sys.modules['__main__'] = main
+    with open(path, 'rb') as f:
+        code = compile(f.read(), path, 'exec')
+    exec(code, vars(main))
+
+
+request = serve()
+if request is not None:
+    try:
+        become(**request)
+    except BaseException as e:  # the interpreter reports it; exit_without_teardown takes the code from it
+        ended_by = e
+        raise
