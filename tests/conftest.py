@@ -51,6 +51,13 @@ def stop_forked_runs():
     forked.stop_all()
 
 
+@pytest.fixture(autouse=True)
+def fresh_interpreters(request, monkeypatch):
+    """A test marked fresh starts each run as a fresh interpreter (tests/forked.py says what forking cannot show)."""
+    if request.node.get_closest_marker('fresh'):
+        monkeypatch.setattr(forked, 'FRESH', True)
+
+
 @pytest.fixture(scope='session')
 def data_dir(tmp_path_factory):
     import prepare

@@ -11,8 +11,10 @@ that a forked run and a fresh `python train.py` write the same losses and weight
 are fresh interpreters: torchrun starts them.
 
 What the server fixed at its start stays: environment variables read at import (IMPORT_TIME_ENV: a run that sets
-them differently is refused), warnings printed while importing, the string hash seed. HONESTGPT_TEST_FRESH=1 starts
-every run as a fresh interpreter instead, to check the whole suite either way (docs/benchmarks.md has both times).
+them differently is refused), warnings printed while importing, the string hash seed. So the tests of exact stderr
+and of signals start fresh interpreters in every session (pytest's `fresh` marker sets FRESH for a test, see
+conftest.py), and HONESTGPT_TEST_FRESH=1 starts every run fresh, to check the whole suite either way
+(docs/benchmarks.md has both times).
 """
 import atexit
 import contextlib
@@ -30,7 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the repo's own modules are not preloaded: each run imports them fresh, as it would; 'forked' holds the child's code
 PRELOAD = ['numpy', 'torch', 'torch._dynamo', 'torch.distributed', 'torch.utils.data', 'tiktoken', 'forked']
 IMPORT_TIME_ENV = ('OMP_', 'MKL_', 'KMP_', 'PYTHON', 'TORCH', 'LC_', 'LANG')
-FRESH = os.environ.get('HONESTGPT_TEST_FRESH') == '1'
+FRESH = os.environ.get('HONESTGPT_TEST_FRESH') == '1'  # read when a run starts: a test may set it
 _context = multiprocessing.get_context('forkserver')
 _context.set_forkserver_preload(PRELOAD)
 _server_env = None  # the import-time variables the server started with
@@ -82,11 +84,12 @@ class Process:
 
     def __init__(self, *args, cwd=REPO, env=None, new_session=False):
         global _server_env
+        self.fresh = FRESH  # this run's way, also when a test changes FRESH later
         if _server_env is None:  # the server starts with the first run, from this process's environment
             _server_env = {k: v for k, v in os.environ.items() if k.startswith(IMPORT_TIME_ENV)}
         env = dict(os.environ if env is None else env)
         import_time = {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
-        if import_time != _server_env and not FRESH:
+        if import_time != _server_env and not self.fresh:
             raise ValueError(f"the forkserver imported torch with {_server_env}, this run asks for {import_time}: "
                              "start it with subprocess")
         self.args, self.new_session, self.stdout, self.stderr = [sys.executable, *args], new_session, None, None
@@ -94,7 +97,7 @@ class Process:
         self.paths = [os.path.join(self.folder, name) for name in ('stdout', 'stderr')]
         for path in self.paths:  # there even if the child dies before it opens them
             open(path, 'w').close()
-        if FRESH:
+        if self.fresh:
             with open(self.paths[0], 'w') as stdout, open(self.paths[1], 'w') as stderr:
                 self.process = subprocess.Popen(self.args, cwd=cwd, env=env, stdout=stdout, stderr=stderr,
                                                 start_new_session=new_session)
@@ -112,7 +115,7 @@ class Process:
         return self.poll()
 
     def poll(self):
-        return self.process.poll() if FRESH else self.process.exitcode
+        return self.process.poll() if self.fresh else self.process.exitcode
 
     def send_signal(self, signum, group=False):
         """As Popen's: nothing once the process has exited (the forkserver reaps it, so its pid may be reused)."""
@@ -127,7 +130,7 @@ class Process:
         self.send_signal(signal.SIGKILL, group=self.new_session)
 
     def wait(self, timeout=None):
-        if FRESH:
+        if self.fresh:
             self.process.wait(timeout)  # raises TimeoutExpired
         else:
             self.process.join(timeout)

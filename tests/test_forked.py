@@ -1,11 +1,14 @@
 """tests/forked.py, the harness that forks test runs from a server that has imported torch, exits as the interpreter
-does and leaves nothing behind."""
+does and leaves nothing behind. The same cases run in fresh interpreters too: what the harness must imitate."""
 import os
 import signal
 
 import pytest
 
 import forked
+
+
+WAYS = pytest.mark.parametrize('way', ['forked', pytest.param('fresh', marks=pytest.mark.fresh)])
 
 
 def script(tmp_path, text):
@@ -23,14 +26,16 @@ def script(tmp_path, text):
     ("import atexit, threading, time\natexit.register(print, 'atexit')\n"
      "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()\n", 0, ''),
 ])
-def test_exits_as_the_interpreter_does(tmp_path, text, code, stderr):
+@WAYS
+def test_exits_as_the_interpreter_does(tmp_path, text, code, stderr, way):
     result = forked.run(script(tmp_path, text), cwd=str(tmp_path))
     assert result.returncode == code and (stderr is None or result.stderr == stderr), result
     if 'atexit' in text:  # the thread is joined before the atexit handlers run, as at interpreter exit
         assert result.stdout == 'thread\natexit\n'
 
 
-def test_argv_path_and_cwd_are_the_scripts(tmp_path):
+@WAYS
+def test_argv_path_and_cwd_are_the_scripts(tmp_path, way):
     path = script(tmp_path, "import os, sys\nprint(sys.argv, sys.path[0], os.getcwd(), __name__)\n")
     result = forked.run(path, 'a', '--b=1', cwd='/')
     assert result.stdout == f"{[path, 'a', '--b=1']} {tmp_path} / __main__\n"

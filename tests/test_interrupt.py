@@ -11,7 +11,8 @@ import torch
 import forked
 from conftest import RUN_CONFIG, read_metrics, torchrun
 
-pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
+# training runs in subprocesses: the 'not slow' tier skips them; signals reach fresh interpreters, as users' runs are
+pytestmark = [pytest.mark.slow, pytest.mark.fresh]
 
 # dropout and loader workers on: the RNG streams and the loader position must both survive the stop
 ARGS = ['--max_iters=600', '--lr_decay_iters=600', '--eval_interval=100', '--dropout=0.1', '--num_workers=1']

@@ -82,6 +82,7 @@ def test_nan_aborts_with_context_and_keeps_checkpoints(tmp_path, data_dir):
     assert len(abort) == 1 and abort[0]['step'] > 40
 
 
+@pytest.mark.fresh
 def test_bad_config_and_missing_data_create_nothing(tmp_path, data_dir):
     out = tmp_path / 'never'
     for args in (['--batch_sise=4'], ['--dataset=nope'], ['--block_size=100000']):
@@ -137,6 +138,7 @@ def test_smoke_test_passes_or_refuses_to_start(tmp_path, data_dir, run_20):
     assert result.returncode != 0 and result.stderr.startswith('error: smoke test failed') and not never.exists()
 
 
+@pytest.mark.fresh
 @pytest.mark.parametrize('key, package', [('tensorboard_log', 'tensorboard'), ('wandb_log', 'wandb')])
 def test_missing_logging_package_is_a_one_line_error(tmp_path, data_dir, key, package):
     if importlib.util.find_spec(package):
@@ -160,6 +162,7 @@ def test_nanogpt_config_runs_unchanged(tmp_path, data_dir):
 
 
 
+@pytest.mark.fresh
 @pytest.mark.parametrize('args, message', [
     (['--device=mps'], "error: device='mps' is not supported: use device=cpu, cuda, cuda:N or auto"),
     (['--device=cuda'], "error: device='cuda' but CUDA is not available here: use device=cpu"),
