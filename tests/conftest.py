@@ -20,7 +20,7 @@ os.environ.setdefault('HONESTGPT_CACHE', tempfile.mkdtemp(prefix='honestgpt-cach
 os.environ['OMP_NUM_THREADS'] = '1'
 sys.path.insert(0, REPO)
 RUN_CONFIG = os.path.join(REPO, 'tests', 'run_config.py')
-PROBE = os.path.join(REPO, 'tests', 'ddp_probe.py')
+PROBE = os.path.join(REPO, 'tests', 'probe.py')
 
 
 def make_corpus(folder, num_docs=40, seed=0):
@@ -66,9 +66,11 @@ def data_dir(tmp_path_factory):
     return str(root)
 
 
-def run_train(out_dir, data_dir, *overrides, check=True, env=None, timeout=300):
-    """python train.py tests/run_config.py --data_dir=... --out_dir=... OVERRIDES, from the repo root (forked.py says how)."""
-    result = forked.run('train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides, env=env,
+def run_train(out_dir, data_dir, *overrides, check=True, env=None, timeout=300, probe=False):
+    """python train.py tests/run_config.py --data_dir=... --out_dir=... OVERRIDES, from the repo root (forked.py says how);
+    under tests/probe.py if probe."""
+    script = [PROBE, 'train.py'] if probe else ['train.py']
+    result = forked.run(*script, RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides, env=env,
                         timeout=timeout)
     return ok(result) if check else result
 
@@ -95,7 +97,7 @@ def read_metrics(out_dir, kind=None):
 
 
 def torchrun(out_dir, data_dir, *overrides, probe=False, **kwargs):
-    """train.py (under tests/ddp_probe.py if probe) on CPU processes with gloo, as users run it."""
+    """train.py (under tests/probe.py if probe) on CPU processes with gloo, as users run it."""
     script = [PROBE, 'train.py'] if probe else ['train.py']
     return torchrun_script(script, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides, **kwargs)
 

@@ -1,0 +1,140 @@
+"""Runs train.py, alone or under torchrun, with test probes that the product itself must not contain. RANK is torchrun's
+(0 alone); a probe that writes files writes one per rank, NAME.RANK.
+PROBE_COUNT=DIR      counts DDP's gradient all-reduces per rank (a comm hook) into DIR/allreduce.RANK, and writes
+                     whether DDP would broadcast buffers in a forward into DIR/buffers.RANK
+PROBE_NAN=R:N        makes rank R's loss NaN from its N-th micro-batch on
+PROBE_KILL=R:N       SIGKILLs rank R at its N-th micro-batch, on torchrun's first attempt only
+PROBE_STEPS=DIR      counts the steps each optimizer class took per rank into DIR/steps.RANK (JSON)
+PROBE_ATTENTION=DIR  counts attention calls (one per block forward) with gradients on, in forward and inside a
+                     backward (a recomputation), into DIR/attention.RANK (JSON)
+PROBE_DTYPES=DIR     writes the dtypes of the logits the training loss saw into DIR/dtypes.RANK (JSON)
+PROBE_HOLD_SAVE=N    the N-th write of last.pt stops for 60 s once its temp file (last.pt.tmp) is written, before
+                     the rename, and says so on stderr: a kill then lands mid-write
+PROBE_LOGGERS=FILE   stands in for wandb and TensorBoard (the tensorboard package and torch.utils.tensorboard): each
+                     call the run makes to them becomes a JSON line in FILE
+Always: the GIL changes hands at most once a second unless its holder releases it (sys.setswitchinterval), so
+a collective's tensors that gloo's worker thread frees late reach Python's shutdown unless train.py's exit gives
+way (shut_down_process_group).
+Usage: [torchrun ...] tests/probe.py train.py ARGS..."""
+import atexit
+import importlib.machinery
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+import types
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+sys.setswitchinterval(1.0)
+rank = int(os.environ.get('RANK', '0'))
+micro_batches = 0
+
+
+def write_at_exit(variable, name, content):
+    """At exit, DIR/name.RANK (DIR from the environment variable) gets content() as text."""
+    atexit.register(lambda: open(os.path.join(os.environ[variable], f'{name}.{rank}'), 'w').write(content()))
+
+
+if 'PROBE_COUNT' in os.environ:
+    allreduces = 0
+    ddp_init = DistributedDataParallel.__init__
+
+    def counting_init(self, *args, **kwargs):
+        ddp_init(self, *args, **kwargs)
+
+        def hook(process_group, bucket):
+            global allreduces
+            allreduces += 1
+            return allreduce_hook(process_group, bucket)
+        self.register_comm_hook(None, hook)
+        open(os.path.join(os.environ['PROBE_COUNT'], f'buffers.{rank}'), 'w').write(str(self.will_sync_module_buffers()))
+    DistributedDataParallel.__init__ = counting_init
+    write_at_exit('PROBE_COUNT', 'allreduce', lambda: str(allreduces))
+
+if 'PROBE_STEPS' in os.environ:
+    steps = {}
+    register_optimizer_step_post_hook(
+        lambda opt, *_: steps.update({type(opt).__name__: steps.get(type(opt).__name__, 0) + 1}))
+    write_at_exit('PROBE_STEPS', 'steps', lambda: json.dumps(steps))
+
+if 'PROBE_ATTENTION' in os.environ:
+    attention_calls = {'forward': 0, 'backward': 0}
+    attention = F.scaled_dot_product_attention
+
+    def counting_attention(*args, **kwargs):
+        if torch.is_grad_enabled():  # training, not evaluation or sampling
+            attention_calls['backward' if torch._C._current_graph_task_id() != -1 else 'forward'] += 1
+        return attention(*args, **kwargs)
+    F.scaled_dot_product_attention = counting_attention
+    write_at_exit('PROBE_ATTENTION', 'attention', lambda: json.dumps(attention_calls))
+
+if 'PROBE_DTYPES' in os.environ:
+    logits_dtypes = set()
+    write_at_exit('PROBE_DTYPES', 'dtypes', lambda: json.dumps(sorted(logits_dtypes)))
+
+if 'PROBE_HOLD_SAVE' in os.environ:
+    torch_save, last_writes = torch.save, []
+
+    def holding_save(obj, f, *args, **kwargs):
+        torch_save(obj, f, *args, **kwargs)
+        if getattr(f, 'name', '').endswith('last.pt.tmp'):
+            last_writes.append(f.name)
+            if len(last_writes) == int(os.environ['PROBE_HOLD_SAVE']):
+                f.flush()  # the temp file holds the whole checkpoint; the rename has not happened
+                print(f'probe: holding the write of {f.name}', file=sys.stderr, flush=True)
+                time.sleep(60)
+    torch.save = holding_save
+
+if 'PROBE_LOGGERS' in os.environ:
+    def log_call(*call):
+        with open(os.environ['PROBE_LOGGERS'], 'a') as f:
+            f.write(json.dumps(call) + '\n')
+
+    def fake_module(name, **attributes):
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)  # what importlib.util.find_spec returns
+        module.__dict__.update(attributes)
+        sys.modules[name] = module
+
+    class SummaryWriter:
+        def __init__(self, log_dir):
+            log_call('SummaryWriter', log_dir)
+
+        def add_scalar(self, tag, value, step):
+            log_call('add_scalar', tag, value, step)
+    fake_module('tensorboard')
+    fake_module('torch.utils.tensorboard', SummaryWriter=SummaryWriter)
+    fake_module('wandb', init=lambda **kwargs: log_call('wandb.init', kwargs),
+                log=lambda data, step: log_call('wandb.log', data, step))
+
+cross_entropy = F.cross_entropy
+
+
+def probed_cross_entropy(*args, **kwargs):
+    global micro_batches
+    loss = cross_entropy(*args, **kwargs)
+    if torch.is_grad_enabled():  # training micro-batches only, not evaluation
+        micro_batches += 1
+        if 'PROBE_DTYPES' in os.environ:
+            logits_dtypes.add(str(args[0].dtype).removeprefix('torch.'))
+        for name, action in (('PROBE_NAN', 'nan'), ('PROBE_KILL', 'kill')):
+            target_rank, at = map(int, os.environ.get(name, '-1:0').split(':'))
+            if rank == target_rank and micro_batches >= at:
+                if action == 'nan':
+                    loss = loss * float('nan')
+                elif os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') == '0':
+                    os.kill(os.getpid(), signal.SIGKILL)
+    return loss
+
+
+F.cross_entropy = probed_cross_entropy
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))  # as if train.py were run directly
+runpy.run_path(sys.argv[0], run_name='__main__')
