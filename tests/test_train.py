@@ -69,17 +69,17 @@ def test_nan_aborts_with_context_and_keeps_checkpoints(tmp_path, data_dir):
     out = str(tmp_path / 'nan')
     run_train(out, data_dir)
     before = {name: sha(os.path.join(out, name)) for name in ('best.pt', 'last.pt')}
-    # resume with an absurd learning rate (allowed on resume: it is how a user recovers from a blow-up)
-    result = run_train(out, data_dir, '--init_from=resume', '--max_iters=80', '--learning_rate=1e9',
-                       '--lr_decay_iters=1000', '--eval_interval=5', check=False)
+    # the resumed run's first micro-batch (iteration 41) gives a NaN loss, on an iteration with an evaluation and a
+    # save due: the run must stop before either
+    result = run_train(out, data_dir, '--init_from=resume', '--max_iters=80', '--eval_interval=1', '--checkpoint_interval=1',
+                       check=False, probe=True, env={**os.environ, 'PROBE_NAN': '0:1'})
     assert result.returncode != 0
+    assert {name: sha(os.path.join(out, name)) for name in before} == before
     error = [line for line in result.stderr.splitlines() if line.startswith('error:')]
     assert len(error) == 1 and 'Traceback' not in result.stderr
-    for word in ('non-finite', 'iteration 4', 'lr ', 'grad norm', 'batch windows'):
-        assert word in error[0], error[0]
-    assert {name: sha(os.path.join(out, name)) for name in before} == before
-    abort = read_metrics(out, 'abort')
-    assert len(abort) == 1 and abort[0]['step'] > 40
+    for words in ('non-finite loss at iteration 41', 'lr ', 'grad norm', 'batch windows'):
+        assert words in error[0], error[0]
+    assert [r['step'] for r in read_metrics(out, 'abort')] == [41] and read_metrics(out, 'eval')[-1]['step'] == 40
 
 
 @pytest.mark.fresh
