@@ -102,3 +102,14 @@ def test_bad_config_ends_every_rank(tmp_path, data_dir):
         result = torchrun(str(tmp_path / 'bad'), data_dir, *args, timeout=120)
         assert result.returncode != 0 and message in result.stderr
         assert not (tmp_path / 'bad').exists()
+
+
+def test_resume_on_another_number_of_processes_continues_the_data(tmp_path, data_dir):
+    # 1 process to 10, 2 ranks to 20, 1 process to 30: the same windows per step as the run that was never stopped,
+    # so the same losses up to the summation order (RTOL); a step that took other windows moves them by 1e-2
+    one, mixed = str(tmp_path / 'one'), str(tmp_path / 'mixed')
+    run_train(one, data_dir, *SAME)
+    run_train(mixed, data_dir, *SAME, '--max_iters=10')
+    ok(torchrun(mixed, data_dir, *SAME, '--max_iters=20', '--init_from=resume'))
+    run_train(mixed, data_dir, *SAME, '--init_from=resume')
+    assert_same_run(one, mixed)
