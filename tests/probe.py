@@ -8,6 +8,7 @@ PROBE_STEPS=DIR      counts the steps each optimizer class took per rank into DI
 PROBE_ATTENTION=DIR  counts attention calls (one per block forward) with gradients on, in forward and inside a
                      backward (a recomputation), into DIR/attention.RANK (JSON)
 PROBE_DTYPES=DIR     writes the dtypes of the logits the training loss saw into DIR/dtypes.RANK (JSON)
+PROBE_GRAPHS=DIR     counts the graphs that torch.compile hands to inductor into DIR/graphs.RANK
 PROBE_HOLD_SAVE=N    the N-th write of last.pt stops for 60 s once its temp file (last.pt.tmp) is written, before
                      the rename, and says so on stderr: a kill then lands mid-write
 PROBE_LOGGERS=FILE   stands in for wandb and TensorBoard (the tensorboard package and torch.utils.tensorboard): each
@@ -78,6 +79,16 @@ if 'PROBE_ATTENTION' in os.environ:
 if 'PROBE_DTYPES' in os.environ:
     logits_dtypes = set()
     write_at_exit('PROBE_DTYPES', 'dtypes', lambda: json.dumps(sorted(logits_dtypes)))
+
+if 'PROBE_GRAPHS' in os.environ:
+    import torch._inductor.compile_fx as inductor  # torch.compile(backend='inductor') calls inductor.compile_fx
+    graphs, compile_fx = [], inductor.compile_fx
+
+    def counting_compile_fx(*args, **kwargs):
+        graphs.append(1)
+        return compile_fx(*args, **kwargs)
+    inductor.compile_fx = counting_compile_fx
+    write_at_exit('PROBE_GRAPHS', 'graphs', lambda: str(len(graphs)))
 
 if 'PROBE_HOLD_SAVE' in os.environ:
     torch_save, last_writes = torch.save, []
