@@ -6,6 +6,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -114,6 +115,14 @@ def torchrun_script(script, *args, nproc=2, env_extra=None, torchrun_args=(), ti
             proc.kill()  # the whole process group
             proc.wait()
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def wait_for_stderr(proc, text, timeout=120):
+    """Wait until a started run (a forked.Process) has written text to its stderr."""
+    deadline = time.time() + timeout
+    while proc.poll() is None and time.time() < deadline and text not in open(proc.paths[1]).read():
+        time.sleep(0.02)
+    assert text in open(proc.paths[1]).read(), f"the run never wrote {text!r} to stderr"
 
 
 def ok(result):

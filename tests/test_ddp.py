@@ -1,7 +1,6 @@
 """Distributed data parallel on CPU (gloo, 2 processes): the same run as one process, and no hangs."""
 import os
 import socket
-import time
 
 import pytest
 import torch
@@ -88,9 +87,9 @@ def test_ddp_resume_and_elastic_restart_are_exact(tmp_path, data_dir):
 
 def test_nan_on_one_rank_ends_both_promptly(tmp_path, data_dir):
     out = str(tmp_path / 'nan')
-    start = time.time()
-    result = torchrun(out, data_dir, *SAME, probe=True, env_extra={'PROBE_NAN': '1:13'}, timeout=120)
-    assert result.returncode != 0 and time.time() - start < 60
+    # a rank left waiting in a collective would wait for gloo's timeout (30 minutes): torchrun's timeout fails the test
+    result = torchrun(out, data_dir, *SAME, probe=True, env_extra={'PROBE_NAN': '1:13'}, timeout=300)
+    assert result.returncode != 0
     assert 'SIGABRT' not in result.stderr  # both ranks exit with 1, neither aborts at exit
     assert 'non-finite loss at iteration 7' in result.stderr  # rank 1's 13th micro-batch is in step 7
     assert [r['step'] for r in read_metrics(out, 'abort')] == [7]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import forked
-from conftest import PROBE, RUN_CONFIG, read_metrics, run_train, run_trains
+from conftest import PROBE, RUN_CONFIG, read_metrics, run_train, run_trains, wait_for_stderr
 from test_recipe import RECIPE
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
@@ -66,15 +66,6 @@ def start_train(out_dir, data_dir, *overrides, hold_save=None):
                           env=env)
 
 
-def wait_for_hold(proc):
-    deadline = time.time() + 120
-    while proc.poll() is None and time.time() < deadline:
-        if 'probe: holding the write of' in open(proc.paths[1]).read():
-            return
-        time.sleep(0.02)
-    raise AssertionError('the held checkpoint write never came')
-
-
 def test_sigkill_at_random_moments_and_mid_write_then_auto_resume(tmp_path, data_dir):
     args = ['--max_iters=100', '--lr_decay_iters=100', '--eval_interval=3', '--dropout=0.1', '--n_embd=128', '--n_layer=4',
             '--init_from=auto']
@@ -84,7 +75,7 @@ def test_sigkill_at_random_moments_and_mid_write_then_auto_resume(tmp_path, data
     for attempt in range(4):  # kill, resume with init_from=auto, kill again...
         if attempt % 2 == 0:  # in the middle of the session's second write of last.pt: its temp file is complete
             proc = start_train(killed, data_dir, *args, hold_save=2)
-            wait_for_hold(proc)
+            wait_for_stderr(proc, 'probe: holding the write of')
         else:  # anywhere: start-up, a step, an evaluation, a save
             proc = start_train(killed, data_dir, *args)
             time.sleep(rng.uniform(2.0, 7.0))
