@@ -101,14 +101,17 @@ def grad_spikes(train):
     return spikes
 
 
-def resume_command(meta, has_last):
+def resume_command(meta, has_last, settings=None):
     """train.py's command to continue the run: from out_dir's last.pt if there is one (whatever the run itself
-    started from), else init_from=auto, which redoes the run from scratch or from its resume_from."""
-    dropped = ('--init_from=', '--resume_from=') if has_last else ('--init_from=',)
-    args = [a for a in meta['command'][1:] if not a.startswith(dropped)]
+    started from), else init_from=auto, which redoes the run from scratch or from its resume_from. settings
+    ({key: value}) replace the command's own --key=... (a resumed run's command holds those of its resume)."""
+    settings = settings or {}
+    dropped = ['init_from', 'resume_from'] if has_last else ['init_from']
+    args = [a for a in meta['command'][1:] if not a.startswith(tuple(f'--{k}=' for k in dropped + list(settings)))]
     world_size = meta.get('world_size', 1)
     launcher = ['python'] if world_size == 1 else ['torchrun', '--standalone', f'--nproc_per_node={world_size}']
-    return shlex.join(launcher + [meta['command'][0], *args, f"--init_from={'resume' if has_last else 'auto'}"])
+    return shlex.join(launcher + [meta['command'][0], *args, f"--init_from={'resume' if has_last else 'auto'}",
+                                  *(f'--{k}={v}' for k, v in settings.items())])
 
 
 def task_names(evals):
@@ -231,13 +234,14 @@ def write_report(out_dir):
     lines += ["", "## Files", ""]
     lines += [f"- {name}: {os.path.join(out_dir, name)}" for name in ('best.pt', 'last.pt')
               if os.path.exists(os.path.join(out_dir, name))]
-    command = resume_command(meta, has_last)
     max_iters, lr_decay_iters = config['max_iters']['value'], config['lr_decay_iters']['value']
     if word == 'finished':  # nothing left to do at this max_iters: the command must raise it
-        command += f" --max_iters={2 * max_iters}"
+        command = resume_command(meta, has_last, {'max_iters': 2 * max_iters, 'lr_decay_iters': lr_decay_iters})
         how = (f"Train further (from the directory it was started in); past lr_decay_iters={lr_decay_iters} the learning "
-               f"rate stays at min_lr, add --lr_decay_iters={2 * max_iters} to decay over the longer run instead:")
+               f"rate stays at min_lr: change the command's --lr_decay_iters={lr_decay_iters} to "
+               f"--lr_decay_iters={2 * max_iters} to decay over the longer run instead:")
     else:
+        command = resume_command(meta, has_last)
         how = f"{'Resume' if has_last else 'No last.pt yet: redo'} the run (from the directory it was started in):"
     lines += ["- curves: curves.png", "", how, "", f"    {command}", ""]
     with open(os.path.join(out_dir, 'report.md'), 'w') as f:

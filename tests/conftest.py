@@ -6,6 +6,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -20,7 +21,7 @@ os.environ.setdefault('HONESTGPT_CACHE', tempfile.mkdtemp(prefix='honestgpt-cach
 os.environ['OMP_NUM_THREADS'] = '1'
 sys.path.insert(0, REPO)
 RUN_CONFIG = os.path.join(REPO, 'tests', 'run_config.py')
-PROBE = os.path.join(REPO, 'tests', 'ddp_probe.py')
+PROBE = os.path.join(REPO, 'tests', 'probe.py')
 
 
 def make_corpus(folder, num_docs=40, seed=0):
@@ -51,6 +52,13 @@ def stop_forked_runs():
     forked.stop_all()
 
 
+@pytest.fixture(autouse=True)
+def fresh_interpreters(request, monkeypatch):
+    """A test marked fresh starts each run as a fresh interpreter (tests/forked.py says what forking cannot show)."""
+    if request.node.get_closest_marker('fresh'):
+        monkeypatch.setattr(forked, 'FRESH', True)
+
+
 @pytest.fixture(scope='session')
 def data_dir(tmp_path_factory):
     import prepare
@@ -69,9 +77,11 @@ def root(tmp_path_factory, request):
         yield path
 
 
-def run_train(out_dir, data_dir, *overrides, check=True, env=None, timeout=300):
-    """python train.py tests/run_config.py --data_dir=... --out_dir=... OVERRIDES, from the repo root (forked.py says how)."""
-    result = forked.run('train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides, env=env,
+def run_train(out_dir, data_dir, *overrides, check=True, env=None, timeout=300, probe=False):
+    """python train.py tests/run_config.py --data_dir=... --out_dir=... OVERRIDES, from the repo root (forked.py says how);
+    under tests/probe.py if probe."""
+    script = [PROBE, 'train.py'] if probe else ['train.py']
+    result = forked.run(*script, RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides, env=env,
                         timeout=timeout)
     return ok(result) if check else result
 
@@ -98,7 +108,7 @@ def read_metrics(out_dir, kind=None):
 
 
 def torchrun(out_dir, data_dir, *overrides, probe=False, **kwargs):
-    """train.py (under tests/ddp_probe.py if probe) on CPU processes with gloo, as users run it."""
+    """train.py (under tests/probe.py if probe) on CPU processes with gloo, as users run it."""
     script = [PROBE, 'train.py'] if probe else ['train.py']
     return torchrun_script(script, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides, **kwargs)
 
@@ -115,6 +125,14 @@ def torchrun_script(script, *args, nproc=2, env_extra=None, torchrun_args=(), ti
             proc.kill()  # the whole process group
             proc.wait()
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def wait_for_stderr(proc, text, timeout=120):
+    """Wait until a started run (a forked.Process) has written text to its stderr."""
+    deadline = time.time() + timeout
+    while proc.poll() is None and time.time() < deadline and text not in open(proc.paths[1]).read():
+        time.sleep(0.02)
+    assert text in open(proc.paths[1]).read(), f"the run never wrote {text!r} to stderr"
 
 
 def ok(result):

@@ -10,8 +10,9 @@ fresh interpreter, and test_train checks that a forked run and a fresh `python t
 and weights bit for bit. torchrun's workers are fresh interpreters: torchrun starts them.
 
 What the server fixed at its start stays: environment variables read at import (IMPORT_TIME_ENV: a run that
-sets them differently is refused), warnings printed while importing, the string hash seed.
-HONESTGPT_TEST_FRESH=1 starts every run as a fresh interpreter instead, to check the whole suite either way
+sets them differently is refused), warnings printed while importing, the string hash seed. So the tests of exact
+stderr and of signals start fresh interpreters in every session (pytest's `fresh` marker sets FRESH for a test,
+see conftest.py), and HONESTGPT_TEST_FRESH=1 starts every run fresh, to check the whole suite either way
 (docs/benchmarks.md has both times).
 """
 import atexit
@@ -28,7 +29,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER = os.path.join(REPO, 'tests', 'fork_server.py')
 IMPORT_TIME_ENV = ('OMP_', 'MKL_', 'KMP_', 'PYTHON', 'TORCH', 'LC_', 'LANG', 'TMP', 'TEMP')
-FRESH = os.environ.get('HONESTGPT_TEST_FRESH') == '1'
+FRESH = os.environ.get('HONESTGPT_TEST_FRESH') == '1'  # read when a run starts: a test may set it
 _server = None  # the fork server, started with the first run
 _server_env = None  # the import-time variables it started with
 _running = set()  # started and not yet waited for: stop_all() ends them
@@ -61,11 +62,12 @@ class Process:
 
     def __init__(self, *args, cwd=REPO, env=None, new_session=False):
         global _server_env
+        self.fresh = FRESH  # this run's way, also when a test changes FRESH later
         if _server_env is None:  # the server starts with the first run, from this process's environment
             _server_env = {k: v for k, v in os.environ.items() if k.startswith(IMPORT_TIME_ENV)}
         env = dict(os.environ if env is None else env)
         import_time = {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
-        if import_time != _server_env and not FRESH:
+        if import_time != _server_env and not self.fresh:
             raise ValueError(f"the fork server imported torch with {_server_env}, this run asks for "
                              f"{import_time}: start it with subprocess")
         self.args, self.new_session = [sys.executable, *args], new_session
@@ -74,7 +76,7 @@ class Process:
         self.paths = [os.path.join(self.folder, name) for name in ('stdout', 'stderr')]
         for path in self.paths:  # there even if the child dies before it opens them
             open(path, 'w').close()
-        if FRESH:
+        if self.fresh:
             with open(self.paths[0], 'w') as stdout, open(self.paths[1], 'w') as stderr:
                 self.process = subprocess.Popen(self.args, cwd=cwd, env=env, stdout=stdout, stderr=stderr,
                                                 start_new_session=new_session)
@@ -90,7 +92,7 @@ class Process:
 
     def poll(self):
         """The exit code, None while running: the server writes it into the run's folder as it reaps it."""
-        if self._returncode is None and FRESH:
+        if self._returncode is None and self.fresh:
             self._returncode = self.process.poll()
         elif self._returncode is None:
             try:

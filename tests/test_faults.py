@@ -2,7 +2,7 @@
 data changed under a running job. Each ends in one line that says what happened and what to do, with the right
 exit code, no temp file, every checkpoint whole, and, once the fault is fixed, a resume that is bitwise the run
 that never met it. Where the machine lets a test mount a small filesystem (tmpfs, as root) the disk is really
-full or read-only; elsewhere the fault is made at the same call (tests/ddp_probe.py)."""
+full or read-only; elsewhere the fault is made at the same call (tests/probe.py)."""
 import contextlib
 import glob
 import os

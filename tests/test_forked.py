@@ -1,5 +1,6 @@
 """tests/forked.py, the harness that forks test runs from a server that has imported torch: a run starts and
-exits as a fresh interpreter does, and nothing is left behind."""
+exits as a fresh interpreter does, and nothing is left behind. The exit cases run in fresh interpreters too:
+what the harness must imitate."""
 import os
 import signal
 import subprocess
@@ -8,6 +9,9 @@ import sys
 import pytest
 
 import forked
+
+
+WAYS = pytest.mark.parametrize('way', ['forked', pytest.param('fresh', marks=pytest.mark.fresh)])
 
 
 def script(tmp_path, text):
@@ -35,7 +39,8 @@ def script(tmp_path, text):
      "multiprocessing.Process(target=lambda: (time.sleep(0.3), print('child'))).start()\n"
      "print('main', flush=True)\n", 0, 'main\nchild\n', ''),
 ], ids=['message', 'code', 'flushed', 'excepthook', 'keyboard-interrupt', 'thread-atexit', 'multiprocessing'])
-def test_exits_as_the_interpreter_does(tmp_path, text, code, stdout, stderr):
+@WAYS
+def test_exits_as_the_interpreter_does(tmp_path, text, code, stdout, stderr, way):
     result = forked.run(script(tmp_path, text), cwd=str(tmp_path))
     assert result.returncode == code and result.stdout == stdout, result
     assert stderr is None or result.stderr == stderr, result

@@ -1,5 +1,7 @@
 """Sharded training (FSDP2) on CPU (gloo, 2 processes): the same run as DDP, exact resume from sharded
-checkpoints, an exported single-file state_dict, and activation checkpointing that changes no loss."""
+checkpoints, an exported single-file state_dict, and activation checkpointing that recomputes every block and changes
+no loss."""
+import json
 import os
 
 import pytest
@@ -61,9 +63,25 @@ def test_exported_state_dict_gives_the_runs_own_val_loss(tmp_path, data_dir):
     assert abs(loss_sum / count - read_metrics(out, 'eval')[-1]['val_loss']) < 1e-5
 
 
-def test_activation_checkpointing_changes_no_loss(tmp_path, data_dir):
+def test_activation_checkpointing_recomputes_every_block_and_changes_no_loss(tmp_path, data_dir):
     args = ['--dropout=0.1', '--max_iters=10', '--lr_decay_iters=10', '--eval_interval=10']
-    plain, checkpointed = str(tmp_path / 'plain'), str(tmp_path / 'ac')
-    run_train(plain, data_dir, *args)
-    run_train(checkpointed, data_dir, *args, '--activation_checkpointing=True')
-    assert trajectory(checkpointed) == trajectory(plain)  # dropout on: recomputation replays the same masks
+    runs = {'plain': [], 'checkpointed': ['--activation_checkpointing=True']}
+    for name, extra in runs.items():  # tests/probe.py counts attention calls, one per block forward
+        os.makedirs(tmp_path / name)
+        run_train(str(tmp_path / name / 'run'), data_dir, *args, *extra, probe=True,
+                  env={**os.environ, 'PROBE_ATTENTION': str(tmp_path / name)})
+    calls = {name: json.load(open(tmp_path / name / 'attention.0')) for name in runs}
+    # 2 blocks x 10 micro-batches: each block's forward runs again inside the backward, and only when checkpointing
+    assert calls == {'plain': {'forward': 20, 'backward': 0}, 'checkpointed': {'forward': 20, 'backward': 20}}
+    # dropout on: the recomputation replays the same masks
+    assert trajectory(str(tmp_path / 'checkpointed' / 'run')) == trajectory(str(tmp_path / 'plain' / 'run'))
+
+
+def test_fsdp_refuses_float16_and_muon_before_writing_anything(tmp_path, data_dir):
+    for args, message in ((['--dtype=float16'], "error: parallel='fsdp' trains in float32 or bfloat16: use bfloat16"),
+                          (['--optimizer=muon'], "error: optimizer='muon' does not work with parallel='fsdp'")):
+        result = torchrun(str(tmp_path / 'never'), data_dir, '--parallel=fsdp', '--gradient_accumulation_steps=2', *args,
+                          timeout=120)
+        assert result.returncode != 0 and message in result.stderr, result.stderr
+        assert result.stderr.count(message) == 1  # said once, not once per rank
+        assert not (tmp_path / 'never').exists()

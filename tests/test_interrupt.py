@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import forked
-from conftest import RUN_CONFIG, read_metrics, torchrun
+from conftest import PROBE, RUN_CONFIG, read_metrics, torchrun, wait_for_stderr
 
-pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
+# training runs in subprocesses: the 'not slow' tier skips them; signals reach fresh interpreters, as users' runs are
+pytestmark = [pytest.mark.slow, pytest.mark.fresh]
 
 # dropout and loader workers on: the RNG streams and the loader position must both survive the stop
 ARGS = ['--max_iters=600', '--lr_decay_iters=600', '--eval_interval=100', '--dropout=0.1', '--num_workers=1']
@@ -39,9 +40,9 @@ def wait_for_step(out_dir, step, proc, timeout=120):
     raise AssertionError(f"{out_dir} never reached step {step}")
 
 
-def start(cmd):
+def start(cmd, env=None):
     # a session of its own, as a terminal's foreground job: killpg reaches the loader workers as Ctrl-C does
-    return forked.Process(*cmd, new_session=True)
+    return forked.Process(*cmd, env=env, new_session=True)
 
 
 def train_cmd(out_dir, data_dir, *args):
@@ -92,16 +93,18 @@ def test_sigterm_ctrl_c_and_sigkill_then_resume_bitwise(tmp_path, data_dir):
 
 def test_second_ctrl_c_exits_at_once_with_whole_checkpoints(tmp_path, data_dir):
     out = str(tmp_path / 'run')
-    # iterations of about a second, so that the second Ctrl-C lands while the first waits for the step to end
-    proc = start(train_cmd(out, data_dir, *ARGS, '--checkpoint_interval=1', '--n_layer=4', '--n_embd=256', '--batch_size=64'))
-    wait_for_step(out, 2, proc)
+    # the third write of last.pt (iteration 3) stops before its rename (tests/probe.py): the first Ctrl-C waits for an
+    # iteration that does not end, however fast this CPU, and the second comes once the first has been heard
+    proc = start([PROBE, *train_cmd(out, data_dir, *ARGS, '--checkpoint_interval=1')],
+                 env={**os.environ, 'PROBE_HOLD_SAVE': '3'})
+    wait_for_stderr(proc, 'probe: holding the write of')
     proc.send_signal(signal.SIGINT, group=True)
-    time.sleep(0.3)  # two signals before Python runs its handler count as one
+    wait_for_stderr(proc, 'SIGINT: saving last.pt after the iteration under way')
     proc.send_signal(signal.SIGINT, group=True)
     proc.communicate(timeout=60)
     assert proc.returncode == 130 and not read_metrics(out, 'stop')  # no save-and-stop: it left at once
-    # whole, from step 1 or 2: the save of the step under way is what the second Ctrl-C may have cut short
-    assert torch.load(os.path.join(out, 'last.pt'), weights_only=True)['iter_num'] >= 1
+    # whole, and the one before the write that was under way
+    assert torch.load(os.path.join(out, 'last.pt'), weights_only=True)['iter_num'] == 2
 
 
 def test_two_ranks_stop_together_on_sigterm_and_resume_bitwise(tmp_path, data_dir):

@@ -41,7 +41,8 @@ def test_every_dtype_learns_like_float32(tmp_path, data_dir):
     final = {}
     for dtype in ('float32', 'bfloat16', 'float16'):
         out = str(tmp_path / dtype)
-        run_train(out, data_dir, f'--dtype={dtype}')
+        run_train(out, data_dir, f'--dtype={dtype}', probe=True, env={**os.environ, 'PROBE_DTYPES': str(tmp_path)})
+        assert json.load(open(tmp_path / 'dtypes.0')) == [dtype]  # linear layers' outputs: autocast in effect
         evals = read_metrics(out, 'eval')
         assert evals[-1]['val_loss'] < evals[0]['val_loss']
         final[dtype] = evals[-1]['val_loss']

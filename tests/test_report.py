@@ -1,6 +1,7 @@
 """report.py on real runs (finished, aborted, killed) and on made-up metrics for its diagnoses."""
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import sys
 import matplotlib.image
 import pytest
 
+import forked
 import report
 from conftest import REPO, read_metrics, run_train
 
@@ -24,6 +26,10 @@ def read_report(out_dir):
         return f.read()
 
 
+def train_further(text):
+    return next(line.strip() for line in text.splitlines() if line.startswith('    python train.py'))
+
+
 def test_finished_run(finished):
     result = subprocess.run([sys.executable, 'report.py', finished], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -34,12 +40,28 @@ def test_finished_run(finished):
     assert f"test loss {test['test_loss']:.4f}" in text
     assert '| max_iters | **20** | command line |' in text and '| beta1 | 0.9 | default |' in text
     # a finished run has nothing left at its max_iters: the command raises it, and says what lr_decay_iters does
-    command = next(line.strip() for line in text.splitlines() if line.startswith('    python train.py'))
-    assert command.endswith('--init_from=resume --max_iters=40') and '--lr_decay_iters=40' in text
+    assert train_further(text).endswith('--init_from=resume --max_iters=40 --lr_decay_iters=20')
+    assert "change the command's --lr_decay_iters=20 to --lr_decay_iters=40" in text
     png = os.path.join(finished, 'curves.png')
     with open(png, 'rb') as f:
         assert f.read(8) == b'\x89PNG\r\n\x1a\n'
     assert matplotlib.image.imread(png).ndim == 3
+
+
+@pytest.mark.slow
+def test_train_further_as_the_report_says_then_again(tmp_path, data_dir):
+    out = str(tmp_path / 'run')
+    run_train(out, data_dir, '--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10', '--write_report=True')
+    # what the report tells the user to do: its command, with lr_decay_iters raised as its sentence says
+    command = train_further(read_report(out)).replace('--lr_decay_iters=20', '--lr_decay_iters=40')
+    result = forked.run(*shlex.split(command)[1:])
+    assert result.returncode == 0, result.stderr
+    assert [r['step'] for r in read_metrics(out, 'train')] == list(range(1, 41))
+    # the resumed run's own command holds --max_iters and --lr_decay_iters: the next one names each once, raised
+    text = read_report(out)
+    args = shlex.split(train_further(text))
+    assert [a for a in args if a.startswith(('--max_iters=', '--lr_decay_iters='))] == ['--max_iters=80', '--lr_decay_iters=40']
+    assert "change the command's --lr_decay_iters=40 to --lr_decay_iters=80" in text
 
 
 def test_aborted_run(finished, tmp_path, data_dir):

@@ -1,5 +1,6 @@
 """Exact resume and crash safety: an interrupted run, resumed, is the run that was never interrupted."""
 import glob
+import json
 import os
 import random
 import shutil
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import forked
-from conftest import RUN_CONFIG, read_metrics, run_train, run_trains
+from conftest import PROBE, RUN_CONFIG, read_metrics, run_train, run_trains, wait_for_stderr
 from test_recipe import RECIPE
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
@@ -31,8 +32,9 @@ def test_bfloat16_resume_mid_epoch_between_evaluations_is_bitwise(tmp_path, data
     args = [*HARD, *recipe, '--dtype=bfloat16']
     # stop at 14: in the middle of an epoch, between evaluations, after an extra final evaluation
     run_trains(data_dir, (straight, args), (split, [*args, '--max_iters=14']))
-    run_train(split, data_dir, *args, '--init_from=resume')
-    assert trajectory(split) == trajectory(straight)
+    run_train(split, data_dir, *args, '--init_from=resume', probe=True, env={**os.environ, 'PROBE_DTYPES': str(tmp_path)})
+    assert json.load(open(tmp_path / 'dtypes.0')) == ['bfloat16']  # what the linear layers returned after the resume
+    assert trajectory(split) == trajectory(straight)  # so before it too: a float32 part would differ
     evals = lambda d: [(r['step'], r['val_loss']) for r in read_metrics(d, 'eval') if r['step'] % 10 == 0]
     assert evals(split) == evals(straight)
     a, b = (torch.load(os.path.join(d, 'last.pt'), weights_only=True) for d in (straight, split))
@@ -58,49 +60,38 @@ def test_float32_resume_after_evaluation_and_from_best_is_bitwise(tmp_path, data
     assert trajectory(from_best) == [t for t in trajectory(straight) if t[0] > 20]
 
 
-def start_train(out_dir, data_dir, *overrides):
-    return forked.Process('train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides)
+def start_train(out_dir, data_dir, *overrides, hold_save=None):
+    """train.py under tests/probe.py; hold_save=N: its N-th write of last.pt stops before the rename."""
+    env = {**os.environ, 'PROBE_HOLD_SAVE': str(hold_save)} if hold_save else None
+    return forked.Process(PROBE, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides,
+                          env=env)
 
 
-def fresh_file(pattern, since):
-    """Whether a file matching pattern was written since then (a checkpoint's temp file is NAME.PID.tmp)."""
-    for path in glob.glob(pattern):
-        try:
-            if os.stat(path).st_mtime >= since:
-                return True
-        except FileNotFoundError:
-            pass
-    return False
-
-
-def test_sigkill_at_random_moments_then_auto_resume(tmp_path, data_dir):
-    # 4 layers x 128: a checkpoint big enough (~10 MB with AdamW state) that a write lasts long enough to be caught
+def test_sigkill_at_random_moments_and_mid_write_then_auto_resume(tmp_path, data_dir):
     args = ['--max_iters=100', '--lr_decay_iters=100', '--eval_interval=3', '--dropout=0.1', '--n_embd=128', '--n_layer=4',
             '--init_from=auto']
     straight, killed = str(tmp_path / 'straight'), str(tmp_path / 'killed')
     run_train(straight, data_dir, *args)
     rng = random.Random(0)
-    kills_in_save = 0
     for attempt in range(4):  # kill, resume with init_from=auto, kill again...
-        proc = start_train(killed, data_dir, *args)
-        if attempt % 2 == 0:  # wait for a checkpoint write to be under way, then kill inside it
-            started, deadline = time.time(), time.time() + 60
-            while proc.poll() is None and time.time() < deadline and not fresh_file(os.path.join(killed, 'last.pt.*.tmp'), started):
-                time.sleep(0.0005)
-            in_save = fresh_file(os.path.join(killed, 'last.pt.*.tmp'), started)
+        if attempt % 2 == 0:  # in the middle of the session's second write of last.pt: its temp file is complete
+            proc = start_train(killed, data_dir, *args, hold_save=2)
+            wait_for_stderr(proc, 'probe: holding the write of')
         else:  # anywhere: start-up, a step, an evaluation, a save
+            proc = start_train(killed, data_dir, *args)
             time.sleep(rng.uniform(2.0, 7.0))
-            in_save = False
         if proc.poll() is not None:  # finished before a kill landed: nothing left to interrupt
             break
         proc.send_signal(signal.SIGKILL)
-        kills_in_save += in_save
         proc.wait()
+        if attempt % 2 == 0:  # the kill landed mid-write: last.pt is still the save before, 3 iterations back
+            being_saved = trajectory(killed)[-1][0]
+            assert glob.glob(os.path.join(killed, 'last.pt.*.tmp'))
+            assert torch.load(os.path.join(killed, 'last.pt'), weights_only=True)['iter_num'] == being_saved - 3
         for name in ('best.pt', 'last.pt'):  # whatever is on disk after a kill loads
             path = os.path.join(killed, name)
             if os.path.exists(path):
                 torch.load(path, weights_only=True)
-    assert kills_in_save >= 1
     run_train(killed, data_dir, *args)  # the last resume runs to the end
     assert trajectory(killed) == trajectory(straight)  # every step once, same numbers
     log_steps = [int(line.split()[1].split('/')[0]) for line in open(os.path.join(killed, 'train.log')) if line.startswith('iter ')]

@@ -52,6 +52,7 @@ def test_top_k_1_is_greedy_with_a_prompt_file(run_dir, tmp_path):
     assert result.stdout == tok.decode(idx[0].tolist()) + '\n' + SEPARATOR
 
 
+@pytest.mark.fresh
 def test_missing_checkpoint_is_a_one_line_error(tmp_path):
     result = run_sample(f'--out_dir={tmp_path}')
     assert result.returncode == 2 and result.stdout == ''

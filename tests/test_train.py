@@ -68,19 +68,20 @@ def test_nan_aborts_with_context_and_keeps_checkpoints(tmp_path, data_dir):
     out = str(tmp_path / 'nan')
     run_train(out, data_dir)
     before = {name: sha(os.path.join(out, name)) for name in ('best.pt', 'last.pt')}
-    # resume with an absurd learning rate (allowed on resume: it is how a user recovers from a blow-up)
-    result = run_train(out, data_dir, '--init_from=resume', '--max_iters=80', '--learning_rate=1e9',
-                       '--lr_decay_iters=1000', '--eval_interval=5', check=False)
+    # the resumed run's first micro-batch (iteration 41) gives a NaN loss, on an iteration with an evaluation and a
+    # save due: the run must stop before either
+    result = run_train(out, data_dir, '--init_from=resume', '--max_iters=80', '--eval_interval=1', '--checkpoint_interval=1',
+                       check=False, probe=True, env={**os.environ, 'PROBE_NAN': '0:1'})
     assert result.returncode != 0
+    assert {name: sha(os.path.join(out, name)) for name in before} == before
     error = [line for line in result.stderr.splitlines() if line.startswith('error:')]
     assert len(error) == 1 and 'Traceback' not in result.stderr
-    for word in ('non-finite', 'iteration 4', 'lr ', 'grad norm', 'batch windows'):
-        assert word in error[0], error[0]
-    assert {name: sha(os.path.join(out, name)) for name in before} == before
-    abort = read_metrics(out, 'abort')
-    assert len(abort) == 1 and abort[0]['step'] > 40
+    for words in ('non-finite loss at iteration 41', 'lr ', 'grad norm', 'batch windows'):
+        assert words in error[0], error[0]
+    assert [r['step'] for r in read_metrics(out, 'abort')] == [41] and read_metrics(out, 'eval')[-1]['step'] == 40
 
 
+@pytest.mark.fresh
 def test_bad_config_and_missing_data_create_nothing(tmp_path, data_dir):
     out = tmp_path / 'never'
     for args in (['--batch_sise=4'], ['--dataset=nope'], ['--block_size=100000']):
@@ -142,6 +143,7 @@ def test_smoke_test_passes_or_refuses_to_start(tmp_path, data_dir, run_20):
     assert 0 < smoke['skipped'] < 10 and smoke['final_loss'] < 0.7 * smoke['first_loss']
 
 
+@pytest.mark.fresh
 @pytest.mark.parametrize('key, package', [('tensorboard_log', 'tensorboard'), ('wandb_log', 'wandb')])
 def test_missing_logging_package_is_a_one_line_error(tmp_path, data_dir, key, package):
     if importlib.util.find_spec(package):
@@ -165,6 +167,7 @@ def test_nanogpt_config_runs_unchanged(tmp_path, data_dir):
 
 
 
+@pytest.mark.fresh
 @pytest.mark.parametrize('args, message', [
     (['--device=mps'], "error: device='mps' is not supported: use device=cpu, cuda, cuda:N or auto"),
     (['--device=cuda'], "error: device='cuda' but CUDA is not available here: use device=cpu"),
@@ -231,7 +234,7 @@ def test_eta_is_the_mean_of_the_last_ten_intervals_without_the_first(short_run):
 
 @pytest.mark.slow
 def test_one_time_work_in_the_first_micro_batch_is_left_out_of_estimate_and_eta(tmp_path, data_dir):
-    """What compilation does to the first micro-batch (here: 3 s of sleep in its loss, tests/ddp_probe.py) must not
+    """What compilation does to the first micro-batch (here: 3 s of sleep in its loss, tests/probe.py) must not
     reach the start-up estimate or the ETA; the step itself takes milliseconds."""
     out = str(tmp_path / 'slow_start')
     result = forked.run(PROBE, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=6',
