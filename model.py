@@ -62,6 +62,26 @@ def rotate(x, cos, sin):
     return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)  # (B, nh, T, hs)
 
 
+class KVCache:
+    """One attention layer's keys and values of the tokens generate() has run, so that each new token is computed
+    alone against them: a prefill puts up to block_size tokens in, then every decoding step adds one."""
+
+    def __init__(self):
+        self.k = self.v = None  # (B, nh, tokens so far, hs)
+
+    @property
+    def pos(self):
+        """Tokens held: the position of the next one."""
+        return 0 if self.k is None else self.k.size(2)
+
+    def add(self, k, v):
+        """k, v: (B, nh, T, hs) of the next T tokens -> the keys and values of every token held, (B, nh, pos + T, hs)."""
+        assert self.pos == 0 or k.size(2) == 1, "after the prefill one token at a time: no cached key is masked"
+        self.k = k if self.k is None else torch.cat((self.k, k), dim=2)  # (B, nh, pos + T, hs)
+        self.v = v if self.v is None else torch.cat((self.v, v), dim=2)  # (B, nh, pos + T, hs)
+        return self.k, self.v
+
+
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
@@ -78,8 +98,9 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x):
+    def forward(self, x, cache=None):
         B, T, C = x.size()
+        start = cache.pos if cache is not None else 0  # x's first position: generate's decoding steps start later
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
@@ -88,16 +109,20 @@ class CausalSelfAttention(nn.Module):
             q = F.rms_norm(q, (q.size(-1),)).to(v.dtype)  # (B, nh, T, hs), unit RMS per head
             k = F.rms_norm(k, (k.size(-1),)).to(v.dtype)  # (B, nh, T, hs)
         if self.rope:  # in q's dtype: SDPA needs q, k and v in one dtype under autocast
-            cos, sin = self.cos[:T].to(q.dtype), self.sin[:T].to(q.dtype)  # (T, hs/2)
+            cos, sin = self.cos[start:start + T].to(q.dtype), self.sin[start:start + T].to(q.dtype)  # (T, hs/2)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # (B, nh, T, hs)
+        if cache is not None:  # generate: the earlier tokens' keys and values, cached, join this token's
+            k, v = cache.add(k, v)  # (B, nh, start + T, hs)
         # on a CPU, attention runs in float32 under bfloat16: PyTorch's CPU flash-attention kernel was 3x slower in
         # bfloat16 at head size 32 (its backward most) on an AVX512-BF16 CPU, where the matmuls around it gain 2x
         dtype, upcast = q.dtype, q.device.type == 'cpu' and q.dtype == torch.bfloat16
         if upcast:
             q, k, v = q.float(), k.float(), v.float()  # (B, nh, T, hs)
         with torch.autocast('cpu', enabled=False) if upcast else nullcontext():  # autocast would cast them back
-            # dropout_p must be 0 in eval: SDPA does not look at self.training
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)  # (B, nh, T, hs)
+            # dropout_p must be 0 in eval: SDPA does not look at self.training. A decoding step's one token (T = 1,
+            # start > 0) sees every cached key: no mask, where is_causal would let it see the first key only
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                               is_causal=start == 0)  # (B, nh, T, hs)
         y = y.to(dtype).transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -124,8 +149,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x, cache=None):
+        x = x + self.attn(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -179,22 +204,26 @@ class GPT(nn.Module):
             n -= (self.wpe.weight.numel() if self.wpe is not None else 0) + (0 if self.config.tie_head else self.wte.weight.numel())
         return n
 
-    def forward(self, idx, targets=None, reduction='mean'):
+    def forward(self, idx, targets=None, reduction='mean', caches=None):
         """idx: LongTensor (B, T) of token ids with T <= block_size. Without targets: the logits (B, T, vocab_size),
         in the autocast dtype under autocast. With targets (B, T), -100 where nothing is predicted: the float32
-        cross-entropy over the predicted positions, their mean or (reduction='sum') their sum."""
+        cross-entropy over the predicted positions, their mean or (reduction='sum') their sum. With caches (generate's
+        KVCache per block): idx follows the cached tokens; the logits are its last position's only, (B, 1, vocab_size)."""
         B, T = idx.size()
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        start = caches[0].pos if caches else 0  # idx's first position
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(T, dtype=torch.long, device=idx.device))  # (B, T, C) + (T, C)
+            x = x + self.wpe(torch.arange(start, start + T, device=idx.device))  # (B, T, C) + (T, C)
         x = self.drop(x)  # (B, T, C)
-        for block in self.blocks:
+        for block, cache in zip(self.blocks, caches or [None] * len(self.blocks)):
             if self.activation_checkpointing and self.training:
                 x = checkpoint(block, x, use_reentrant=False)  # (B, T, C); replays dropout masks exactly
             else:
-                x = block(x)  # (B, T, C)
+                x = block(x, cache)  # (B, T, C)
+        if caches:  # generate samples from the last position: the head runs on it alone
+            x = x[:, -1:]  # (B, 1, C)
         logits = self.lm_head(self.ln_f(x))[..., :self.config.vocab_size]  # (B, T, vocab_size): padding cut off
         if self.config.logit_softcap > 0:  # smooth, unlike clipping: gradients still flow near the cap
             logits = self.config.logit_softcap * torch.tanh(logits / self.config.logit_softcap)  # (B, T, vocab_size)
@@ -246,11 +275,26 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.block_size * cfg.n_embd
 
     @torch.inference_mode()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
-        """idx: (B, T) prompt ids -> (B, T + max_new_tokens). Call model.eval() first."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None, use_cache=True):
+        """idx: (B, T) prompt ids -> (B, T + max_new_tokens). Call model.eval() first. Each token is drawn from the
+        logits of the last block_size tokens at positions 0, 1, ..., as nanoGPT does. use_cache=False recomputes
+        all of them for every token (nanoGPT's way). With the cache, a prefill computes them once, keeping each
+        layer's keys and values, and then each new token is computed alone against those (a decoding step).
+        Past block_size the window slides by a token per step, and no cached key or value stays valid: with learned
+        positions every token's position changes, and with rope too each token's hidden state from the second layer
+        on was computed seeing tokens that have left the window. Each step then prefills the last block_size tokens
+        again, which is what use_cache=False computes, so both give the same tokens and the cache gains nothing."""
+        block_size = self.config.block_size
+        caches = None
         for _ in range(max_new_tokens):
-            idx_cond = idx[:, -self.config.block_size:]  # (B, <=block_size)
-            logits = self(idx_cond)[:, -1, :].float() / temperature  # (B, vocab_size)
+            if not use_cache:
+                logits = self(idx[:, -block_size:])  # (B, <=block_size, vocab_size)
+            elif caches is None or caches[0].pos == block_size:  # the prompt, or a window that slides: prefill
+                caches = [KVCache() for _ in self.blocks]
+                logits = self(idx[:, -block_size:], caches=caches)  # (B, 1, vocab_size)
+            else:  # decode: the token drawn last, at the position after the cached ones
+                logits = self(idx[:, -1:], caches=caches)  # (B, 1, vocab_size)
+            logits = logits[:, -1, :].float() / temperature  # (B, vocab_size)
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                 logits[logits < v[:, [-1]]] = -float('inf')
