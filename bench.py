@@ -9,6 +9,7 @@ printed also goes to a JSON file.
     python bench.py config/tiny.py --nproc=2 --parallel=fsdp --gradient_accumulation_steps=2 --compare=--parallel=ddp
     python bench.py config/tiny.py --reference='cd ../nanoGPT && python train.py config/train_shakespeare_char.py ...'
     python bench.py config/tiny.py --dataset=fineweb10B --loader=True --bench_iters=2000 --num_workers=2
+    python bench.py config/tiny.py --sample=200
 
 Takes every train.py key (passed on to train.py) plus the keys below. Each run of train.py gets a fresh out_dir in
 a temporary folder and bench_warmup + bench_iters iterations, each one logged; its one evaluation (of 1 batch) and
@@ -17,6 +18,8 @@ those overrides) runs too; with reference, that shell command runs as B instead,
 nanoGPT's format, "iter N: loss X, time Y ms". The settings run in turns, A B A B ..., one process each, so that
 other load on the machine hits both alike. With loader, no model runs: the batches/s of the loader train.py builds
 (its sampler, DataLoader and num_workers on its dataset's train shards), in this process, over bench_iters batches.
+With sample, no training either: the tokens/s of model.generate() with the KV cache and without it, in turns, in this
+process, for the config's model with random weights (speed does not depend on them), float32, batch 1.
 """
 import ast
 import glob
@@ -45,8 +48,9 @@ profile = True  # break one iteration of each setting down with torch.profiler: 
 trace = ''  # write that iteration's chrome trace (chrome://tracing, ui.perfetto.dev) here; with compare, NAME_A.json, NAME_B.json
 json = ''  # write every figure to this file too; '' writes bench.json in the runs' temporary folder
 loader = False  # time the data loader alone: is the data path ever the bottleneck?
+sample = 0  # > 0: time greedy sampling of this many new tokens from a 1-token prompt, with the KV cache and without
 bench_keys = ['bench_iters', 'bench_warmup', 'rounds', 'compare', 'reference', 'reference_tokens_per_iter', 'nproc', 'profile',
-              'trace', 'json', 'loader']
+              'trace', 'json', 'loader', 'sample']
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')
 ITER_LINE = re.compile(r'^iter (\d+): loss [^,]*, time ([\d.]+) ?ms', re.M)  # nanoGPT's log line
 # events PyTorch records by itself that mark an iteration's phases; forward (with the loss) is the time from a
@@ -80,6 +84,10 @@ except ConfigError as e:
 globals().update({k: config[k] for k in bench_keys})
 if compare and reference:
     stop("compare and reference are both set: give one, a setting B (compare) or a command to run as B (reference)")
+if loader and sample:
+    stop("loader and sample are both set: give one")
+if sample and config['dtype'] not in ('auto', 'float32'):
+    stop(f"sample times float32 only, dtype='{config['dtype']}' is not: leave dtype out")
 for key in ('bench_iters', 'bench_warmup', 'rounds', 'nproc'):
     if config[key] < 1:
         stop(f"{key}={config[key]} must be at least 1")
@@ -253,8 +261,59 @@ def measure_loader():
     print(f"all figures: {json}")
 
 
+def measure_sampling():
+    """Tokens/s of model.generate() for `sample` new tokens, with the cache and without, one after the other in each
+    of `rounds` rounds, after an untimed warm-up of bench_warmup tokens each. Greedy: both must give the same tokens."""
+    import dataclasses
+
+    import torch
+
+    import data
+    from model import GPT, GPTConfig
+    from perf import cpu_name, resolve_device
+    try:
+        meta, _ = data.open_dataset(config['data_dir'], config['dataset'])
+        device = resolve_device(config['device'])[0]
+    except (data.DataError, ValueError) as e:
+        stop(e)
+    model_args = {f.name: config[f.name] for f in dataclasses.fields(GPTConfig) if f.name != 'vocab_size'}
+    model_args['vocab_size'] = meta['vocab_size']
+    torch.manual_seed(config['seed'])
+    model = GPT(GPTConfig(**model_args)).to(device).eval()
+    prompt = torch.zeros(1, 1, dtype=torch.long, device=device)  # (1, 1)
+    load_average = os.getloadavg()[0]
+    seconds, tokens = {'cached': [], 'uncached': []}, {}
+    for name in seconds:
+        model.generate(prompt, bench_warmup, top_k=1, use_cache=name == 'cached')
+    for _ in range(rounds):
+        for name in seconds:
+            start = time.perf_counter()
+            # tolist() waits for a GPU to finish
+            tokens[name] = model.generate(prompt, sample, top_k=1, use_cache=name == 'cached').tolist()
+            seconds[name].append(time.perf_counter() - start)
+    result = {name: {'seconds': s, 'tokens_per_sec': sample / statistics.median(s),
+                     'round_tokens_per_sec': [sample / t for t in s]} for name, s in seconds.items()}
+    ratio = result['cached']['tokens_per_sec'] / result['uncached']['tokens_per_sec']
+    result |= {'new_tokens': sample, 'model_args': model_args, 'device': device, 'ratio': ratio,
+               'same_tokens': tokens['cached'] == tokens['uncached'], 'load_average_before': load_average}
+    print(f"sampling on {cpu_name()}, torch {torch.__version__}, {device} float32: {sample} new tokens, batch 1, "
+          f"{config['n_layer']} layers, {config['n_head']} heads, {config['n_embd']} wide, block {config['block_size']}, "
+          f"vocab {meta['vocab_size']}; median of {rounds} rounds, load average {load_average:.2f} before them")
+    for name in seconds:
+        per_round = result[name]['round_tokens_per_sec']
+        print(f"{name}: {result[name]['tokens_per_sec']:,.1f} tokens/s (rounds {min(per_round):,.1f}-"
+              f"{max(per_round):,.1f})")
+    print(f"cached/uncached: {ratio:.2f}; the same tokens: {result['same_tokens']}")
+    with open(json, 'w') as f:
+        dump({'command': sys.argv, 'cpu': cpu_name(), 'torch': torch.__version__, 'sample': result}, f, indent=1)
+    print(f"all figures: {json}")
+
+
 if loader:
     measure_loader()
+    sys.exit(0)
+if sample:
+    measure_sampling()
     sys.exit(0)
 load_average = os.getloadavg()[0]
 print(f"{len(names)} setting(s), {rounds} round(s) of {bench_warmup} + {bench_iters} iterations, {nproc} process(es) per run; "
