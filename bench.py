@@ -9,15 +9,18 @@ where one iteration's time goes (train.py's profile_iter). Every figure printed 
     python bench.py config/tiny.py --nproc=2 --parallel=fsdp --gradient_accumulation_steps=2 --compare=--parallel=ddp
     python bench.py config/tiny.py --reference='cd ../nanoGPT && python train.py config/train_shakespeare_char.py ...'
     python bench.py --loader=out/fineweb --bench_iters=2000   # the train loader of that run's config
+    python bench.py --sample=out/tiny --new_tokens=1000        # generate() with the KV cache and without
 
 Takes the keys below; every other argument goes to train.py as it is (train.py checks it). Each run of train.py
 gets a fresh out_dir in a temporary folder and bench_warmup + bench_iters iterations, each one logged, then one
 more that the first round profiles; its one evaluation (of 1 batch) and checkpoint come after, outside the timed
-iterations. With compare, a setting B (the same arguments plus
-those overrides) runs too; with reference, that shell command runs as B instead, timed by the lines it prints in
-nanoGPT's format, "iter N: loss X, time Y ms". The settings run in turns, A B A B ..., one process each, so that
-other load on the machine hits both alike. With loader, no model runs: the batches/s of the train loader a run
-(its out_dir) used, built from its config.json in this process, over bench_iters batches.
+iterations. With compare, a setting B (the same arguments plus those overrides) runs too; with reference, that
+shell command runs as B instead, timed by the lines it prints in nanoGPT's format, "iter N: loss X, time Y ms".
+The settings run in turns, A B A B ..., one process each, so that other load on the machine hits both alike.
+With loader, no model runs: the batches/s of the train loader a run (its out_dir) used, built from its
+config.json in this process, over bench_iters batches. With sample, no training either: the tokens/s of
+model.generate() with the KV cache and without it, in turns, in this process, on the model of a run (its
+out_dir's last.pt), float32, batch 1, greedy from a 1-token prompt.
 """
 import difflib
 import glob
@@ -45,8 +48,10 @@ profile = True  # break one iteration of each setting down (train.py's profile_i
 trace = ''  # write that iteration's chrome trace (chrome://tracing, ui.perfetto.dev) here; with compare, NAME_A.json, NAME_B.json
 json = ''  # write every figure to this file too; '' writes bench.json in the runs' temporary folder
 loader = ''  # a run's out_dir: time its train loader alone (is the data path ever the bottleneck?)
+sample = ''  # a run's out_dir: time generate() on its model, with the KV cache and without
+new_tokens = 200  # sample: tokens each generate() call adds
 bench_keys = ['bench_iters', 'bench_warmup', 'rounds', 'compare', 'reference', 'reference_tokens_per_iter', 'nproc', 'profile',
-              'trace', 'json', 'loader']
+              'trace', 'json', 'loader', 'sample', 'new_tokens']
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')
 ITER_LINE = re.compile(r'^iter (\d+): loss [^,]*, time ([\d.]+) ?ms', re.M)  # nanoGPT's log line
 
@@ -69,7 +74,9 @@ except ConfigError as e:
     stop(e)
 if compare and reference:
     stop("compare and reference are both set: give one, a setting B (compare) or a command to run as B (reference)")
-for key in ('bench_iters', 'bench_warmup', 'rounds', 'nproc'):
+if loader and sample:
+    stop("loader and sample are both set: give one")
+for key in ('bench_iters', 'bench_warmup', 'rounds', 'nproc', 'new_tokens'):
     if globals()[key] < 1:
         stop(f"{key}={globals()[key]} must be at least 1")
 train_args = [a for a in sys.argv[1:] if not is_bench_key(a)]
@@ -207,8 +214,60 @@ def measure_loader():
     print(f"all figures: {json}")
 
 
+def measure_sampling():
+    """Tokens/s of model.generate() for new_tokens tokens, with the cache and without, one after the other in each
+    of `rounds` rounds, after an untimed warm-up of bench_warmup tokens each. Greedy: both must give the same tokens."""
+    import torch
+
+    import checkpoint
+    from model import GPT, GPTConfig
+    from perf import cpu_name, resolve_device
+    path = os.path.join(sample, 'last.pt')
+    try:
+        saved = checkpoint.load(path)
+    except checkpoint.CheckpointError as e:
+        stop(e)
+    if 'shards' in saved:
+        stop(f"sample={sample}: an fsdp run's weights are in shards: export them first (sample.py --export=FILE)")
+    device = resolve_device('auto')[0]
+    model = GPT(GPTConfig(**saved['model_args']))
+    model.load_state_dict(saved['model'])
+    model.to(device).eval()
+    prompt = torch.zeros(1, 1, dtype=torch.long, device=device)  # (1, 1)
+    load_average = os.getloadavg()[0]
+    seconds, tokens = {'cached': [], 'uncached': []}, {}
+    for name in seconds:
+        model.generate(prompt, bench_warmup, top_k=1, use_cache=name == 'cached')
+    for round in range(rounds):
+        for name in list(seconds)[::1 if round % 2 == 0 else -1]:  # A B B A ...: a drift in the load hits both alike
+            start = time.perf_counter()
+            # tolist() waits for a GPU to finish
+            tokens[name] = model.generate(prompt, new_tokens, top_k=1, use_cache=name == 'cached').tolist()
+            seconds[name].append(time.perf_counter() - start)
+    result = {name: {'seconds': s, 'tokens_per_sec': new_tokens / statistics.median(s),
+                     'round_tokens_per_sec': [new_tokens / t for t in s]} for name, s in seconds.items()}
+    ratio = result['cached']['tokens_per_sec'] / result['uncached']['tokens_per_sec']
+    shape = saved['model_args']
+    result |= {'new_tokens': new_tokens, 'model_args': shape, 'device': device, 'ratio': ratio,
+               'same_tokens': tokens['cached'] == tokens['uncached'], 'load_average_before': load_average}
+    print(f"sampling on {cpu_name()}, torch {torch.__version__}, {device} float32: {new_tokens} new tokens, batch 1, "
+          f"{shape['n_layer']} layers, {shape['n_head']} heads, {shape['n_embd']} wide, block {shape['block_size']}, "
+          f"vocab {shape['vocab_size']}; median of {rounds} rounds, load average {load_average:.2f} before them")
+    for name in seconds:
+        per_round = result[name]['round_tokens_per_sec']
+        print(f"{name}: {result[name]['tokens_per_sec']:,.1f} tokens/s (rounds {min(per_round):,.1f}-"
+              f"{max(per_round):,.1f})")
+    print(f"cached/uncached: {ratio:.2f}; the same tokens: {result['same_tokens']}")
+    with open(json, 'w') as f:
+        dump({'command': sys.argv, 'cpu': cpu_name(), 'torch': torch.__version__, 'sample': result}, f, indent=1)
+    print(f"all figures: {json}")
+
+
 if loader:
     measure_loader()
+    sys.exit(0)
+if sample:
+    measure_sampling()
     sys.exit(0)
 load_average = os.getloadavg()[0]
 print(f"{len(names)} setting(s), {rounds} round(s) of {bench_warmup} + {bench_iters} iterations, {nproc} process(es) per run; "

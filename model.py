@@ -82,14 +82,39 @@ def rotate(x, cos, sin):
 
 def causal_attention(q, k, v, dropout_p):
     """PyTorch's fused attention (flash or memory-efficient kernels), each position attending to itself and the
-    positions before it. q, k, v: (B, nh, T, hs) -> (B, nh, T, hs), in q's dtype. One device quirk: on a CPU,
-    bfloat16 attention runs in float32, because PyTorch's CPU flash-attention kernel was 3x slower in bfloat16 (its
-    backward most) at head size 32 on an AVX512-BF16 CPU, where the matmuls around it gain 2x (docs/design.md)."""
+    positions before it. q: (B, nh, T, hs), k, v: (B, nh, Tk, hs) -> (B, nh, T, hs), in q's dtype; Tk > T only in
+    generate's decoding step, one query after the cached keys, which sees them all: no mask, where is_causal would
+    let it see the first key only. One device quirk: on a CPU, bfloat16 attention runs in float32, because
+    PyTorch's CPU flash-attention kernel was 3x slower in bfloat16 (its backward most) at head size 32 on an
+    AVX512-BF16 CPU, where the matmuls around it gain 2x (docs/design.md)."""
+    is_causal = q.size(2) == k.size(2)
     if q.device.type != 'cpu' or q.dtype != torch.bfloat16:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal)
     with torch.autocast('cpu', enabled=False):  # autocast would cast them back to bfloat16
-        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), dropout_p=dropout_p, is_causal=True)
+        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), dropout_p=dropout_p,
+                                           is_causal=is_causal)
     return y.to(q.dtype)
+
+
+class KVCache:
+    """One attention layer's keys and values of the tokens generate() has run, so that each new token is computed
+    alone against them: a prefill puts up to block_size tokens in, then every decoding step adds one."""
+
+    def __init__(self):
+        self.k = self.v = None  # (B, nh, tokens so far, hs)
+
+    @property
+    def pos(self):
+        """Tokens held: the position of the next one."""
+        return 0 if self.k is None else self.k.size(2)
+
+    def add(self, k, v):
+        """k, v: (B, nh, T, hs) of the next T tokens -> the keys and values of every token held,
+        (B, nh, pos + T, hs)."""
+        assert self.pos == 0 or k.size(2) == 1, "after the prefill one token at a time: no cached key is masked"
+        self.k = k if self.k is None else torch.cat((self.k, k), dim=2)  # (B, nh, pos + T, hs)
+        self.v = v if self.v is None else torch.cat((self.v, v), dim=2)  # (B, nh, pos + T, hs)
+        return self.k, self.v
 
 
 class CausalSelfAttention(nn.Module):
@@ -108,8 +133,9 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x):
+    def forward(self, x, cache=None):
         B, T, C = x.size()
+        start = cache.pos if cache is not None else 0  # x's first position: generate's decoding steps start later
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
@@ -118,8 +144,10 @@ class CausalSelfAttention(nn.Module):
             q = F.rms_norm(q, (q.size(-1),)).to(v.dtype)  # (B, nh, T, hs), unit RMS per head
             k = F.rms_norm(k, (k.size(-1),)).to(v.dtype)  # (B, nh, T, hs)
         if self.rope:  # in q's dtype: SDPA needs q, k and v in one dtype under autocast
-            cos, sin = self.cos[:T].to(q.dtype), self.sin[:T].to(q.dtype)  # (T, hs/2)
+            cos, sin = self.cos[start:start + T].to(q.dtype), self.sin[start:start + T].to(q.dtype)  # (T, hs/2)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # (B, nh, T, hs)
+        if cache is not None:  # generate: the earlier tokens' keys and values, cached, join this token's
+            k, v = cache.add(k, v)  # (B, nh, start + T, hs)
         # dropout_p must be 0 in eval: SDPA does not look at self.training
         y = causal_attention(q, k, v, self.dropout if self.training else 0.0)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
@@ -148,8 +176,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x, cache=None):
+        x = x + self.attn(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -235,22 +263,26 @@ class GPT(nn.Module):
             n -= (self.wpe.weight.numel() if self.wpe is not None else 0) + (0 if self.config.tie_head else self.wte.weight.numel())
         return n
 
-    def forward(self, idx, targets=None, reduction='mean'):
+    def forward(self, idx, targets=None, reduction='mean', caches=None):
         """idx: LongTensor (B, T) of token ids with T <= block_size. Without targets: the logits (B, T, vocab_size),
         in the autocast dtype under autocast. With targets (B, T), -100 where nothing is predicted: the float32
-        cross-entropy over the predicted positions, their mean or (reduction='sum') their sum."""
+        cross-entropy over the predicted positions, their mean or (reduction='sum') their sum. With caches (generate's
+        KVCache per block): idx follows the cached tokens; the logits are its last position's only, (B, 1, vocab_size)."""
         B, T = idx.size()
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        start = caches[0].pos if caches else 0  # idx's first position
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(T, dtype=torch.long, device=idx.device))  # (B, T, C) + (T, C)
+            x = x + self.wpe(torch.arange(start, start + T, device=idx.device))  # (B, T, C) + (T, C)
         x = self.drop(x)  # (B, T, C)
-        for block in self.blocks:
+        for block, cache in zip(self.blocks, caches or [None] * len(self.blocks)):
             if self.activation_checkpointing and self.training:
                 x = checkpoint(block, x, use_reentrant=False)  # (B, T, C); replays dropout masks exactly
             else:
-                x = block(x)  # (B, T, C)
+                x = block(x, cache)  # (B, T, C)
+        if caches:  # generate samples from the last position: the head runs on it alone
+            x = x[:, -1:]  # (B, 1, C)
         logits = self.lm_head(self.ln_f(x))[..., :self.config.vocab_size]  # (B, T, vocab_size): padding cut off
         if self.config.logit_softcap > 0:  # smooth, unlike clipping: gradients still flow near the cap
             logits = self.config.logit_softcap * torch.tanh(logits / self.config.logit_softcap)  # (B, T, vocab_size)
@@ -303,11 +335,26 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.block_size * cfg.n_embd
 
     @torch.inference_mode()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
-        """idx: (B, T) prompt ids -> (B, T + max_new_tokens). Call model.eval() first."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None, use_cache=True):
+        """idx: (B, T) prompt ids -> (B, T + max_new_tokens). Call model.eval() first. Each token is drawn from the
+        logits of the last block_size tokens at positions 0, 1, ..., as nanoGPT does. use_cache=False recomputes
+        all of them for every token (nanoGPT's way). With the cache, a prefill computes them once, keeping each
+        layer's keys and values, and then each new token is computed alone against those (a decoding step).
+        Past block_size the window slides by a token per step, and no cached key or value stays valid: with learned
+        positions every token's position changes, and with rope too each token's hidden state from the second layer
+        on was computed seeing tokens that have left the window. Each step then prefills the last block_size tokens
+        again, which is what use_cache=False computes, so both give the same tokens and the cache gains nothing."""
+        block_size = self.config.block_size
+        caches = None
         for _ in range(max_new_tokens):
-            idx_cond = idx[:, -self.config.block_size:]  # (B, <=block_size)
-            logits = self(idx_cond)[:, -1, :].float() / temperature  # (B, vocab_size)
+            if not use_cache:
+                logits = self(idx[:, -block_size:])  # (B, <=block_size, vocab_size)
+            elif caches is None or caches[0].pos == block_size:  # the prompt, or a window that slides: prefill
+                caches = [KVCache() for _ in self.blocks]
+                logits = self(idx[:, -block_size:], caches=caches)  # (B, 1, vocab_size)
+            else:  # decode: the token drawn last, at the position after the cached ones
+                logits = self(idx[:, -1:], caches=caches)  # (B, 1, vocab_size)
+            logits = logits[:, -1, :].float() / temperature  # (B, vocab_size)
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                 logits[logits < v[:, [-1]]] = -float('inf')

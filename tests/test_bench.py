@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import perf
-from conftest import REPO, RUN_CONFIG
+import forked
+from conftest import REPO, RUN_CONFIG, run_train
 from model import GPT, GPTConfig
 
 QUICK = ['--bench_iters=5', '--bench_warmup=2', '--rounds=1', '--dtype=float32']
@@ -109,11 +110,35 @@ def test_bench_against_a_reference_command_in_rounds(tmp_path, data_dir):
     assert ratio['rounds'] == pytest.approx([tokens / (512 / 0.025) for tokens in ours['round_tokens_per_sec']])
 
 
+@pytest.mark.slow
+def test_bench_sample_mode_times_generate_with_and_without_the_cache(tmp_path, data_dir):
+    # 40 new tokens from 1 at block_size 32: decoding, then a sliding window; greedy, so both give the same tokens
+    run = str(tmp_path / 'run')
+    run_train(run, data_dir, '--max_iters=20', '--lr_decay_iters=20', '--pos_emb=rope')
+    report = tmp_path / 'bench.json'
+    result = forked.run('bench.py', f'--sample={run}', '--new_tokens=40', '--rounds=2', '--bench_warmup=2',
+                        f'--json={report}', timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(report.read_text())['sample']
+    model, _ = toy_params(data_dir)
+    assert report['model_args'] == {**vars(model.config), 'pos_emb': 'rope'} and report['new_tokens'] == 40
+    assert report['same_tokens'] is True and report['device'] == 'cpu'
+    for name in ('cached', 'uncached'):
+        s = report[name]
+        assert len(s['seconds']) == 2 and all(t > 0 for t in s['seconds'])
+        assert s['tokens_per_sec'] == pytest.approx(40 / statistics.median(s['seconds']))
+        assert s['round_tokens_per_sec'] == pytest.approx([40 / t for t in s['seconds']])
+    assert report['ratio'] == pytest.approx(report['cached']['tokens_per_sec'] / report['uncached']['tokens_per_sec'])
+
+
 def test_bench_mistakes_fail_in_one_line(tmp_path):
     # its own keys before any run; train.py's in train.py's words, from the first run
     for args, message in ((['--bench_itres=5'], "unknown config key 'bench_itres': did you mean bench_iters"),
                           (['--batch_sise=4'], "unknown config key 'batch_sise': did you mean batch_size"),
-                          (['--compare=--compile=True', '--reference=true'], "compare and reference are both set")):
+                          (['--compare=--compile=True', '--reference=true'], "compare and reference are both set"),
+                          (['--sample=out', '--loader=out'], "loader and sample are both set"),
+                          (['--sample=out', '--new_tokens=0'], "new_tokens=0 must be at least 1"),
+                          (['--sample=/nonexistent'], "checkpoint /nonexistent/last.pt does not exist")):
         result = subprocess.run([sys.executable, 'bench.py', RUN_CONFIG, *args], cwd=REPO, capture_output=True, text=True)
         assert result.returncode == 2 and 'round 1/' not in result.stdout, result.stdout + result.stderr
         assert result.stderr.startswith(f"error: {message}") and result.stderr.count('\n') == 1
