@@ -6,21 +6,22 @@ where one iteration's time goes (train.py's profile_iter). Every figure printed 
 
     python bench.py config/tiny.py --batch_size=8
     python bench.py config/tiny.py --compare='--compile=True'
-    python bench.py config/tiny.py --nproc=2 --parallel=fsdp --gradient_accumulation_steps=2 --compare=--parallel=ddp
-    python bench.py config/tiny.py --reference='cd ../nanoGPT && python train.py config/train_shakespeare_char.py ...'
-    python bench.py --loader=out/fineweb --bench_iters=2000   # the train loader of that run's config
-    python bench.py --sample=out/tiny --new_tokens=1000        # generate() with the KV cache and without
+    python bench.py config/tiny.py --nproc=2 --parallel=fsdp --gradient_accumulation_steps=2
+    --compare=--parallel=ddp python bench.py config/tiny.py --reference='cd ../nanoGPT && python train.py
+    config/train_shakespeare_char.py ...' python bench.py --loader=out/fineweb --bench_iters=2000   # the
+    train loader of that run's config python bench.py --sample=out/tiny --new_tokens=1000        # generate()
+    with the KV cache and without
 
-Takes the keys below; every other argument goes to train.py as it is (train.py checks it). Each run of train.py
-gets a fresh out_dir in a temporary folder and bench_warmup + bench_iters iterations, each one logged, then one
-more that the first round profiles; its one evaluation (of 1 batch) and checkpoint come after, outside the timed
-iterations. With compare, a setting B (the same arguments plus those overrides) runs too; with reference, that
-shell command runs as B instead, timed by the lines it prints in nanoGPT's format, "iter N: loss X, time Y ms".
-The settings run in turns, A B A B ..., one process each, so that other load on the machine hits both alike.
-With loader, no model runs: the batches/s of the train loader a run (its out_dir) used, built from its
-config.json in this process, over bench_iters batches. With sample, no training either: the tokens/s of
-model.generate() with the KV cache and without it, in turns, in this process, on the model of a run (its
-out_dir's last.pt), float32, batch 1, greedy from a 1-token prompt.
+Takes the keys below; every other argument goes to train.py as it is (train.py checks it). Each run of
+train.py gets a fresh out_dir in a temporary folder and bench_warmup + bench_iters iterations, each one
+logged, then one more that the first round profiles; its one evaluation (of 1 batch) and checkpoint come
+after, outside the timed iterations. With compare, a setting B (the same arguments plus those overrides) runs
+too; with reference, that shell command runs as B instead, timed by the lines it prints in nanoGPT's format,
+"iter N: loss X, time Y ms". The settings run in turns, A B A B ..., one process each, so that other load on
+the machine hits both alike. With loader, no model runs: the batches/s of the train loader a run (its out_dir)
+used, built from its config.json in this process, over bench_iters batches. With sample, no training either:
+the tokens/s of model.generate() with the KV cache and without it, in turns, in this process, on the model of
+a run (its out_dir's last.pt), float32, batch 1, greedy from a 1-token prompt.
 """
 import difflib
 import glob
@@ -38,42 +39,52 @@ from json import dump, load, loads
 from configurator import ConfigError, configure
 
 bench_iters = 20  # timed iterations per process
-bench_warmup = 5  # iterations dropped at the start of every process: one-time work, allocator, loader workers, compilation
+# iterations dropped at the start of every process: one-time work, allocator, loader workers, compilation
+bench_warmup = 5
 rounds = 3  # processes per setting, run in turns with the other setting's
 compare = ''  # overrides that make a setting B, e.g. '--compile=True'
-reference = ''  # a shell command run as B instead, e.g. nanoGPT's train.py with the same shapes and --log_interval=1
+# a shell command run as B instead, e.g. nanoGPT's train.py with the same shapes and --log_interval=1
+reference = ''
 reference_tokens_per_iter = 0  # tokens per iteration of the reference; 0: as many as ours (the shapes match)
 nproc = 1  # processes per run of train.py, under torchrun
-profile = True  # break one iteration of each setting down (train.py's profile_iter): data, forward, backward, ...
-trace = ''  # write that iteration's chrome trace (chrome://tracing, ui.perfetto.dev) here; with compare, NAME_A.json, NAME_B.json
+# break one iteration of each setting down (train.py's profile_iter): data, forward, backward, ...
+profile = True
+# write that iteration's chrome trace (chrome://tracing, ui.perfetto.dev) here; with compare, NAME_A.json,
+# NAME_B.json
+trace = ''
 json = ''  # write every figure to this file too; '' writes bench.json in the runs' temporary folder
 loader = ''  # a run's out_dir: time its train loader alone (is the data path ever the bottleneck?)
 sample = ''  # a run's out_dir: time generate() on its model, with the KV cache and without
 new_tokens = 200  # sample: tokens each generate() call adds
-bench_keys = ['bench_iters', 'bench_warmup', 'rounds', 'compare', 'reference', 'reference_tokens_per_iter', 'nproc', 'profile',
-              'trace', 'json', 'loader', 'sample', 'new_tokens']
+bench_keys = ['bench_iters', 'bench_warmup', 'rounds', 'compare', 'reference', 'reference_tokens_per_iter',
+              'nproc', 'profile', 'trace', 'json', 'loader', 'sample', 'new_tokens']
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')
 ITER_LINE = re.compile(r'^iter (\d+): loss [^,]*, time ([\d.]+) ?ms', re.M)  # nanoGPT's log line
 
 
 def stop(message, code=2):
-    """A mistake in the arguments (exit code 2) or a run that failed (1): one line, or the run's last lines."""
+    """A mistake in the arguments (exit code 2) or a run that failed (1): one line, or the run's last
+    lines."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(code)
 
 
 def is_bench_key(arg):
-    """Whether an argument is bench.py's: one of its keys, or a misspelt one (train.py's keys are not near them)."""
+    """Whether an argument is bench.py's: one of its keys, or a misspelt one (train.py's keys are not near
+    them)."""
     key = arg[2:].partition('=')[0]
-    return arg.startswith('--') and (key in bench_keys or difflib.get_close_matches(key, bench_keys, cutoff=0.8))
+    return arg.startswith('--') and (key in bench_keys
+                                     or difflib.get_close_matches(key, bench_keys, cutoff=0.8))
 
 
 try:
-    globals().update(configure({k: globals()[k] for k in bench_keys}, [a for a in sys.argv[1:] if is_bench_key(a)])[0])
+    globals().update(configure({k: globals()[k] for k in bench_keys},
+                               [a for a in sys.argv[1:] if is_bench_key(a)])[0])
 except ConfigError as e:
     stop(e)
 if compare and reference:
-    stop("compare and reference are both set: give one, a setting B (compare) or a command to run as B (reference)")
+    stop("compare and reference are both set: give one, a setting B (compare) or a command to run as B "
+         "(reference)")
 if loader and sample:
     stop("loader and sample are both set: give one")
 for key in ('bench_iters', 'bench_warmup', 'rounds', 'nproc', 'new_tokens'):
@@ -89,26 +100,28 @@ json = json or os.path.join(folder, 'bench.json')
 def train_argv(args, out_dir, iters, profile_iter):
     """train.py's command line: the arguments given, then the bench's own, which win."""
     return [TRAIN, *args, f'--out_dir={out_dir}', f'--max_iters={iters}', f'--eval_interval={iters + 1}',
-            '--eval_iters=1', '--log_interval=1', '--checkpoint_interval=0', '--init_from=scratch', '--test_eval=False',
-            '--sample_tokens=0', '--write_report=False', '--wandb_log=False', '--tensorboard_log=False',
+            '--eval_iters=1', '--log_interval=1', '--checkpoint_interval=0', '--init_from=scratch',
+            '--test_eval=False', '--sample_tokens=0', '--write_report=False', '--wandb_log=False',
+            '--tensorboard_log=False',
             f'--profile_iter={profile_iter}']
 
 
 def run(command, log_path, shell=False):
-    """(wall seconds, stdout) of a command, start-up included; all its output goes to log_path. A mistake train.py
-    reports (exit code 2) is one line, passed on as it is."""
+    """(wall seconds, stdout) of a command, start-up included; all its output goes to log_path. A mistake
+    train.py reports (exit code 2) is one line, passed on as it is."""
     start = time.perf_counter()
     result = subprocess.run(command, shell=shell, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     with open(log_path, 'w') as f:
         f.write(result.stdout + result.stderr)
-    if result.returncode == 2 and not shell and result.stderr.startswith('error: '):  # nothing measured: no trace
+    # nothing measured: no trace
+    if result.returncode == 2 and not shell and result.stderr.startswith('error: '):
         shutil.rmtree(folder)
         stop(result.stderr.strip().removeprefix('error: '))
     if result.returncode:
         last_lines = '\n'.join((result.stdout + result.stderr).strip().splitlines()[-5:])
-        stop(f"{command if shell else 'train.py'} failed with exit code {result.returncode}; its output ends:\n"
-             f"{last_lines}\n(all of it in {log_path})", 1)
+        stop(f"{command if shell else 'train.py'} failed with exit code {result.returncode}; its output "
+             f"ends:\n{last_lines}\n(all of it in {log_path})", 1)
     return seconds, result.stdout
 
 
@@ -121,29 +134,35 @@ def run_ours(name, round):
     """One run of train.py: its iteration times after the warm-up and what it recorded. The first round also
     profiles the iteration after the timed ones."""
     out_dir = os.path.join(folder, f'{name}{round}')
-    launcher = [sys.executable] + (['-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}']
-                                   if nproc > 1 else [])
+    launcher = [sys.executable] + (['-m', 'torch.distributed.run', '--standalone',
+                                    f'--nproc_per_node={nproc}'] if nproc > 1 else [])
     iters = bench_warmup + bench_iters + 1
     profile_iter = iters if profile and round == 1 and nproc == 1 else 0
-    wall_seconds, _ = run(launcher + train_argv(settings[name], out_dir, iters, profile_iter), out_dir + '.log')
+    wall_seconds, _ = run(launcher + train_argv(settings[name], out_dir, iters, profile_iter),
+                          out_dir + '.log')
     for path in glob.glob(os.path.join(out_dir, '*.pt')) + glob.glob(os.path.join(out_dir, 'shards-*')):
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)  # a big model's checkpoints take gigabytes
+        # a big model's checkpoints take gigabytes
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
         records = [loads(line) for line in f]
     meta = read_json(os.path.join(out_dir, 'meta.json'))
-    used = {k: v['value'] for k, v in read_json(os.path.join(out_dir, 'config.json')).items() if k != 'resolved'}
+    used = {k: v['value'] for k, v in read_json(os.path.join(out_dir, 'config.json')).items()
+            if k != 'resolved'}
     train = [r for r in records if r['kind'] == 'train']
-    times = [r['time'] for r in records if r['kind'] == 'start'] + [r['time'] for r in train]  # one per iteration
+    # one per iteration
+    times = [r['time'] for r in records if r['kind'] == 'start'] + [r['time'] for r in train]
     seconds = [end - start for start, end in zip(times, times[1:])]
     peak = meta['peak_flops']['per_process']
     if profile_iter and trace:
-        shutil.copy(os.path.join(out_dir, 'trace.json'), f"{os.path.splitext(trace)[0]}_{name}.json" if compare else trace)
+        shutil.copy(os.path.join(out_dir, 'trace.json'),
+                    f"{os.path.splitext(trace)[0]}_{name}.json" if compare else trace)
     return {'seconds': seconds[bench_warmup:-1], 'first_seconds': seconds[0], 'wall_seconds': wall_seconds,
             'losses': [r['loss'] for r in train],
             'memory_ranks': next(r['ranks'] for r in records if r['kind'] == 'memory'),
             'profile_ms': next((r['ms'] for r in records if r['kind'] == 'profile'), None),
             'tokens_per_iter': used['gradient_accumulation_steps'] * used['batch_size'] * used['block_size'],
-            # train.py's MFU is tokens/s * FLOPs per token / (peak * processes): its FLOPs per token, read back
+            # train.py's MFU is tokens/s * FLOPs per token / (peak * processes): its FLOPs per token, read
+            # back
             'flops_per_token': train[-1]['mfu'] * peak * meta['world_size'] / train[-1]['tokens_per_sec'],
             'peak_flops': peak, 'peak_how': meta['peak_flops']['how'], 'world_size': meta['world_size'],
             'device': meta['device'], 'dtype': meta['dtype'], 'dtype_choice': meta['dtype_choice'],
@@ -156,38 +175,47 @@ def run_reference(round):
     wall_seconds, stdout = run(reference, os.path.join(folder, f'reference{round}.log'), shell=True)
     ms = [float(t) for _, t in ITER_LINE.findall(stdout)]
     if len(ms) <= bench_warmup:
-        stop(f"the reference printed {len(ms)} lines like 'iter N: loss X, time Y ms', and the first bench_warmup={bench_warmup} "
-             f"are dropped: run it with --log_interval=1 and enough iterations (nanoGPT: --max_iters={bench_warmup + bench_iters - 1})")
-    return {'seconds': [t / 1e3 for t in ms[bench_warmup:]], 'first_seconds': ms[0] / 1e3, 'wall_seconds': wall_seconds,
-            'iters': len(ms), 'tokens_per_iter': reference_tokens_per_iter or runs['A'][-1]['tokens_per_iter']}  # A ran first
+        stop(f"the reference printed {len(ms)} lines like 'iter N: loss X, time Y ms', and the first "
+             f"bench_warmup={bench_warmup} are dropped: run it with --log_interval=1 and enough iterations "
+             f"(nanoGPT: --max_iters={bench_warmup + bench_iters - 1})")
+    return {'seconds': [t / 1e3 for t in ms[bench_warmup:]], 'first_seconds': ms[0] / 1e3,
+            'wall_seconds': wall_seconds, 'iters': len(ms),
+            'tokens_per_iter': reference_tokens_per_iter or runs['A'][-1]['tokens_per_iter']}  # A ran first
 
 
 def summary(setting_runs):
-    """A setting's figures over all its runs: the median iteration and each round's tokens/s; for ours, the MFU."""
+    """A setting's figures over all its runs: the median iteration and each round's tokens/s; for ours, the
+    MFU."""
     first, tokens_per_iter = setting_runs[0], setting_runs[0]['tokens_per_iter']
     median = statistics.median(s for run in setting_runs for s in run['seconds'])
-    result = {'tokens_per_iter': tokens_per_iter, 'ms_per_iter': median * 1e3, 'tokens_per_sec': tokens_per_iter / median,
-              'round_tokens_per_sec': [tokens_per_iter / statistics.median(run['seconds']) for run in setting_runs],
+    result = {'tokens_per_iter': tokens_per_iter, 'ms_per_iter': median * 1e3,
+              'tokens_per_sec': tokens_per_iter / median,
+              'round_tokens_per_sec': [tokens_per_iter / statistics.median(run['seconds'])
+                                       for run in setting_runs],
               'wall_seconds': statistics.median(run['wall_seconds'] for run in setting_runs),
-              'first_seconds': statistics.median(run['first_seconds'] for run in setting_runs), 'runs': setting_runs}
+              'first_seconds': statistics.median(run['first_seconds'] for run in setting_runs),
+              'runs': setting_runs}
     if 'peak_flops' in first:  # train.py's, the same in every round
-        result |= {k: first[k] for k in ('device', 'dtype', 'dtype_choice', 'world_size', 'compile', 'cpu', 'torch', 'flops_per_token',
-                                         'peak_flops', 'peak_how', 'memory_ranks')}
+        result |= {k: first[k] for k in ('device', 'dtype', 'dtype_choice', 'world_size', 'compile', 'cpu',
+                                         'torch', 'flops_per_token', 'peak_flops', 'peak_how',
+                                         'memory_ranks')}
         result['achieved_flops'] = first['flops_per_token'] * result['tokens_per_sec']
         result['mfu'] = result['achieved_flops'] / (first['peak_flops'] * first['world_size'])
     return result
 
 
 def measure_loader():
-    """Windows/s of the train loader of the run in out_dir loader, from its config.json, timed over bench_iters
-    batches after bench_warmup."""
+    """Windows/s of the train loader of the run in out_dir loader, from its config.json, timed over
+    bench_iters batches after bench_warmup."""
     import data  # torch: imported only in the modes that need it, so a mistake in the arguments fails at once
     from perf import cpu_name
     try:
-        used = {k: v['value'] for k, v in read_json(os.path.join(loader, 'config.json')).items() if k != 'resolved'}
+        used = {k: v['value'] for k, v in read_json(os.path.join(loader, 'config.json')).items()
+                if k != 'resolved'}
     except OSError as e:
         stop(f"loader={loader}: no config.json there ({e.strerror}): pass the out_dir of a train.py run")
-    block_size, batch_size, num_workers, seed = (used[k] for k in ('block_size', 'batch_size', 'num_workers', 'seed'))
+    block_size, batch_size, num_workers, seed = (used[k] for k in ('block_size', 'batch_size', 'num_workers',
+                                                                   'seed'))
     try:
         _, shards = data.open_dataset(used['data_dir'], used['dataset'])
         train = data.TokenWindows(shards['train'], block_size)
@@ -202,21 +230,24 @@ def measure_loader():
     for _ in range(bench_iters):
         next(batches)
     seconds = time.perf_counter() - start
-    result = {'batches': bench_iters, 'seconds': seconds, 'windows_per_sec': bench_iters * batch_size / seconds,
+    result = {'batches': bench_iters, 'seconds': seconds,
+              'windows_per_sec': bench_iters * batch_size / seconds,
               'tokens_per_sec': bench_iters * batch_size * block_size / seconds, 'batch_size': batch_size,
               'block_size': block_size, 'num_workers': num_workers, 'train_shards': len(shards['train']),
               'train_tokens': train.num_tokens}
-    print(f"loader on {cpu_name()}: {result['windows_per_sec']:,.0f} windows/s ({result['tokens_per_sec']:,.0f} "
-          f"tokens/s), {bench_iters} batches of {batch_size} x {block_size} with num_workers={num_workers} from "
-          f"{len(shards['train'])} train shard(s), {train.num_tokens:,} tokens")
+    print(f"loader on {cpu_name()}: {result['windows_per_sec']:,.0f} windows/s "
+          f"({result['tokens_per_sec']:,.0f} tokens/s), {bench_iters} batches of {batch_size} x {block_size} "
+          f"with num_workers={num_workers} from {len(shards['train'])} train shard(s), {train.num_tokens:,} "
+          f"tokens")
     with open(json, 'w') as f:
         dump({'command': sys.argv, 'cpu': cpu_name(), 'loader': result}, f, indent=1)
     print(f"all figures: {json}")
 
 
 def measure_sampling():
-    """Tokens/s of model.generate() for new_tokens tokens, with the cache and without, one after the other in each
-    of `rounds` rounds, after an untimed warm-up of bench_warmup tokens each. Greedy: both must give the same tokens."""
+    """Tokens/s of model.generate() for new_tokens tokens, with the cache and without, one after the other in
+    each of `rounds` rounds, after an untimed warm-up of bench_warmup tokens each. Greedy: both must give the
+    same tokens."""
     import torch
 
     import checkpoint
@@ -228,7 +259,8 @@ def measure_sampling():
     except checkpoint.CheckpointError as e:
         stop(e)
     if 'shards' in saved:
-        stop(f"sample={sample}: an fsdp run's weights are in shards: export them first (sample.py --export=FILE)")
+        stop(f"sample={sample}: an fsdp run's weights are in shards: export them first (sample.py "
+             f"--export=FILE)")
     device = resolve_device('auto')[0]
     model = GPT(GPTConfig(**saved['model_args']))
     model.load_state_dict(saved['model'])
@@ -239,7 +271,8 @@ def measure_sampling():
     for name in seconds:
         model.generate(prompt, bench_warmup, top_k=1, use_cache=name == 'cached')
     for round in range(rounds):
-        for name in list(seconds)[::1 if round % 2 == 0 else -1]:  # A B B A ...: a drift in the load hits both alike
+        # A B B A ...: a drift in the load hits both alike
+        for name in list(seconds)[::1 if round % 2 == 0 else -1]:
             start = time.perf_counter()
             # tolist() waits for a GPU to finish
             tokens[name] = model.generate(prompt, new_tokens, top_k=1, use_cache=name == 'cached').tolist()
@@ -250,16 +283,18 @@ def measure_sampling():
     shape = saved['model_args']
     result |= {'new_tokens': new_tokens, 'model_args': shape, 'device': device, 'ratio': ratio,
                'same_tokens': tokens['cached'] == tokens['uncached'], 'load_average_before': load_average}
-    print(f"sampling on {cpu_name()}, torch {torch.__version__}, {device} float32: {new_tokens} new tokens, batch 1, "
-          f"{shape['n_layer']} layers, {shape['n_head']} heads, {shape['n_embd']} wide, block {shape['block_size']}, "
-          f"vocab {shape['vocab_size']}; median of {rounds} rounds, load average {load_average:.2f} before them")
+    print(f"sampling on {cpu_name()}, torch {torch.__version__}, {device} float32: {new_tokens} new tokens, "
+          f"batch 1, {shape['n_layer']} layers, {shape['n_head']} heads, {shape['n_embd']} wide, block "
+          f"{shape['block_size']}, vocab {shape['vocab_size']}; median of {rounds} rounds, load average "
+          f"{load_average:.2f} before them")
     for name in seconds:
         per_round = result[name]['round_tokens_per_sec']
         print(f"{name}: {result[name]['tokens_per_sec']:,.1f} tokens/s (rounds {min(per_round):,.1f}-"
               f"{max(per_round):,.1f})")
     print(f"cached/uncached: {ratio:.2f}; the same tokens: {result['same_tokens']}")
     with open(json, 'w') as f:
-        dump({'command': sys.argv, 'cpu': cpu_name(), 'torch': torch.__version__, 'sample': result}, f, indent=1)
+        dump({'command': sys.argv, 'cpu': cpu_name(), 'torch': torch.__version__, 'sample': result}, f,
+             indent=1)
     print(f"all figures: {json}")
 
 
@@ -270,49 +305,61 @@ if sample:
     measure_sampling()
     sys.exit(0)
 load_average = os.getloadavg()[0]
-print(f"{len(names)} setting(s), {rounds} round(s) of {bench_warmup} + {bench_iters} iterations, {nproc} process(es) per run; "
-      f"load average {load_average:.2f} on {os.cpu_count()} CPUs before the runs; runs in {folder}")
+print(f"{len(names)} setting(s), {rounds} round(s) of {bench_warmup} + {bench_iters} iterations, {nproc} "
+      f"process(es) per run; load average {load_average:.2f} on {os.cpu_count()} CPUs before the runs; runs "
+      f"in {folder}")
 print(f"A: train.py {shlex.join(train_args)}" + (f"\nB: A {compare}" if compare else '') +
       (f"\nreference: {reference}" if reference else ''), flush=True)
 runs = {name: [] for name in names}
 for round in range(1, rounds + 1):
     for name in names:
         runs[name].append(run_reference(round) if name == 'reference' else run_ours(name, round))
-    print(f"round {round}/{rounds}: " + ', '.join(f"{name} {statistics.median(runs[name][-1]['seconds']) * 1e3:.1f} ms/iter"
-                                                  for name in names), flush=True)
+    print(f"round {round}/{rounds}: "
+          + ', '.join(f"{name} {statistics.median(runs[name][-1]['seconds']) * 1e3:.1f} ms/iter"
+                      for name in names), flush=True)
 results = {name: summary(runs[name]) for name in names}
-report = {'command': sys.argv, 'cpu': runs['A'][0]['cpu'], 'torch': runs['A'][0]['torch'], 'cpu_count': os.cpu_count(),
-          'load_average_before': load_average, 'bench_iters': bench_iters, 'bench_warmup': bench_warmup, 'rounds': rounds,
-          'nproc': nproc, 'settings': results}
+report = {'command': sys.argv, 'cpu': runs['A'][0]['cpu'], 'torch': runs['A'][0]['torch'],
+          'cpu_count': os.cpu_count(), 'load_average_before': load_average, 'bench_iters': bench_iters,
+          'bench_warmup': bench_warmup, 'rounds': rounds, 'nproc': nproc, 'settings': results}
 if len(names) == 2:  # B over A, or ours over the reference
     over, under = ('A', 'reference') if reference else ('B', 'A')
-    per_round = [a / b for a, b in zip(results[over]['round_tokens_per_sec'], results[under]['round_tokens_per_sec'])]
-    report['ratio'] = {'of': f'{over}/{under}', 'tokens_per_sec': results[over]['tokens_per_sec'] / results[under]['tokens_per_sec'],
+    per_round = [a / b for a, b in zip(results[over]['round_tokens_per_sec'],
+                                       results[under]['round_tokens_per_sec'])]
+    report['ratio'] = {'of': f'{over}/{under}',
+                       'tokens_per_sec': results[over]['tokens_per_sec'] / results[under]['tokens_per_sec'],
                        'rounds': per_round}
 profiles = {name: runs[name][0]['profile_ms'] for name in settings if runs[name][0]['profile_ms']}
 if profiles:
     report['profile'] = {name: {'iteration_ms': sum(ms.values()), 'ms': ms,
-                                'shares': {p: t / sum(ms.values()) for p, t in ms.items()}} for name, ms in profiles.items()}
+                                'shares': {p: t / sum(ms.values()) for p, t in ms.items()}}
+                         for name, ms in profiles.items()}
 
-print(f"\non {report['cpu']}, torch {report['torch']}: median of {rounds} x {bench_iters} iterations per setting")
+print(f"\non {report['cpu']}, torch {report['torch']}: median of {rounds} x {bench_iters} iterations per "
+      f"setting")
 for name, r in results.items():
-    print(f"{name}: {r['ms_per_iter']:.1f} ms/iter, {r['tokens_per_sec']:,.0f} tokens/s (rounds {min(r['round_tokens_per_sec']):,.0f}-"
-          f"{max(r['round_tokens_per_sec']):,.0f}) at {r['tokens_per_iter']:,} tokens/iter; whole process {r['wall_seconds']:.1f} s, "
-          f"first iteration {r['first_seconds']:.2f} s")
+    print(f"{name}: {r['ms_per_iter']:.1f} ms/iter, {r['tokens_per_sec']:,.0f} tokens/s (rounds "
+          f"{min(r['round_tokens_per_sec']):,.0f}-{max(r['round_tokens_per_sec']):,.0f}) at "
+          f"{r['tokens_per_iter']:,} tokens/iter; whole process {r['wall_seconds']:.1f} s, first iteration "
+          f"{r['first_seconds']:.2f} s")
     if name == 'reference':
         continue
-    print(f"   {r['device']} {r['dtype']}, {'compiled' if r['compile'] else 'eager'}, {r['world_size']} process(es): MFU {r['mfu']:.1%}, "
-          f"{r['achieved_flops'] / 1e9:,.2f} GFLOP/s ({r['flops_per_token'] / 1e6:,.2f} MFLOP/token) of {r['peak_flops'] / 1e9:,.1f} "
-          f"per process ({r['peak_how']}); loss {r['runs'][0]['losses'][-1]:.4f} at iteration {len(r['runs'][0]['losses'])}")
+    print(f"   {r['device']} {r['dtype']}, {'compiled' if r['compile'] else 'eager'}, {r['world_size']} "
+          f"process(es): MFU {r['mfu']:.1%}, {r['achieved_flops'] / 1e9:,.2f} GFLOP/s "
+          f"({r['flops_per_token'] / 1e6:,.2f} MFLOP/token) of {r['peak_flops'] / 1e9:,.1f} per process "
+          f"({r['peak_how']}); loss {r['runs'][0]['losses'][-1]:.4f} at iteration "
+          f"{len(r['runs'][0]['losses'])}")
     for rank, held in enumerate(r['memory_ranks']):
-        print(f"   rank {rank} holds weights {held['weights_mb']:,.2f} MB, grads {held['grads_mb']:,.2f} MB, optimizer state "
-              f"{held['optimizer_mb']:,.2f} MB; peak memory {held['peak_mb']:,.0f} MB after the first iteration")
+        print(f"   rank {rank} holds weights {held['weights_mb']:,.2f} MB, grads {held['grads_mb']:,.2f} MB, "
+              f"optimizer state {held['optimizer_mb']:,.2f} MB; peak memory {held['peak_mb']:,.0f} MB after "
+              f"the first iteration")
     if name in report.get('profile', {}):
         p = report['profile'][name]
-        print(f"   profile of one iteration ({p['iteration_ms']:.1f} ms): " + ', '.join(f"{k} {v:.1%}" for k, v in p['shares'].items()))
+        print(f"   profile of one iteration ({p['iteration_ms']:.1f} ms): "
+              + ', '.join(f"{k} {v:.1%}" for k, v in p['shares'].items()))
 if 'ratio' in report:
     ratio = report['ratio']
-    print(f"tokens/s {ratio['of']}: {ratio['tokens_per_sec']:.3f} (rounds {min(ratio['rounds']):.3f}-{max(ratio['rounds']):.3f})")
+    print(f"tokens/s {ratio['of']}: {ratio['tokens_per_sec']:.3f} (rounds "
+          f"{min(ratio['rounds']):.3f}-{max(ratio['rounds']):.3f})")
 if profile and nproc > 1:
     print("no profile: it runs one process (nproc=1)")
 with open(json, 'w') as f:

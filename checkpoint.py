@@ -1,16 +1,16 @@
 """
 What a checkpoint holds and how it is restored, side by side, and files that survive a kill at any moment.
 
-A checkpoint is a dict of state_dicts, tensors and plain values: state() builds it, resume() applies it. Files are
-written atomically (temp file in the same folder, flush, fsync, os.replace, fsync of the folder), so a kill leaves
-the old file or the new one, never half of one, and read with weights_only=True, so a checkpoint cannot run code. In
-fsdp mode every rank writes its part of the weights and optimizer state to out_dir/shards-ITER/ with
-torch.distributed.checkpoint, and the .pt file, written after, points there.
+A checkpoint is a dict of state_dicts, tensors and plain values: state() builds it, resume() applies it. Files
+are written atomically (temp file in the same folder, flush, fsync, os.replace, fsync of the folder), so a
+kill leaves the old file or the new one, never half of one, and read with weights_only=True, so a checkpoint
+cannot run code. In fsdp mode every rank writes its part of the weights and optimizer state to
+out_dir/shards-ITER/ with torch.distributed.checkpoint, and the .pt file, written after, points there.
 
 FORMAT numbers the layout; this code reads its own. 4: the embedding and head have padded vocabulary rows, one
-optimizer and scheduler state, each rank's RNG state holds its own CUDA device's generator only. Older formats are
-refused in one line: their weights have other shapes. A config key that a checkpoint's code did not have yet takes
-its default on resume: each new key defaults to the old behaviour.
+optimizer and scheduler state, each rank's RNG state holds its own CUDA device's generator only. Older formats
+are refused in one line: their weights have other shapes. A config key that a checkpoint's code did not have
+yet takes its default on resume: each new key defaults to the old behaviour.
 """
 import contextlib
 import os
@@ -22,14 +22,15 @@ import numpy as np
 import torch
 
 FORMAT = 4
-# train.py's keys that may change on resume: how long, how often to evaluate, log and save, where to write, speed
-# knobs, the end-of-run extras, and the learning-rate schedule and clipping from here on (how a user recovers from
-# a blow-up; past steps keep their rates). Any other change is refused: it would be another run.
+# train.py's keys that may change on resume: how long, how often to evaluate, log and save, where to write,
+# speed knobs, the end-of-run extras, and the learning-rate schedule and clipping from here on (how a user
+# recovers from a blow-up; past steps keep their rates). Any other change is refused: it would be another run.
 RESUMABLE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'max_iters', 'eval_interval', 'log_interval',
-             'eval_iters', 'always_save_checkpoint', 'checkpoint_interval', 'patience', 'num_workers', 'compile',
-             'device', 'backend', 'max_consecutive_skips', 'activation_checkpointing', 'smoke_test', 'profile_iter',
-             'tensorboard_log', 'wandb_log', 'wandb_project', 'wandb_run_name', 'cost_per_hour', 'test_eval',
-             'sample_tokens', 'write_report', 'eval_tasks', 'eval_tasks_examples', 'learning_rate', 'muon_lr', 'decay_lr', 'lr_schedule', 'wsd_decay_frac',
+             'eval_iters', 'always_save_checkpoint', 'checkpoint_interval', 'patience', 'num_workers',
+             'compile', 'device', 'backend', 'max_consecutive_skips', 'activation_checkpointing',
+             'smoke_test', 'profile_iter', 'tensorboard_log', 'wandb_log', 'wandb_project', 'wandb_run_name',
+             'cost_per_hour', 'test_eval', 'sample_tokens', 'write_report', 'eval_tasks',
+             'eval_tasks_examples', 'learning_rate', 'muon_lr', 'decay_lr', 'lr_schedule', 'wsd_decay_frac',
              'warmup_iters', 'lr_decay_iters', 'min_lr', 'grad_clip'}
 # the loop's counters, saved and restored as they are
 PROGRESS = ('iter_num', 'best_val_loss', 'best_acc_norm', 'best_iter', 'evals_since_best', 'skipped_steps',
@@ -41,9 +42,10 @@ class CheckpointError(Exception):
 
 
 def atomic_write(path, write):
-    """write(f) fills a binary file object; path appears complete or not at all. The temp file is this process's
-    own (processes may write one path at once) and in the same folder (os.replace is atomic only within one
-    filesystem); a write that fails (a full disk) removes it: it would hold the space a retry needs."""
+    """write(f) fills a binary file object; path appears complete or not at all. The temp file is this
+    process's own (processes may write one path at once) and in the same folder (os.replace is atomic only
+    within one filesystem); a write that fails (a full disk) removes it: it would hold the space a retry
+    needs."""
     tmp = f'{path}.{os.getpid()}.tmp'
     try:
         with open(tmp, 'wb') as f:
@@ -81,7 +83,8 @@ class KeepWriteError:
 
 
 def save_file(obj, path):
-    """torch.save(obj) to path, atomically; a failed write raises its OSError (errno ENOSPC for a full disk)."""
+    """torch.save(obj) to path, atomically; a failed write raises its OSError (errno ENOSPC for a full
+    disk)."""
     def write(f):
         kept = KeepWriteError(f)
         try:
@@ -97,19 +100,20 @@ def load(path):
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} does not exist, so there is nothing to resume (a run stopped before its "
-                              f"first checkpoint starts again with init_from=scratch or auto): check out_dir / resume_from")
+        raise CheckpointError(f"checkpoint {path} does not exist, so there is nothing to resume (a run "
+                              f"stopped before its first checkpoint starts again with init_from=scratch or "
+                              f"auto): check out_dir / resume_from")
     except Exception as e:
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupt: {first_line}): "
                               f"resume from another file with resume_from=PATH, or start a new out_dir")
     if ckpt.get('format', 1) > FORMAT:
-        raise CheckpointError(f"checkpoint {path} has format {ckpt['format']}, newer than this code's {FORMAT}: "
-                              f"update honestgpt (git pull) to resume it")
+        raise CheckpointError(f"checkpoint {path} has format {ckpt['format']}, newer than this code's "
+                              f"{FORMAT}: update honestgpt (git pull) to resume it")
     if ckpt.get('format', 1) < FORMAT:
-        raise CheckpointError(f"checkpoint {path} has format {ckpt.get('format', 1)}, written before the vocabulary was "
-                              f"padded (format {FORMAT}): finish that run with the honestgpt commit that started it, "
-                              f"or start a new out_dir")
+        raise CheckpointError(f"checkpoint {path} has format {ckpt.get('format', 1)}, written before the "
+                              f"vocabulary was padded (format {FORMAT}): finish that run with the honestgpt "
+                              f"commit that started it, or start a new out_dir")
     return ckpt
 
 
@@ -124,10 +128,12 @@ def why_not_resume(ckpt, config, defaults):
 # the state: built here, applied here
 
 def state(model, optimizer, scheduler, scaler, sampler, rng, progress, run, shards=None):
-    """The checkpoint: weights and optimizer state (in fsdp mode, the name of the shards folder that holds them),
-    the schedule, the loss scale, the data position, every rank's RNG state (rng, in rank order), the loop's
-    counters (progress: PROGRESS) and what the run is (run: config, model_args, dataset, dtype, seed, ...)."""
-    weights = {'shards': shards} if shards else {'model': model.state_dict(), 'optimizer': optimizer.state_dict()}
+    """The checkpoint: weights and optimizer state (in fsdp mode, the name of the shards folder that holds
+    them), the schedule, the loss scale, the data position, every rank's RNG state (rng, in rank order), the
+    loop's counters (progress: PROGRESS) and what the run is (run: config, model_args, dataset, dtype, seed,
+    ...)."""
+    weights = ({'shards': shards} if shards
+               else {'model': model.state_dict(), 'optimizer': optimizer.state_dict()})
     return {'format': FORMAT, **run, **progress, **weights, 'scheduler': scheduler.state_dict(),
             'scaler': scaler.state_dict(), 'sampler': sampler.state_dict(), 'rng': rng}
 
@@ -135,7 +141,8 @@ def state(model, optimizer, scheduler, scaler, sampler, rng, progress, run, shar
 def resume(ckpt, path, model, optimizer, scheduler, scaler, sampler, rank, world_size, device):
     """Apply a checkpoint to a run built from the same config; returns the loop's counters (PROGRESS). The LR
     schedule is this config's: each group's base rate comes from the config, not the file, so a lowered
-    learning_rate applies from here on. RNG states are restored only on the number of processes that wrote them."""
+    learning_rate applies from here on. RNG states are restored only on the number of processes that wrote
+    them."""
     load_weights(ckpt, path, model, optimizer)
     configured = scheduler.base_lrs
     scheduler.load_state_dict(ckpt['scheduler'])
@@ -150,8 +157,8 @@ def resume(ckpt, path, model, optimizer, scheduler, scaler, sampler, rank, world
 
 
 def load_weights(ckpt, path, model, optimizer=None):
-    """The weights (and the optimizer state) of a checkpoint: from the file, or in fsdp mode from the shards folder
-    it points to, of which every rank reads its own part."""
+    """The weights (and the optimizer state) of a checkpoint: from the file, or in fsdp mode from the shards
+    folder it points to, of which every rank reads its own part."""
     if 'shards' not in ckpt:
         model.load_state_dict(ckpt['model'])
         if optimizer:
@@ -174,9 +181,10 @@ def sharded_state(model, optimizer=None):
 
 
 def save(names, out_dir, build, model, optimizer, sharded, iter_num, master):
-    """Write each of names (best.pt, last.pt) into out_dir, atomically; build(shards) gives the state. Every rank
-    calls it: in fsdp mode each first writes its shards to shards-ITER/, and only then does rank 0 write the files
-    that point there, so a shards folder counts only once complete; folders no file points to are removed."""
+    """Write each of names (best.pt, last.pt) into out_dir, atomically; build(shards) gives the state. Every
+    rank calls it: in fsdp mode each first writes its shards to shards-ITER/, and only then does rank 0 write
+    the files that point there, so a shards folder counts only once complete; folders no file points to are
+    removed."""
     shards = None
     if sharded:
         import torch.distributed.checkpoint as dcp
@@ -186,8 +194,9 @@ def save(names, out_dir, build, model, optimizer, sharded, iter_num, master):
         return
     last = os.path.join(out_dir, 'last.pt')
     if os.path.exists(last) and shutil.disk_usage(out_dir).free < 2 * len(names) * os.path.getsize(last):
-        print(f"warning: {out_dir} has {shutil.disk_usage(out_dir).free / 2**20:,.0f} MB free and a checkpoint takes "
-              f"{os.path.getsize(last) / 2**20:,.0f} MB: free space before a save fails", file=sys.stderr)
+        print(f"warning: {out_dir} has {shutil.disk_usage(out_dir).free / 2**20:,.0f} MB free and a "
+              f"checkpoint takes {os.path.getsize(last) / 2**20:,.0f} MB: free space before a save "
+              f"fails", file=sys.stderr)
     ckpt = build(shards)
     for name in names:
         save_file(ckpt, os.path.join(out_dir, name))
@@ -203,9 +212,10 @@ def save(names, out_dir, build, model, optimizer, sharded, iter_num, master):
 # random number generators
 
 def rng_state(device):
-    """Every RNG this process draws from, as plain Python values: they pass through torch.load(weights_only=True)
-    and dist.all_gather_object alike. On CUDA only the process's own device's generator, the one its dropout draws
-    from: get_rng_state_all() would hold one per visible GPU, and fail to restore where another number is visible."""
+    """Every RNG this process draws from, as plain Python values: they pass through
+    torch.load(weights_only=True) and dist.all_gather_object alike. On CUDA only the process's own device's
+    generator, the one its dropout draws from: get_rng_state_all() would hold one per visible GPU, and fail to
+    restore where another number is visible."""
     np_state = np.random.get_state()
     return {
         'python': random.getstate(),

@@ -1,10 +1,13 @@
 """
-A dataset's shards, token windows over a split's shards, and the samplers that decide which windows a rank sees.
+A dataset's shards, token windows over a split's shards, and the samplers that decide which windows a rank
+sees.
 
-- A dataset is a folder with meta.json and shards in llm.c's format named NAME_SPLIT_000000.bin (modded-nanogpt's
-  names), as prepare.py writes them or as llm.c and modded-nanogpt publish them, or a glob of such files.
+- A dataset is a folder with meta.json and shards in llm.c's format named NAME_SPLIT_000000.bin
+  (modded-nanogpt's names), as prepare.py writes them or as llm.c and modded-nanogpt publish them, or a glob
+  of such files.
 - TokenWindows: a split's shards, read as one token stream. A window is named by its start
-  position in that stream: x = tokens[s : s+T], y = tokens[s+1 : s+T+1], across a shard boundary if it falls there.
+  position in that stream: x = tokens[s : s+T], y = tokens[s+1 : s+T+1], across a shard boundary if it falls
+  there.
 - TrainSampler: each epoch, a random offset and a permutation drawn from (seed + epoch) alone,
   so every rank computes the same order, takes its own shard (perm[rank::world_size]) and any
   position can be reached in O(1) on resume. The loop, not the sampler's iterator, says what was
@@ -36,7 +39,8 @@ from prepare import HEADER_BYTES, SHARD_FORMATS
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 EMPTY_WINDOW = -1  # an eval window with no targets: pads a rank's batches without counting anything twice
 SHARD_NAME = re.compile(r'_(train|val|test)_(\d+)\.bin$')  # fineweb_train_000001.bin
-FINGERPRINTS = 'fingerprints.json'  # in a shards' folder: each shard's hash, and the size and time it was taken at
+# in a shards' folder: each shard's hash, and the size and time it was taken at
+FINGERPRINTS = 'fingerprints.json'
 
 
 class DataError(Exception):
@@ -44,33 +48,36 @@ class DataError(Exception):
 
 
 def read_shard_header(path):
-    """(numpy dtype, number of tokens) of a shard, its header checked against llm.c's layouts and the file's size."""
+    """(numpy dtype, number of tokens) of a shard, its header checked against llm.c's layouts and the file's
+    size."""
     size = os.path.getsize(path)
     with open(path, 'rb') as f:
         head = f.read(HEADER_BYTES)
     if size < HEADER_BYTES:
-        raise DataError(f"{path} is {size} bytes, shorter than a shard's {HEADER_BYTES}-byte header: prepare or "
-                        f"download it again")
+        raise DataError(f"{path} is {size} bytes, shorter than a shard's {HEADER_BYTES}-byte header: prepare "
+                        f"or download it again")
     magic, version, num_tokens = (int(v) for v in np.frombuffer(head[:12], dtype=np.int32))
     versions = {m: (v, dtype) for dtype, (m, v) in SHARD_FORMATS.items()}
     if magic not in versions:
         raise DataError(f"{path} is not a token shard (magic {magic}, expected 20240520 or 20240801 as llm.c "
                         f"writes): point the dataset at shard files, or prepare it again")
     if version != versions[magic][0]:
-        raise DataError(f"{path} has shard version {version}, this code reads version {versions[magic][0]} for "
-                        f"magic {magic}: prepare it again with this prepare.py")
+        raise DataError(f"{path} has shard version {version}, this code reads version {versions[magic][0]} "
+                        f"for magic {magic}: prepare it again with this prepare.py")
     dtype = np.dtype(versions[magic][1])
     if size != HEADER_BYTES + num_tokens * dtype.itemsize:
         raise DataError(f"{path} is {size} bytes but its header says {num_tokens} {dtype.name} tokens "
-                        f"({HEADER_BYTES + num_tokens * dtype.itemsize} bytes): truncated? prepare or download it again")
+                        f"({HEADER_BYTES + num_tokens * dtype.itemsize} bytes): truncated? prepare or "
+                        f"download it again")
     return dtype, num_tokens
 
 
 def fingerprints(paths):
-    """{shard file name: sha256 of its whole content}. Hashing reads every byte, so each folder keeps its shards'
-    hashes in FINGERPRINTS with the size and modification time of the file hashed, and a shard is hashed again only
-    when either has changed (every time where the folder cannot be written). Any write or copy of a file moves its
-    modification time; an edit that keeps size and time both (touch -d) goes unseen."""
+    """{shard file name: sha256 of its whole content}. Hashing reads every byte, so each folder keeps its
+    shards' hashes in FINGERPRINTS with the size and modification time of the file hashed, and a shard is
+    hashed again only when either has changed (every time where the folder cannot be written). Any write or
+    copy of a file moves its modification time; an edit that keeps size and time both (touch -d) goes
+    unseen."""
     result = {}
     for folder in sorted({os.path.dirname(p) for p in paths}):
         cache = os.path.join(folder, FINGERPRINTS)
@@ -94,9 +101,9 @@ def fingerprints(paths):
 
 
 def prepare_once(data_dir, name):
-    """Prepare a built-in dataset (prepare.py, offline) where it is missing. Under torchrun the first process of each
-    node calls this, since nodes need not share storage; those that do take turns on a lock file and find it
-    prepared by the first."""
+    """Prepare a built-in dataset (prepare.py, offline) where it is missing. Under torchrun the first process
+    of each node calls this, since nodes need not share storage; those that do take turns on a lock file and
+    find it prepared by the first."""
     os.makedirs(data_dir, exist_ok=True)
     with open(os.path.join(data_dir, f'.{name}.lock'), 'w') as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -106,11 +113,12 @@ def prepare_once(data_dir, name):
 
 
 def open_dataset(data_dir, dataset):
-    """(meta, {split: [shard paths]}) of a dataset: a folder under data_dir, or a glob of shard files under data_dir
-    whose folder holds meta.json. The splits come from the file names; test may be missing (FineWeb's shards have
-    none), train and val may not. A hand-written meta.json needs only vocab_size and tokenizer (gpt2 or
-    PATH.tiktoken, a relative path inside the folder); a char vocabulary comes only from prepare.py. The meta
-    returned names a ranks file by its absolute path, checked against the sha256 that prepare.py recorded."""
+    """(meta, {split: [shard paths]}) of a dataset: a folder under data_dir, or a glob of shard files under
+    data_dir whose folder holds meta.json. The splits come from the file names; test may be missing (FineWeb's
+    shards have none), train and val may not. A hand-written meta.json needs only vocab_size and tokenizer
+    (gpt2 or PATH.tiktoken, a relative path inside the folder); a char vocabulary comes only from prepare.py.
+    The meta returned names a ranks file by its absolute path, checked against the sha256 that prepare.py
+    recorded."""
     path = os.path.join(data_dir, dataset)
     if any(c in dataset for c in '*?['):
         files = sorted(glob.glob(path))
@@ -121,8 +129,9 @@ def open_dataset(data_dir, dataset):
         folder, files = path, sorted(glob.glob(os.path.join(glob.escape(path), '*.bin')))
     meta_path = os.path.join(folder, 'meta.json')
     if not os.path.exists(meta_path):
-        raise DataError(f"dataset '{dataset}' has no {meta_path}: run python prepare.py {dataset} --input PATH (or set "
-                        f"data_dir); for downloaded shards write it, e.g. {{\"vocab_size\": 50257, \"tokenizer\": \"gpt2\"}}")
+        raise DataError(f"dataset '{dataset}' has no {meta_path}: run python prepare.py {dataset} --input "
+                        f"PATH (or set data_dir); for downloaded shards write it, e.g. {{\"vocab_size\": "
+                        f"50257, \"tokenizer\": \"gpt2\"}}")
     try:
         with open(meta_path, encoding='utf-8') as f:
             meta = json.load(f)
@@ -130,11 +139,12 @@ def open_dataset(data_dir, dataset):
         raise DataError(f"{meta_path} is not valid JSON ({e}): fix it") from None
     missing = [k for k in ('vocab_size', 'tokenizer') if k not in meta]
     if missing:
-        raise DataError(f"{meta_path} lacks {' and '.join(missing)}: add them, e.g. {{\"vocab_size\": 50257, \"tokenizer\": \"gpt2\"}}")
+        raise DataError(f"{meta_path} lacks {' and '.join(missing)}: add them, e.g. {{\"vocab_size\": 50257, "
+                        f"\"tokenizer\": \"gpt2\"}}")
     entry = meta['tokenizer']
     if entry == 'char' or isinstance(entry, dict) and entry.get('kind') == 'char' and 'chars' not in entry:
-        raise DataError(f"{meta_path} names a char tokenizer without its characters, which only prepare.py writes: "
-                        f"prepare the dataset with prepare.py, or name \"gpt2\" or a .tiktoken path")
+        raise DataError(f"{meta_path} names a char tokenizer without its characters, which only prepare.py "
+                        f"writes: prepare the dataset with prepare.py, or name \"gpt2\" or a .tiktoken path")
     if isinstance(entry, str):  # a hand-written meta.json: 'gpt2' or a .tiktoken path
         entry = {'kind': 'tiktoken', 'encoding': entry}
     try:  # a ranks file that is missing or changed would give the ids another meaning
@@ -146,25 +156,27 @@ def open_dataset(data_dir, dataset):
     for f in files:
         match = SHARD_NAME.search(os.path.basename(f))
         if match is None and os.path.basename(f) in ('train.bin', 'val.bin', 'test.bin'):
-            raise DataError(f"{folder} was prepared by an older prepare.py (train.bin, no shards): run python prepare.py "
-                            f"{meta['name']} again (with the --input it had, if any)")
+            raise DataError(f"{folder} was prepared by an older prepare.py (train.bin, no shards): run "
+                            f"python prepare.py {meta['name']} again (with the --input it had, if any)")
         if match is None:
-            raise DataError(f"{f} is not named like NAME_SPLIT_000000.bin with SPLIT train, val or test: rename it or "
-                            f"narrow the dataset's glob")
+            raise DataError(f"{f} is not named like NAME_SPLIT_000000.bin with SPLIT train, val or test: "
+                            f"rename it or narrow the dataset's glob")
         shards.setdefault(match.group(1), []).append((int(match.group(2)), f))
     for split in ('train', 'val'):
         if split not in shards:
-            raise DataError(f"dataset '{dataset}' has no {split} shards (files like NAME_{split}_000000.bin in {folder})")
+            raise DataError(f"dataset '{dataset}' has no {split} shards (files like NAME_{split}_000000.bin "
+                            f"in {folder})")
     return meta, {split: [f for _, f in sorted(files)] for split, files in shards.items()}
 
 
 def data_change(recorded, current):
-    """Why a checkpoint's data (its recorded dataset id) is not this run's ('was trained on other data (...)'), or
-    '' when it is the same."""
+    """Why a checkpoint's data (its recorded dataset id) is not this run's ('was trained on other data
+    (...)'), or '' when it is the same."""
     differ = [k for k in recorded if k != 'shards' and recorded[k] != current.get(k)]
     if differ:
         return f"was trained on other data (its {', '.join(differ)} differ)"
-    before, now = ({name: (tokens, fp) for name, tokens, fp in ident['shards']} for ident in (recorded, current))
+    before, now = ({name: (tokens, fp) for name, tokens, fp in ident['shards']}
+                   for ident in (recorded, current))
     changes = [f"{what} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}" for what, names in (
         ('added', sorted(now.keys() - before.keys())), ('removed', sorted(before.keys() - now.keys())),
         ('changed', sorted(n for n in before.keys() & now.keys() if before[n] != now[n]))) if names]
@@ -172,36 +184,41 @@ def data_change(recorded, current):
 
 
 class TokenWindows(Dataset):
-    """A split's shards read as one token stream. Shard i holds stream positions [offsets[i], offsets[i+1])."""
+    """A split's shards read as one token stream. Shard i holds stream positions [offsets[i],
+    offsets[i+1])."""
 
     def __init__(self, paths, block_size):
         self.paths, self.block_size = list(paths), block_size
         headers = [read_shard_header(p) for p in self.paths]
         if len({dtype for dtype, _ in headers}) > 1:
-            raise DataError(f"the shards of {os.path.dirname(self.paths[0])} mix uint16 and uint32 tokens: prepare "
-                            f"them again")
+            raise DataError(f"the shards of {os.path.dirname(self.paths[0])} mix uint16 and uint32 tokens: "
+                            f"prepare them again")
         self.dtype = headers[0][0]
         hashes = fingerprints(self.paths)
-        self.shards = [[os.path.basename(p), n, hashes[os.path.basename(p)]] for p, (_, n) in zip(self.paths, headers)]
+        self.shards = [[os.path.basename(p), n, hashes[os.path.basename(p)]]
+                       for p, (_, n) in zip(self.paths, headers)]
         self.offsets = np.cumsum([0] + [n for _, n in headers])
         self.num_tokens = int(self.offsets[-1])
-        # what every read checks: a shard truncated or rewritten under a running job fails the read, not the model
+        # what every read checks: a shard truncated or rewritten under a running job fails the read, not the
+        # model
         self.stats = [(s.st_size, s.st_mtime_ns) for s in map(os.stat, self.paths)]
 
     def read(self, start, stop):
-        """Tokens [start, stop) of the stream: one slice of a shard, or pieces of several across boundaries."""
+        """Tokens [start, stop) of the stream: one slice of a shard, or pieces of several across
+        boundaries."""
         pieces = []
         while start < stop:
             i = int(np.searchsorted(self.offsets, start, side='right')) - 1  # empty shards are never picked
             end = min(stop, int(self.offsets[i + 1]))
-            # opened for this read alone: a file kept open per shard would exhaust the descriptor limit (often 1024)
-            # on a dataset of a thousand shards; open, fstat, pread and close cost ~6 us a window (docs/design.md)
+            # opened for this read alone: a file kept open per shard would exhaust the descriptor limit (often
+            # 1024) on a dataset of a thousand shards; open, fstat, pread and close cost ~6 us a window
+            # (docs/design.md)
             fd = os.open(self.paths[i], os.O_RDONLY)
             try:
                 stat = os.fstat(fd)
                 if (stat.st_size, stat.st_mtime_ns) != self.stats[i]:
-                    raise DataError(f"{self.paths[i]} changed while the run was reading it (its size or modification "
-                                    f"time is not what it was when the run opened it)")
+                    raise DataError(f"{self.paths[i]} changed while the run was reading it (its size or "
+                                    f"modification time is not what it was when the run opened it)")
                 raw = os.pread(fd, (end - start) * self.dtype.itemsize,
                                HEADER_BYTES + int(start - self.offsets[i]) * self.dtype.itemsize)
             finally:
@@ -214,7 +231,8 @@ class TokenWindows(Dataset):
         if start == EMPTY_WINDOW:
             chunk = torch.zeros(1, dtype=torch.long)  # no targets
         else:
-            chunk = torch.from_numpy(self.read(start, min(start + self.block_size + 1, self.num_tokens)).astype(np.int64))
+            chunk = torch.from_numpy(self.read(start, min(start + self.block_size + 1, self.num_tokens))
+                                     .astype(np.int64))
         x = torch.zeros(self.block_size, dtype=torch.long)
         y = torch.full((self.block_size,), IGNORE_INDEX, dtype=torch.long)
         x[:len(chunk) - 1] = chunk[:-1]  # short: the split's last window, or an empty one
@@ -232,9 +250,10 @@ class TrainSampler(Sampler):
         self.global_batch, self.seed, self.rank, self.world_size = global_batch, seed, rank, world_size
         fewest_windows = (num_tokens - block_size) // block_size  # with the largest offset
         if fewest_windows < global_batch:
-            raise DataError(f"the train split ({num_tokens} tokens) holds {max(fewest_windows, 0)} windows of "
-                            f"block_size={block_size}, fewer than one optimizer step needs ({global_batch} = "
-                            f"batch_size x gradient_accumulation_steps): lower those or use more text")
+            raise DataError(f"the train split ({num_tokens} tokens) holds {max(fewest_windows, 0)} windows "
+                            f"of block_size={block_size}, fewer than one optimizer step needs "
+                            f"({global_batch} = batch_size x gradient_accumulation_steps): lower those or "
+                            f"use more text")
         self.epoch, self.position = 0, 0  # the next batch the loop will consume
 
     def _epoch_layout(self, epoch):
@@ -244,8 +263,8 @@ class TrainSampler(Sampler):
         return g, offset, n, n // self.global_batch * self.global_batch  # windows kept this epoch
 
     def epoch_starts(self, epoch):
-        """This rank's window starts of an epoch, in order, as one int64 tensor: 8 bytes a window, where lists of
-        Python ints take about 50 (over half a GB per rank for FineWeb10B at block_size 1024)."""
+        """This rank's window starts of an epoch, in order, as one int64 tensor: 8 bytes a window, where lists
+        of Python ints take about 50 (over half a GB per rank for FineWeb10B at block_size 1024)."""
         g, offset, n, kept = self._epoch_layout(epoch)
         perm = torch.randperm(n, generator=g)[:kept]
         return offset + perm[self.rank::self.world_size] * self.block_size
@@ -254,7 +273,8 @@ class TrainSampler(Sampler):
         epoch, position = self.epoch, self.position
         while True:
             batches = self.epoch_starts(epoch).view(-1, self.batch_size)
-            for i in range(position, len(batches)):  # indexed: iterating a tensor would unbind it into a tensor per row
+            # indexed: iterating a tensor would unbind it into a tensor per row
+            for i in range(position, len(batches)):
                 yield batches[i].tolist()
             epoch, position = epoch + 1, 0
 
@@ -268,7 +288,8 @@ class TrainSampler(Sampler):
             self.epoch, self.position = self.epoch + 1, 0
 
     def state_dict(self):
-        # position in windows consumed by all ranks: a resume on another number of ranks continues at the same place
+        # position in windows consumed by all ranks: a resume on another number of ranks continues at the same
+        # place
         return {'epoch': self.epoch, 'position': self.position * self.batch_size * self.world_size}
 
     def load_state_dict(self, state):
@@ -281,7 +302,8 @@ class EvalSampler(Sampler):
     equal_batches gives every rank the same batches count and sizes (sharded models need it) by adding
     empty windows (start -1: no targets), never by repeating real ones."""
 
-    def __init__(self, num_tokens, block_size, batch_size, max_windows=0, rank=0, world_size=1, equal_batches=False):
+    def __init__(self, num_tokens, block_size, batch_size, max_windows=0, rank=0, world_size=1,
+                 equal_batches=False):
         if num_tokens < 2:
             raise DataError(f"a split of {num_tokens} token(s) has nothing to predict: use more text")
         starts = torch.arange(0, num_tokens - 1, block_size)
@@ -302,8 +324,9 @@ class EvalSampler(Sampler):
 
 
 def seed_worker(worker_id):
-    # Ctrl-C reaches the whole process group, and torchrun passes SIGTERM to it: the training process decides when
-    # to stop (after the step under way) and then shuts its workers down; a worker that died first would fail that step
+    # Ctrl-C reaches the whole process group, and torchrun passes SIGTERM to it: the training process decides
+    # when to stop (after the step under way) and then shuts its workers down; a worker that died first would
+    # fail that step
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # DataLoader seeds torch in each worker from the loader's generator; numpy and random follow it
@@ -320,11 +343,12 @@ def make_loader(dataset, batch_sampler, num_workers, seed, pin_memory):
 
 
 class TrainBatches:
-    """The train batches of one rank, forever, each marked consumed as the loop takes it: loader workers prefetch
-    ahead, so the sampler's own position runs ahead of training. Workers ignore SIGINT and SIGTERM (seed_worker) and
-    are shut down the DataLoader's own way at exit, before multiprocessing would terminate() them (atexit runs the
-    last registered first). A shard that changed under the run (DataError) sets fault to its message, and empty
-    batches follow, so that this rank still joins the step's collectives and the loop stops every rank there."""
+    """The train batches of one rank, forever, each marked consumed as the loop takes it: loader workers
+    prefetch ahead, so the sampler's own position runs ahead of training. Workers ignore SIGINT and SIGTERM
+    (seed_worker) and are shut down the DataLoader's own way at exit, before multiprocessing would terminate()
+    them (atexit runs the last registered first). A shard that changed under the run (DataError) sets fault to
+    its message, and empty batches follow, so that this rank still joins the step's collectives and the loop
+    stops every rank there."""
 
     def __init__(self, windows, sampler, num_workers, seed, pin_memory):
         self.sampler, self.fault = sampler, None

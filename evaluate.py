@@ -1,9 +1,9 @@
 """
 Evaluation: the mean loss over a split (loss(), what train.py evaluates), and benchmark accuracy on
 multiple-choice tasks, as llm.c and build-nanogpt measure HellaSwag: each ending is
-scored by the model's loss on the ending's tokens given the context. acc: the ending with the lowest summed loss
-is the answer; acc_norm: the lowest mean loss per ending token. A run's checkpoint (with its own tokenizer) or
-GPT-2's weights:
+scored by the model's loss on the ending's tokens given the context. acc: the ending with the lowest summed
+loss is the answer; acc_norm: the lowest mean loss per ending token. A run's checkpoint (with its own
+tokenizer) or GPT-2's weights:
 
     python evaluate.py --out_dir=out/tiny --tasks=mytask.jsonl              # out/tiny/best.pt
     python evaluate.py --init_from=gpt2 --tasks=hellaswag_val.jsonl         # GPT-2's tokenizer
@@ -15,8 +15,8 @@ A task file is jsonl, one example a line, in either format (per line):
 - generic: {"context": str, "choices": [str, ...], "answer": int}; each choice follows the context exactly as
   written, so a choice carries its own separator (" Paris", not "Paris").
 A context too long for block_size loses its first tokens; an ending is never cut. Per task, stdout gets one
-line: the example count, acc and acc_norm with 95% intervals, and chance level. What was loaded, and how long it
-took, goes to stderr.
+line: the example count, acc and acc_norm with 95% intervals, and chance level. What was loaded, and how long
+it took, goes to stderr.
 """
 import json
 import math
@@ -48,7 +48,8 @@ batch_size = 8  # examples per forward, each with all its endings
 device = 'auto'  # 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...
 dtype = 'auto'  # 'auto' (train.py's choice for this model on this device), 'float32', 'bfloat16', 'float16'
 # -----------------------------------------------------------------------------
-config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+config_keys = [k for k, v in globals().items()
+               if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 
 HELLASWAG = ('ctx', 'endings', 'label')  # the fields of each format, in the order context, endings, answer
 GENERIC = ('context', 'choices', 'answer')
@@ -99,8 +100,8 @@ def parse_line(line, where, encode, block_size):
             raise TaskError(f"{where}: {endings_key}[{i}] is {ending!r}: every candidate must be a non-empty "
                             f"string")
     if type(label) is not int or not 0 <= label < len(endings):
-        raise TaskError(f"{where}: {label_key}={label!r} is not an index of the {len(endings)} {endings_key}: "
-                        f"use an int from 0 to {len(endings) - 1}")
+        raise TaskError(f"{where}: {label_key}={label!r} is not an index of the {len(endings)} "
+                        f"{endings_key}: use an int from 0 to {len(endings) - 1}")
     if fields is HELLASWAG:
         endings = [' ' + ending for ending in endings]  # llm.c's and build-nanogpt's rendering
     context_ids, ending_ids = encode(context), [encode(ending) for ending in endings]
@@ -114,8 +115,9 @@ def parse_line(line, where, encode, block_size):
 
 
 def read_task(path, encode, block_size, max_examples=0):
-    """The examples of a task file as token ids (encode: str -> list[int], the model's tokenizer). Every line is
-    checked, also past max_examples, so a bad file fails at once; max_examples > 0 then keeps the first ones."""
+    """The examples of a task file as token ids (encode: str -> list[int], the model's tokenizer). Every line
+    is checked, also past max_examples, so a bad file fails at once; max_examples > 0 then keeps the first
+    ones."""
     try:
         with open(path, encoding='utf-8') as f:
             examples = [parse_line(line, f"{path}:{number}", encode, block_size)
@@ -141,9 +143,9 @@ def read_tasks(paths, encode, block_size, max_examples=0):
 
 
 def rank_batches(examples, batch_size, rank=0, world_size=1):
-    """This rank's examples, rank::world_size, in batches of batch_size. Every rank gets as many batches as the
-    fullest one, a short rank a [DUMMY] batch per missing one: under FSDP each forward is a collective of all
-    ranks."""
+    """This rank's examples, rank::world_size, in batches of batch_size. Every rank gets as many batches as
+    the fullest one, a short rank a [DUMMY] batch per missing one: under FSDP each forward is a collective of
+    all ranks."""
     part = examples[rank::world_size]
     batches = [part[i:i + batch_size] for i in range(0, len(part), batch_size)]
     fullest = -(-len(examples) // world_size)  # examples of the fullest rank, rounded up
@@ -152,9 +154,10 @@ def rank_batches(examples, batch_size, rank=0, world_size=1):
 
 def choice_losses(model, examples, batch_size, device, autocast, rank=0, world_size=1):
     """Every ending's summed and mean loss over its own tokens, in float32: (summed, mean, labels) of shapes
-    (E, C), (E, C) and (E,), on device, over this rank's batches in order (a DUMMY has label -1). C is the most
-    endings of any example; an example with fewer has +inf in the rest. Call it in eval mode under inference_mode,
-    as score() does. All endings of an example go into one forward, right-padded; padding is never a target."""
+    (E, C), (E, C) and (E,), on device, over this rank's batches in order (a DUMMY has label -1). C is the
+    most endings of any example; an example with fewer has +inf in the rest. Call it in eval mode under
+    inference_mode, as score() does. All endings of an example go into one forward, right-padded; padding is
+    never a target."""
     num_choices = max(len(e.rows) for e in examples)
     summed, mean, labels = [], [], []
     for batch in rank_batches(examples, batch_size, rank, world_size):
@@ -167,10 +170,11 @@ def choice_losses(model, examples, batch_size, device, autocast, rank=0, world_s
                      for p in range(len(row) - 1 - n, len(row) - 1)]  # in (R * T)
         targets = [t for row, n in zip(rows, lengths) for t in row[len(row) - n:]]
         owners = [r for r, n in enumerate(lengths) for _ in range(n)]  # the row of each target
-        slots = [i * num_choices + c for i, e in enumerate(batch) for c in range(len(e.rows))]  # rows in (E, C)
+        slots = [i * num_choices + c
+                 for i, e in enumerate(batch) for c in range(len(e.rows))]  # rows in (E, C)
         positions, targets, owners, slots, lengths_t, batch_labels = (
-            torch.tensor(x).to(device, non_blocking=True) for x in (positions, targets, owners, slots, lengths,
-                                                                    [e.label for e in batch]))
+            torch.tensor(x).to(device, non_blocking=True)
+            for x in (positions, targets, owners, slots, lengths, [e.label for e in batch]))
         with autocast:
             logits = model(idx.to(device, non_blocking=True))  # (R, T, vocab)
         losses = F.cross_entropy(logits.flatten(0, 1)[positions].float(), targets, reduction='none')  # (M,)
@@ -183,8 +187,9 @@ def choice_losses(model, examples, batch_size, device, autocast, rank=0, world_s
 
 
 def loss(model, loader, device, autocast):
-    """Mean loss over a split's evaluation windows (loader: over a data.EvalSampler), every target token counted
-    once across ranks: sums on the device, one all-reduce, one host sync. In model.eval() and inference_mode."""
+    """Mean loss over a split's evaluation windows (loader: over a data.EvalSampler), every target token
+    counted once across ranks: sums on the device, one all-reduce, one host sync. In model.eval() and
+    inference_mode."""
     was_training = model.training
     model.eval()
     with torch.inference_mode():
@@ -201,10 +206,10 @@ def loss(model, loader, device, autocast):
 
 def score(model, examples, batch_size, device, autocast, rank=0, world_size=1):
     """acc and acc_norm of the model on examples, each counted once across ranks: rank r scores examples
-    r::world_size, and the counts meet in one all_reduce (perf.all_ranks, when there is a group), then one host
-    sync. Runs in model.eval() and torch.inference_mode() and gives the model back in the mode it came in. Ties go
-    to the first ending. Returns {'examples', 'correct', 'correct_norm', 'acc', 'acc_norm', 'chance'}; chance is
-    the mean of 1 / number of endings, the accuracy of a uniform guess."""
+    r::world_size, and the counts meet in one all_reduce (perf.all_ranks, when there is a group), then one
+    host sync. Runs in model.eval() and torch.inference_mode() and gives the model back in the mode it came
+    in. Ties go to the first ending. Returns {'examples', 'correct', 'correct_norm', 'acc', 'acc_norm',
+    'chance'}; chance is the mean of 1 / number of endings, the accuracy of a uniform guess."""
     was_training = model.training
     model.eval()
     with torch.inference_mode():
@@ -214,7 +219,8 @@ def score(model, examples, batch_size, device, autocast, rank=0, world_size=1):
         correct, correct_norm, count = perf.all_ranks(counts).tolist()
     model.train(was_training)
     return {'examples': count, 'correct': correct, 'correct_norm': correct_norm, 'acc': correct / count,
-            'acc_norm': correct_norm / count, 'chance': sum(1 / len(e.rows) for e in examples) / len(examples)}
+            'acc_norm': correct_norm / count,
+            'chance': sum(1 / len(e.rows) for e in examples) / len(examples)}
 
 
 def wilson_interval(correct, n, z=Z_95):
@@ -228,8 +234,8 @@ def wilson_interval(correct, n, z=Z_95):
 
 
 def describe(name, result):
-    """One line for a score() result: the example count, acc and acc_norm with 95% Wilson intervals, and chance
-    level."""
+    """One line for a score() result: the example count, acc and acc_norm with 95% Wilson intervals, and
+    chance level."""
     n = result['examples']
     acc_low, acc_high = wilson_interval(result['correct'], n)
     norm_low, norm_high = wilson_interval(result['correct_norm'], n)
@@ -262,7 +268,8 @@ def load_pretrained(source, tokenizer_spec, device):
 def load(config, device):
     """(model in eval mode on device, encode, what it is) as the config names it; mistakes exit 2."""
     if config['init_from']:
-        check(not config['ckpt'], "both ckpt and init_from are set: evaluate one, a checkpoint or GPT-2 weights")
+        check(not config['ckpt'], "both ckpt and init_from are set: evaluate one, a checkpoint or GPT-2 "
+                                  "weights")
         check(hf.is_source(config['init_from']), f"init_from='{config['init_from']}': use a GPT-2 name "
               f"({', '.join(hf.GPT2_NAMES)}) or the path of a Hugging Face model folder or .safetensors file")
         spec = config['tokenizer'] or 'gpt2'
@@ -285,7 +292,8 @@ def load(config, device):
 
 
 def main(config):
-    check(config['tasks'], "tasks='' names no task file: pass --tasks=FILE.jsonl (comma-separated for several)")
+    check(config['tasks'], "tasks='' names no task file: pass --tasks=FILE.jsonl (comma-separated for "
+                           "several)")
     check(config['max_examples'] >= 0, f"max_examples={config['max_examples']} must be 0 (all) or positive")
     check(config['batch_size'] > 0, f"batch_size={config['batch_size']} must be positive")
     check(config['dtype'] in ('auto', *perf.DTYPES), f"dtype='{config['dtype']}': use 'auto', "

@@ -1,8 +1,8 @@
 """
 GPT-2 in and out of the Hugging Face format. In: OpenAI's GPT-2 by name (from the Hugging Face cache,
 downloaded once when online), a GPT2LMHeadModel folder, or a single .safetensors file, as this repo's GPT.
-Out: a GPT as a folder (config.json, model.safetensors, and the tokenizer's files if given) that transformers loads
-as GPT2LMHeadModel.
+Out: a GPT as a folder (config.json, model.safetensors, and the tokenizer's files if given) that transformers
+loads as GPT2LMHeadModel.
 
 The two models are the same network under other names: GPT-2's blocks are h.N instead of blocks.N, its
 files carry a 'transformer.' prefix (or none, in OpenAI's originals), and its Conv1D layers store their
@@ -27,10 +27,12 @@ HF_ACTIVATION = {'gelu': 'gelu', 'gelu_tanh': 'gelu_new'}
 # and back, with transformers' other name for the tanh approximation
 FROM_HF_ACTIVATION = {hf: ours for ours, hf in HF_ACTIVATION.items()} | {'gelu_pytorch_tanh': 'gelu_tanh'}
 SHAPE_KEYS = ('n_layer', 'n_head', 'n_embd', 'bias', 'activation')  # what GPT-2's weights decide
-CONV1D_WEIGHTS = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')  # stored (in, out)
+CONV1D_WEIGHTS = ('attn.c_attn.weight', 'attn.c_proj.weight',
+                  'mlp.c_fc.weight', 'mlp.c_proj.weight')  # stored (in, out)
 # config.json settings this GPT has no switch for: they must have GPT-2's values
 GPT2_FIXED = {'model_type': 'gpt2', 'layer_norm_epsilon': 1e-5, 'scale_attn_weights': True,
-              'scale_attn_by_inverse_layer_idx': False, 'add_cross_attention': False, 'tie_word_embeddings': True}
+              'scale_attn_by_inverse_layer_idx': False, 'add_cross_attention': False,
+              'tie_word_embeddings': True}
 
 
 class HFError(Exception):
@@ -45,18 +47,20 @@ def is_source(init_from):
 def gpt2_shapes(n_layer, n_embd, vocab_size, n_positions):
     """Every tensor of a GPT2LMHeadModel file (prefix and tied head left out) -> its shape."""
     C = n_embd
-    shapes = {'wte.weight': (vocab_size, C), 'wpe.weight': (n_positions, C), 'ln_f.weight': (C,), 'ln_f.bias': (C,)}
+    shapes = {'wte.weight': (vocab_size, C), 'wpe.weight': (n_positions, C), 'ln_f.weight': (C,),
+              'ln_f.bias': (C,)}
     for i in range(n_layer):
         shapes |= {f'h.{i}.{name}': shape for name, shape in (
-            ('ln_1.weight', (C,)), ('ln_1.bias', (C,)), ('attn.c_attn.weight', (C, 3 * C)), ('attn.c_attn.bias', (3 * C,)),
-            ('attn.c_proj.weight', (C, C)), ('attn.c_proj.bias', (C,)), ('ln_2.weight', (C,)), ('ln_2.bias', (C,)),
-            ('mlp.c_fc.weight', (C, 4 * C)), ('mlp.c_fc.bias', (4 * C,)), ('mlp.c_proj.weight', (4 * C, C)),
-            ('mlp.c_proj.bias', (C,)))}
+            ('ln_1.weight', (C,)), ('ln_1.bias', (C,)), ('attn.c_attn.weight', (C, 3 * C)),
+            ('attn.c_attn.bias', (3 * C,)), ('attn.c_proj.weight', (C, C)), ('attn.c_proj.bias', (C,)),
+            ('ln_2.weight', (C,)), ('ln_2.bias', (C,)), ('mlp.c_fc.weight', (C, 4 * C)),
+            ('mlp.c_fc.bias', (4 * C,)), ('mlp.c_proj.weight', (4 * C, C)), ('mlp.c_proj.bias', (C,)))}
     return shapes
 
 
 def layout_differences(tensors, expected):
-    """What keeps tensors {key: tensor} from being exactly the expected {key: shape}: a short description, or ''."""
+    """What keeps tensors {key: tensor} from being exactly the expected {key: shape}: a short description, or
+    ''."""
     missing = [k for k in expected if k not in tensors]
     extra = [k for k in tensors if k not in expected]
     wrong = [f"{k} {tuple(tensors[k].shape)} vs {expected[k]}" for k in expected
@@ -78,21 +82,23 @@ def file_sha256(path):
 
 
 def fetch(name):
-    """config.json and model.safetensors of OpenAI's GPT-2 `name`: from the Hugging Face cache, else downloaded
-    into it (huggingface_hub honours HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE)."""
-    how = (f"get them once online: pip install huggingface_hub, then hf download {name} config.json model.safetensors "
-           f"(or any run with init_from={name}); or put those two files of {name} in a folder and pass init_from=FOLDER")
+    """config.json and model.safetensors of OpenAI's GPT-2 `name`: from the Hugging Face cache, else
+    downloaded into it (huggingface_hub honours HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE)."""
+    how = (f"get them once online: pip install huggingface_hub, then hf download {name} config.json "
+           f"model.safetensors (or any run with init_from={name}); or put those two files of {name} in a "
+           f"folder and pass init_from=FOLDER")
     try:
         from huggingface_hub import constants, hf_hub_download
     except ImportError:
-        raise HFError(f"init_from={name} looks GPT-2 up in the Hugging Face cache with the huggingface_hub package, "
-                      f"which is not installed: {how}") from None
+        raise HFError(f"init_from={name} looks GPT-2 up in the Hugging Face cache with the huggingface_hub "
+                      f"package, which is not installed: {how}") from None
     try:
         return [hf_hub_download(name, filename) for filename in ('config.json', 'model.safetensors')]
     except Exception as e:  # offline, no network, a broken cache: the advice is the same
-        why = 'HF_HUB_OFFLINE is set' if constants.HF_HUB_OFFLINE else (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
-        raise HFError(f"GPT-2 weights '{name}' are not in the Hugging Face cache {constants.HF_HUB_CACHE} and could not "
-                      f"be downloaded ({why}): {how}") from None
+        why = ('HF_HUB_OFFLINE is set' if constants.HF_HUB_OFFLINE
+               else (str(e).strip().splitlines() or [type(e).__name__])[0][:120])
+        raise HFError(f"GPT-2 weights '{name}' are not in the Hugging Face cache {constants.HF_HUB_CACHE} "
+                      f"and could not be downloaded ({why}): {how}") from None
 
 
 def find_files(source):
@@ -103,8 +109,8 @@ def find_files(source):
         weights = [os.path.join(source, f) for f in ('model.safetensors', 'pytorch_model.bin')
                    if os.path.isfile(os.path.join(source, f))]
         if not weights or not os.path.isfile(os.path.join(source, 'config.json')):
-            raise HFError(f"{source} is not a Hugging Face model folder: it needs config.json and model.safetensors "
-                          f"(or pytorch_model.bin), as save_pretrained writes them")
+            raise HFError(f"{source} is not a Hugging Face model folder: it needs config.json and "
+                          f"model.safetensors (or pytorch_model.bin), as save_pretrained writes them")
         return os.path.join(source, 'config.json'), weights[0]
     if not source.endswith('.safetensors'):
         raise HFError(f"init_from={source} is neither a GPT-2 name, a model folder nor a .safetensors file: "
@@ -138,13 +144,15 @@ def load_gpt2(source, block_size, vocab_size):
     tensors = {k: v for k, v in tensors.items() if not re.fullmatch(r'h\.\d+\.attn\.(masked_)?bias', k)}
     head = tensors.pop('lm_head.weight', None)
     if 'wte.weight' not in tensors or 'wpe.weight' not in tensors:
-        raise HFError(f"{weights_path} holds no GPT-2 embeddings (wte.weight, wpe.weight): pass a GPT-2 model")
+        raise HFError(f"{weights_path} holds no GPT-2 embeddings (wte.weight, wpe.weight): pass a GPT-2 "
+                      f"model")
     n_vocab, n_embd = tensors['wte.weight'].shape
     n_positions = tensors['wpe.weight'].shape[0]
     n_layer = len({k.split('.')[1] for k in tensors if k.startswith('h.')})
     differences = layout_differences(tensors, gpt2_shapes(n_layer, n_embd, n_vocab, n_positions))
     activation = FROM_HF_ACTIVATION.get(hf_config.get('activation_function', 'gelu_new'))
-    unsupported = [f"{k}={hf_config[k]!r}" for k, v in GPT2_FIXED.items() if k in hf_config and hf_config[k] != v]
+    unsupported = [f"{k}={hf_config[k]!r}" for k, v in GPT2_FIXED.items()
+                   if k in hf_config and hf_config[k] != v]
     if activation is None:
         unsupported.append(f"activation_function={hf_config['activation_function']!r}")
     if head is not None and not torch.equal(head, tensors['wte.weight']):
@@ -154,26 +162,31 @@ def load_gpt2(source, block_size, vocab_size):
         raise HFError(f"{weights_path} is not a GPT-2 this GPT can load ({'; '.join(problems)}): "
                       f"pass a GPT2LMHeadModel with GPT-2's layout")
     block_size, vocab_size = block_size or n_positions, vocab_size or n_vocab
-    n_head = hf_config.get('n_head', max(1, n_embd // 64))  # a single file without config.json: GPT-2's head size, 64
+    # a single file without config.json: GPT-2's head size, 64
+    n_head = hf_config.get('n_head', max(1, n_embd // 64))
     if block_size > n_positions:
-        raise HFError(f"block_size={block_size} exceeds the {n_positions} positions of the weights in {weights_path}: "
-                      f"set block_size={n_positions} or less")
+        raise HFError(f"block_size={block_size} exceeds the {n_positions} positions of the weights in "
+                      f"{weights_path}: set block_size={n_positions} or less")
     if vocab_size != n_vocab:
-        raise HFError(f"the weights in {weights_path} know {n_vocab} tokens, the dataset {vocab_size}: prepare it with "
-                      f"their tokenizer, for GPT-2: prepare.py NAME --input PATH --tokenizer gpt2 (or PATH.tiktoken)")
+        raise HFError(f"the weights in {weights_path} know {n_vocab} tokens, the dataset {vocab_size}: "
+                      f"prepare it with their tokenizer, for GPT-2: prepare.py NAME --input PATH --tokenizer "
+                      f"gpt2 (or PATH.tiktoken)")
     if n_embd % n_head:
-        raise HFError(f"{weights_path}: n_embd={n_embd} is not divisible by n_head={n_head}: fix n_head in its config.json")
+        raise HFError(f"{weights_path}: n_embd={n_embd} is not divisible by n_head={n_head}: fix n_head in "
+                      f"its config.json")
     state = {}
     for key, tensor in tensors.items():
         key = re.sub(r'^h\.', 'blocks.', key)
         state[key] = tensor.t() if key.endswith(CONV1D_WEIGHTS) else tensor
     state['wpe.weight'] = state['wpe.weight'][:block_size]
     # GPT's embedding has padded_vocab rows; the padding rows are never looked up or predicted
-    state['wte.weight'] = torch.cat([state['wte.weight'], torch.zeros(padded_vocab(n_vocab) - n_vocab, n_embd)])
+    state['wte.weight'] = torch.cat([state['wte.weight'],
+                                     torch.zeros(padded_vocab(n_vocab) - n_vocab, n_embd)])
     state['lm_head.weight'] = state['wte.weight']  # tied
     model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=True,
                       vocab_size=vocab_size, activation=activation)
-    origin = {'init_from': source, 'weights': os.path.abspath(weights_path), 'sha256': file_sha256(weights_path)}
+    origin = {'init_from': source, 'weights': os.path.abspath(weights_path),
+              'sha256': file_sha256(weights_path)}
     return model_args, state, origin
 
 # -----------------------------------------------------------------------------
@@ -181,8 +194,8 @@ def load_gpt2(source, block_size, vocab_size):
 
 
 def cannot_hold(config):
-    """What of a GPTConfig GPT-2's architecture has no place for, as short phrases (empty: it fits). A model option
-    GPT-2 lacks gets a line here; GPT-2's weights are loaded and exported only when this is empty."""
+    """What of a GPTConfig GPT-2's architecture has no place for, as short phrases (empty: it fits). A model
+    option GPT-2 lacks gets a line here; GPT-2's weights are loaded and exported only when this is empty."""
     return [reason for reason, lacking in (
         (f"activation='{config.activation}'", config.activation not in HF_ACTIVATION),
         ('an output head not tied to the token embedding (tie_head=False)', not config.tie_head),
@@ -195,8 +208,8 @@ def cannot_hold(config):
 def export_gpt2(model, folder, eot_id=None, tokenizer_files=None):
     """Write folder/config.json and folder/model.safetensors, loadable with transformers'
     AutoModelForCausalLM.from_pretrained(folder) as GPT2LMHeadModel with the same outputs, and tokenizer_files
-    {name: text} (tokenizer.Tokenizer.hf_files) beside them. A model without biases gets zero biases, which compute
-    the same. The folder appears complete or not at all."""
+    {name: text} (tokenizer.Tokenizer.hf_files) beside them. A model without biases gets zero biases, which
+    compute the same. The folder appears complete or not at all."""
     if os.path.exists(folder) and not (os.path.isdir(folder) and not os.listdir(folder)):
         raise HFError(f"{folder} already exists and is not an empty folder: pick a new path for the export")
     config = model.config
@@ -207,28 +220,34 @@ def export_gpt2(model, folder, eot_id=None, tokenizer_files=None):
         if key == 'wte.weight':
             tensor = tensor[:config.vocab_size]  # without GPT's padding rows
         key = re.sub(r'^blocks\.', 'h.', key)
-        tensors[key] = (tensor.t() if key.endswith(CONV1D_WEIGHTS) else tensor).detach().float().cpu().contiguous()
+        tensors[key] = ((tensor.t() if key.endswith(CONV1D_WEIGHTS) else tensor)
+                        .detach().float().cpu().contiguous())
     for key, tensor in list(tensors.items()):  # GPT-2 has a bias beside every weight but the embeddings'
         if key.endswith('.weight') and key not in ('wte.weight', 'wpe.weight'):
             tensors.setdefault(key[:-len('weight')] + 'bias', torch.zeros(tensor.shape[-1]))
-    differences = layout_differences(tensors, gpt2_shapes(config.n_layer, config.n_embd, config.vocab_size, config.block_size))
+    differences = layout_differences(tensors, gpt2_shapes(config.n_layer, config.n_embd, config.vocab_size,
+                                                          config.block_size))
     tied = model.lm_head.weight is model.wte.weight  # a fork may untie them by hand
-    problems = cannot_hold(dataclasses.replace(config, tie_head=tied)) + ([differences] if differences else [])
+    problems = (cannot_hold(dataclasses.replace(config, tie_head=tied))
+                + ([differences] if differences else []))
     if problems:
         raise HFError(f"GPT-2's architecture cannot hold this model ({'; '.join(problems)}): "
-                      f"only models with GPT-2's blocks, learned positions, a tied head, GELU and no QK-norm or soft-cap export")
+                      f"only models with GPT-2's blocks, learned positions, a tied head, GELU and no QK-norm "
+                      f"or soft-cap export")
     hf_config = {
         'architectures': ['GPT2LMHeadModel'], 'model_type': 'gpt2', 'vocab_size': config.vocab_size,
-        'n_positions': config.block_size, 'n_embd': config.n_embd, 'n_layer': config.n_layer, 'n_head': config.n_head,
-        'n_inner': None, 'activation_function': HF_ACTIVATION[config.activation], 'layer_norm_epsilon': 1e-5,
-        'resid_pdrop': config.dropout, 'embd_pdrop': config.dropout, 'attn_pdrop': config.dropout,
-        'tie_word_embeddings': True, 'bos_token_id': eot_id, 'eos_token_id': eot_id, 'dtype': 'float32',
+        'n_positions': config.block_size, 'n_embd': config.n_embd, 'n_layer': config.n_layer,
+        'n_head': config.n_head, 'n_inner': None, 'activation_function': HF_ACTIVATION[config.activation],
+        'layer_norm_epsilon': 1e-5, 'resid_pdrop': config.dropout, 'embd_pdrop': config.dropout,
+        'attn_pdrop': config.dropout, 'tie_word_embeddings': True, 'bos_token_id': eot_id,
+        'eos_token_id': eot_id, 'dtype': 'float32',
     }
     parent = os.path.dirname(os.path.abspath(folder))
     os.makedirs(parent, exist_ok=True)
     work = tempfile.mkdtemp(prefix=f'.{os.path.basename(os.path.abspath(folder))}.', dir=parent)
     try:
-        save_file({'transformer.' + k: v for k, v in tensors.items()}, os.path.join(work, 'model.safetensors'),
+        save_file({'transformer.' + k: v for k, v in tensors.items()},
+                  os.path.join(work, 'model.safetensors'),
                   metadata={'format': 'pt'})  # transformers reads only files marked as PyTorch's
         texts = {'config.json': json.dumps(hf_config, indent=2)} | (tokenizer_files or {})
         for name, text in texts.items():

@@ -2,9 +2,9 @@
 A GPT language model: token + position embeddings, pre-norm transformer blocks with causal
 self-attention (PyTorch's scaled_dot_product_attention) and an MLP, and a tied output head.
 GPTConfig's defaults are GPT-2's architecture; its other switches are what fast small-GPT trainers use:
-rotary positions, QK-norm, ReLU squared, an untied head, soft-capped logits and zero-initialized output projections.
-forward returns the logits, or with targets the cross-entropy loss, computed inside the model so that
-torch.compile fuses it with the output head instead of materializing float32 logits of B x T x vocab.
+rotary positions, QK-norm, ReLU squared, an untied head, soft-capped logits and zero-initialized output
+projections. forward returns the logits, or with targets the cross-entropy loss, computed inside the model so
+that torch.compile fuses it with the output head instead of materializing float32 logits of B x T x vocab.
 """
 import math
 from dataclasses import dataclass
@@ -26,11 +26,14 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # bias in Linears and LayerNorms, like GPT-2; False is a bit better and faster
     activation: str = 'gelu'  # the MLP's nonlinearity, a key of ACTIVATIONS
-    pos_emb: str = 'learned'  # 'learned': a trained vector per position (GPT-2); 'rope': rotary, no parameters
+    # 'learned': a trained vector per position (GPT-2); 'rope': rotary, no parameters
+    pos_emb: str = 'learned'
     qk_norm: bool = False  # RMS-normalize each head's queries and keys: attention logits cannot blow up
-    tie_head: bool = True  # the output head is the token embedding's matrix (GPT-2); False: a matrix of its own
+    # the output head is the token embedding's matrix (GPT-2); False: a matrix of its own
+    tie_head: bool = True
     logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap), within (-cap, cap); 0: unbounded
-    zero_init: bool = False  # output projections (and an untied head) start at zero: every block starts as the identity
+    # output projections (and an untied head) start at zero: every block starts as the identity
+    zero_init: bool = False
 
     def __post_init__(self):
         """The one check of a model's shape, for every script: ValueError names the setting and the fix."""
@@ -38,7 +41,8 @@ class GPTConfig:
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key}={getattr(self, key)} must be positive")
         if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} is not a multiple of n_head={self.n_head}: change one of them")
+            raise ValueError(f"n_embd={self.n_embd} is not a multiple of n_head={self.n_head}: change one of "
+                             f"them")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
         if self.activation not in ACTIVATIONS:
@@ -60,9 +64,9 @@ ACTIVATIONS = {
 
 
 def padded_vocab(vocab_size):
-    """Rows of the embedding and the head: the vocabulary rounded up to a multiple of 64, as nanoGPT pads GPT-2's
-    50257 to 50304, so the head's matmul has GPU-friendly dimensions. The padding rows are never predicted: forward
-    cuts them off the logits, so they are never sampled and never enter a loss."""
+    """Rows of the embedding and the head: the vocabulary rounded up to a multiple of 64, as nanoGPT pads
+    GPT-2's 50257 to 50304, so the head's matmul has GPU-friendly dimensions. The padding rows are never
+    predicted: forward cuts them off the logits, so they are never sampled and never enter a loss."""
     return -(-vocab_size // 64) * 64
 
 
@@ -81,12 +85,12 @@ def rotate(x, cos, sin):
 
 
 def causal_attention(q, k, v, dropout_p):
-    """PyTorch's fused attention (flash or memory-efficient kernels), each position attending to itself and the
-    positions before it. q: (B, nh, T, hs), k, v: (B, nh, Tk, hs) -> (B, nh, T, hs), in q's dtype; Tk > T only in
-    generate's decoding step, one query after the cached keys, which sees them all: no mask, where is_causal would
-    let it see the first key only. One device quirk: on a CPU, bfloat16 attention runs in float32, because
-    PyTorch's CPU flash-attention kernel was 3x slower in bfloat16 (its backward most) at head size 32 on an
-    AVX512-BF16 CPU, where the matmuls around it gain 2x (docs/design.md)."""
+    """PyTorch's fused attention (flash or memory-efficient kernels), each position attending to itself and
+    the positions before it. q: (B, nh, T, hs), k, v: (B, nh, Tk, hs) -> (B, nh, T, hs), in q's dtype; Tk > T
+    only in generate's decoding step, one query after the cached keys, which sees them all: no mask, where
+    is_causal would let it see the first key only. One device quirk: on a CPU, bfloat16 attention runs in
+    float32, because PyTorch's CPU flash-attention kernel was 3x slower in bfloat16 (its backward most) at
+    head size 32 on an AVX512-BF16 CPU, where the matmuls around it gain 2x (docs/design.md)."""
     is_causal = q.size(2) == k.size(2)
     if q.device.type != 'cpu' or q.dtype != torch.bfloat16:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal)
@@ -97,8 +101,9 @@ def causal_attention(q, k, v, dropout_p):
 
 
 class KVCache:
-    """One attention layer's keys and values of the tokens generate() has run, so that each new token is computed
-    alone against them: a prefill puts up to block_size tokens in, then every decoding step adds one."""
+    """One attention layer's keys and values of the tokens generate() has run, so that each new token is
+    computed alone against them: a prefill puts up to block_size tokens in, then every decoding step adds
+    one."""
 
     def __init__(self):
         self.k = self.v = None  # (B, nh, tokens so far, hs)
@@ -111,7 +116,8 @@ class KVCache:
     def add(self, k, v):
         """k, v: (B, nh, T, hs) of the next T tokens -> the keys and values of every token held,
         (B, nh, pos + T, hs)."""
-        assert self.pos == 0 or k.size(2) == 1, "after the prefill one token at a time: no cached key is masked"
+        assert self.pos == 0 or k.size(2) == 1, (
+            "after the prefill one token at a time: no cached key is masked")
         self.k = k if self.k is None else torch.cat((self.k, k), dim=2)  # (B, nh, pos + T, hs)
         self.v = v if self.v is None else torch.cat((self.v, v), dim=2)  # (B, nh, pos + T, hs)
         return self.k, self.v
@@ -135,16 +141,19 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, cache=None):
         B, T, C = x.size()
-        start = cache.pos if cache is not None else 0  # x's first position: generate's decoding steps start later
+        # x's first position: generate's decoding steps start later
+        start = cache.pos if cache is not None else 0
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        if self.qk_norm:  # cast back: CUDA autocast runs rms_norm in float32 (torch >= 2.12), v stays in bfloat16
+        # cast back: CUDA autocast runs rms_norm in float32 (torch >= 2.12), v stays in bfloat16
+        if self.qk_norm:
             q = F.rms_norm(q, (q.size(-1),)).to(v.dtype)  # (B, nh, T, hs), unit RMS per head
             k = F.rms_norm(k, (k.size(-1),)).to(v.dtype)  # (B, nh, T, hs)
         if self.rope:  # in q's dtype: SDPA needs q, k and v in one dtype under autocast
-            cos, sin = self.cos[start:start + T].to(q.dtype), self.sin[start:start + T].to(q.dtype)  # (T, hs/2)
+            cos, sin = (self.cos[start:start + T].to(q.dtype),
+                        self.sin[start:start + T].to(q.dtype))  # (T, hs/2)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # (B, nh, T, hs)
         if cache is not None:  # generate: the earlier tokens' keys and values, cached, join this token's
             k, v = cache.add(k, v)  # (B, nh, start + T, hs)
@@ -185,21 +194,23 @@ OPTIMIZERS = ('adamw', 'muon')  # what GPT.configure_optimizers builds
 
 
 class Optimizers(torch.optim.Optimizer):
-    """Several optimizers as one: train.py zero-grads, unscales, steps, schedules and saves it without counting
-    them. Its param_groups and state are the members' own, read through each time (a member's load_state_dict
-    replaces its group dicts, so a copy would go stale): a learning rate set here, by one LR scheduler, is theirs,
-    each group keeping its own base rate. Its state_dict is the list of theirs."""
+    """Several optimizers as one: train.py zero-grads, unscales, steps, schedules and saves it without
+    counting them. Its param_groups and state are the members' own, read through each time (a member's
+    load_state_dict replaces its group dicts, so a copy would go stale): a learning rate set here, by one LR
+    scheduler, is theirs, each group keeping its own base rate. Its state_dict is the list of theirs."""
 
     def __init__(self, optimizers):
         self.optimizers = optimizers
-        super().__init__([{'params': []}], {})  # the hooks and settings torch.optim expects; no groups of its own
+        # the hooks and settings torch.optim expects; no groups of its own
+        super().__init__([{'params': []}], {})
 
     @property
     def param_groups(self):
         return [group for opt in self.optimizers for group in opt.param_groups]
 
     @param_groups.setter
-    def param_groups(self, groups):  # Optimizer.__init__ starts a list of its own: the members hold the groups
+    def param_groups(self, groups):
+        # Optimizer.__init__ starts a list of its own: the members hold the groups
         pass
 
     @property
@@ -235,14 +246,16 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, padded_vocab(config.vocab_size), bias=False)
         if config.tie_head:
             self.lm_head.weight = self.wte.weight  # weight tying: one matrix embeds and un-embeds tokens
-        self.activation_checkpointing = False  # recompute each block's activations in backward: less memory, more compute
+        # recompute each block's activations in backward: less memory, more compute
+        self.activation_checkpointing = False
         self.init_weights()
 
     def init_weights(self):
         # GPT-2's init: N(0, 0.02) everywhere, zero biases, and residual projections scaled by
         # 1/sqrt(2 * n_layer) so the residual stream's variance does not grow with depth. zero_init starts the
-        # residual projections at zero instead (each block adds nothing until it has learned something, modded-nanogpt),
-        # and an untied head too: the first logits are all zero, a uniform prediction, loss ln(vocab_size).
+        # residual projections at zero instead (each block adds nothing until it has learned something,
+        # modded-nanogpt), and an untied head too: the first logits are all zero, a uniform prediction, loss
+        # ln(vocab_size).
         for name, p in self.named_parameters():
             if self.config.zero_init and (name.endswith('c_proj.weight') or name == 'lm_head.weight'):
                 nn.init.zeros_(p)
@@ -260,14 +273,16 @@ class GPT(nn.Module):
         except a token embedding tied to the head, which is also a weight."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
-            n -= (self.wpe.weight.numel() if self.wpe is not None else 0) + (0 if self.config.tie_head else self.wte.weight.numel())
+            n -= ((self.wpe.weight.numel() if self.wpe is not None else 0)
+                  + (0 if self.config.tie_head else self.wte.weight.numel()))
         return n
 
     def forward(self, idx, targets=None, reduction='mean', caches=None):
-        """idx: LongTensor (B, T) of token ids with T <= block_size. Without targets: the logits (B, T, vocab_size),
-        in the autocast dtype under autocast. With targets (B, T), -100 where nothing is predicted: the float32
-        cross-entropy over the predicted positions, their mean or (reduction='sum') their sum. With caches (generate's
-        KVCache per block): idx follows the cached tokens; the logits are its last position's only, (B, 1, vocab_size)."""
+        """idx: LongTensor (B, T) of token ids with T <= block_size. Without targets: the logits (B, T,
+        vocab_size), in the autocast dtype under autocast. With targets (B, T), -100 where nothing is
+        predicted: the float32 cross-entropy over the predicted positions, their mean or (reduction='sum')
+        their sum. With caches (generate's KVCache per block): idx follows the cached tokens; the logits are
+        its last position's only, (B, 1, vocab_size)."""
         B, T = idx.size()
         start = caches[0].pos if caches else 0  # idx's first position
         if start + T > self.config.block_size:
@@ -283,37 +298,41 @@ class GPT(nn.Module):
                 x = block(x, cache)  # (B, T, C)
         if caches:  # generate samples from the last position: the head runs on it alone
             x = x[:, -1:]  # (B, 1, C)
-        logits = self.lm_head(self.ln_f(x))[..., :self.config.vocab_size]  # (B, T, vocab_size): padding cut off
+        # padding cut off
+        logits = self.lm_head(self.ln_f(x))[..., :self.config.vocab_size]  # (B, T, vocab_size)
         if self.config.logit_softcap > 0:  # smooth, unlike clipping: gradients still flow near the cap
-            logits = self.config.logit_softcap * torch.tanh(logits / self.config.logit_softcap)  # (B, T, vocab_size)
+            logits = (self.config.logit_softcap
+                      * torch.tanh(logits / self.config.logit_softcap))  # (B, T, vocab_size)
         if targets is None:
             return logits
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction)  # ()
 
     def fully_shard(self, dtype, device_type):
-        """FSDP2 (needs a process group): each block, then the root (embeddings, final norm, tied head), owns a
-        1/world_size shard. Weights are gathered in dtype; master weights stay float32. The mesh is built for the
-        device in use: FSDP's default mesh is the machine's accelerator, CUDA on a GPU host even with device=cpu."""
+        """FSDP2 (needs a process group): each block, then the root (embeddings, final norm, tied head), owns
+        a 1/world_size shard. Weights are gathered in dtype; master weights stay float32. The mesh is built
+        for the device in use: FSDP's default mesh is the machine's accelerator, CUDA on a GPU host even with
+        device=cpu."""
         from torch.distributed.device_mesh import init_device_mesh  # imported only by sharded runs: ~1 s
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
-        # gradients are reduced, and accumulated between syncs, in float32 as under DDP (torchtitan's default):
-        # bfloat16 accumulation over micro-batches loses precision that DDP keeps
+        # gradients are reduced, and accumulated between syncs, in float32 as under DDP (torchtitan's
+        # default): bfloat16 accumulation over micro-batches loses precision that DDP keeps
         precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for block in self.blocks:
             fully_shard(block, mesh=mesh, mp_policy=precision)
         fully_shard(self, mesh=mesh, mp_policy=precision)
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, optimizer='adamw', muon_lr=0.02, muon_momentum=0.95):
-        """The optimizer train.py steps, schedules and saves. 'adamw': AdamW for every parameter. It decays the
-        Linear matrices only: no biases, LayerNorm gains or embeddings (the token embedding may be the tied head:
-        decaying it shrinks rare tokens' rows); fused: one kernel for all parameters, on CUDA and CPU alike. 'muon':
-        torch.optim.Muon for the blocks' 2-D matrices, where its orthogonalized update is made for (not the
-        embeddings, whose rows are looked up one by one, nor the head), at its own base rate muon_lr, and AdamW at
-        learning_rate for the rest. c_attn's fused (3C, C) matrix is orthogonalized as one, q, k and v together
-        (modded-nanogpt splits them), and torch's Muon scales each matrix's rate by sqrt(max(1, rows / cols)):
-        sqrt(3) x muon_lr for c_attn, 2x for c_fc, 1x for the projections. Another optimizer goes here: build it,
-        add it to the list, add its keys to train.py."""
+    def configure_optimizers(self, weight_decay, learning_rate, betas, optimizer='adamw', muon_lr=0.02,
+                             muon_momentum=0.95):
+        """The optimizer train.py steps, schedules and saves. 'adamw': AdamW for every parameter. It decays
+        the Linear matrices only: no biases, LayerNorm gains or embeddings (the token embedding may be the
+        tied head: decaying it shrinks rare tokens' rows); fused: one kernel for all parameters, on CUDA and
+        CPU alike. 'muon': torch.optim.Muon for the blocks' 2-D matrices, where its orthogonalized update is
+        made for (not the embeddings, whose rows are looked up one by one, nor the head), at its own base rate
+        muon_lr, and AdamW at learning_rate for the rest. c_attn's fused (3C, C) matrix is orthogonalized as
+        one, q, k and v together (modded-nanogpt splits them), and torch's Muon scales each matrix's rate by
+        sqrt(max(1, rows / cols)): sqrt(3) x muon_lr for c_attn, 2x for c_fc, 1x for the projections. Another
+        optimizer goes here: build it, add it to the list, add its keys to train.py."""
         def by_muon(name, p):
             return optimizer == 'muon' and name.startswith('blocks.') and p.dim() == 2
 
@@ -336,20 +355,22 @@ class GPT(nn.Module):
 
     @torch.inference_mode()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None, use_cache=True):
-        """idx: (B, T) prompt ids -> (B, T + max_new_tokens). Call model.eval() first. Each token is drawn from the
-        logits of the last block_size tokens at positions 0, 1, ..., as nanoGPT does. use_cache=False recomputes
-        all of them for every token (nanoGPT's way). With the cache, a prefill computes them once, keeping each
-        layer's keys and values, and then each new token is computed alone against those (a decoding step).
-        Past block_size the window slides by a token per step, and no cached key or value stays valid: with learned
-        positions every token's position changes, and with rope too each token's hidden state from the second layer
-        on was computed seeing tokens that have left the window. Each step then prefills the last block_size tokens
-        again, which is what use_cache=False computes, so both give the same tokens and the cache gains nothing."""
+        """idx: (B, T) prompt ids -> (B, T + max_new_tokens). Call model.eval() first. Each token is drawn
+        from the logits of the last block_size tokens at positions 0, 1, ..., as nanoGPT does. use_cache=False
+        recomputes all of them for every token (nanoGPT's way). With the cache, a prefill computes them once,
+        keeping each layer's keys and values, and then each new token is computed alone against those (a
+        decoding step). Past block_size the window slides by a token per step, and no cached key or value
+        stays valid: with learned positions every token's position changes, and with rope too each token's
+        hidden state from the second layer on was computed seeing tokens that have left the window. Each step
+        then prefills the last block_size tokens again, which is what use_cache=False computes, so both give
+        the same tokens and the cache gains nothing."""
         block_size = self.config.block_size
         caches = None
         for _ in range(max_new_tokens):
             if not use_cache:
                 logits = self(idx[:, -block_size:])  # (B, <=block_size, vocab_size)
-            elif caches is None or caches[0].pos == block_size:  # the prompt, or a window that slides: prefill
+            elif caches is None or caches[0].pos == block_size:
+                # the prompt, or a window that slides: prefill
                 caches = [KVCache() for _ in self.blocks]
                 logits = self(idx[:, -block_size:], caches=caches)  # (B, 1, vocab_size)
             else:  # decode: the token drawn last, at the position after the cached ones

@@ -1,7 +1,7 @@
 """
-The machine: which device a process uses and how processes join a group, the dtype it trains in and the autocast
-context every forward runs in, the peak FLOP/s that MFU is measured against, memory, and where an iteration's time
-goes (a profiled iteration's phases). Model FLOPs per token: GPT.flops_per_token().
+The machine: which device a process uses and how processes join a group, the dtype it trains in and the
+autocast context every forward runs in, the peak FLOP/s that MFU is measured against, memory, and where an
+iteration's time goes (a profiled iteration's phases). Model FLOPs per token: GPT.flops_per_token().
 
 Measurements are taken once per machine and cached in ~/.cache/honestgpt/perf.json (HONESTGPT_CACHE
 names another folder), keyed by the processor, torch version and thread count: the same speed then
@@ -26,9 +26,9 @@ import checkpoint
 from model import GPT, GPTConfig
 
 # Dense (not sparse) peak FLOP/s from NVIDIA's datasheets, with float32 accumulation, keyed by the exact name
-# torch.cuda.get_device_name gives (llm.c's llmc/mfu.h matches the same way): a substring would let 'NVIDIA L40'
-# take the L4's figure. Columns: bfloat16, float16 tensor cores, float32 as TF32 tensor cores (train.py allows
-# TF32). A GPU or dtype not listed (no bfloat16 before Ampere) is measured instead.
+# torch.cuda.get_device_name gives (llm.c's llmc/mfu.h matches the same way): a substring would let 'NVIDIA
+# L40' take the L4's figure. Columns: bfloat16, float16 tensor cores, float32 as TF32 tensor cores (train.py
+# allows TF32). A GPU or dtype not listed (no bfloat16 before Ampere) is measured instead.
 GPU_PEAKS = {  # name: (bfloat16, float16, float32)
     'NVIDIA B200': (2250e12, 2250e12, 1125e12),
     'NVIDIA H200': (989e12, 989e12, 495e12),
@@ -49,7 +49,8 @@ GPU_PEAKS = {  # name: (bfloat16, float16, float32)
     'Tesla V100-SXM2-32GB': (None, 125e12, 15.7e12),
 }
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
-MEASURE_TOKENS = 8192  # tokens per timed forward+backward when choosing a dtype: enough for the model's real matmul shapes
+# tokens per timed forward+backward when choosing a dtype: enough for the model's real matmul shapes
+MEASURE_TOKENS = 8192
 
 
 @functools.cache
@@ -67,10 +68,11 @@ def cpu_name():
 
 
 def resolve_device(device, local_rank=None, cuda_count=None):
-    """(device, type) for a device setting; local_rank is None for one process. A CUDA device always has an index,
-    since torch.cuda.set_device('cuda') raises: 'auto' and 'cuda' are cuda:LOCAL_RANK (cuda:0 for one process);
-    under torchrun each rank takes its own GPU, so an explicit index there is refused. cuda_count: the GPUs this
-    process sees (tests pass it; None asks torch). ValueError names the fix for a device this code cannot use."""
+    """(device, type) for a device setting; local_rank is None for one process. A CUDA device always has an
+    index, since torch.cuda.set_device('cuda') raises: 'auto' and 'cuda' are cuda:LOCAL_RANK (cuda:0 for one
+    process); under torchrun each rank takes its own GPU, so an explicit index there is refused. cuda_count:
+    the GPUs this process sees (tests pass it; None asks torch). ValueError names the fix for a device this
+    code cannot use."""
     if cuda_count is None:
         cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device == 'auto':
@@ -86,32 +88,34 @@ def resolve_device(device, local_rank=None, cuda_count=None):
     if not cuda_count:
         raise ValueError(f"device='{device}' but CUDA is not available here: use device=cpu")
     if parsed.index is not None and local_rank is not None:
-        raise ValueError(f"device='{device}' under torchrun: each process takes the GPU of its local rank, so use "
-                         f"device=cuda (CUDA_VISIBLE_DEVICES chooses which GPUs)")
+        raise ValueError(f"device='{device}' under torchrun: each process takes the GPU of its local rank, "
+                         f"so use device=cuda (CUDA_VISIBLE_DEVICES chooses which GPUs)")
     index = parsed.index if parsed.index is not None else local_rank or 0
     if index >= cuda_count:
-        raise ValueError(f"device='{device}' needs GPU {index} but this process sees {cuda_count}: use cuda:0 to "
-                         f"cuda:{cuda_count - 1}, or as many processes per node as GPUs")
+        raise ValueError(f"device='{device}' needs GPU {index} but this process sees {cuda_count}: use "
+                         f"cuda:0 to cuda:{cuda_count - 1}, or as many processes per node as GPUs")
     return f'cuda:{index}', 'cuda'
 
 
 def init_process_group(device_type, backend):
-    """Join torchrun's group: nccl on CUDA and gloo on a CPU for backend='auto'. torchrun keeps its store across
-    --max-restarts, so each attempt's addresses get a prefix a restarted group cannot confuse with the dead one's.
-    The timeout is 30 minutes (gloo's default): NCCL's 10 would end ranks waiting for rank 0's save of a large model.
-    At exit, on every path, a pause comes before the group is destroyed: gloo's threads free a finished collective's
-    tensors after the caller moved on, and a thread taking the GIL at interpreter shutdown aborts the process."""
+    """Join torchrun's group: nccl on CUDA and gloo on a CPU for backend='auto'. torchrun keeps its store
+    across --max-restarts, so each attempt's addresses get a prefix a restarted group cannot confuse with the
+    dead one's. The timeout is 30 minutes (gloo's default): NCCL's 10 would end ranks waiting for rank 0's
+    save of a large model. At exit, on every path, a pause comes before the group is destroyed: gloo's threads
+    free a finished collective's tensors after the caller moved on, and a thread taking the GIL at interpreter
+    shutdown aborts the process."""
     store, _, _ = next(dist.rendezvous('env://'))
     store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    dist.init_process_group(backend=(('nccl' if device_type == 'cuda' else 'gloo') if backend == 'auto' else backend),
-                            store=store, rank=int(os.environ['RANK']), world_size=int(os.environ['WORLD_SIZE']),
-                            timeout=datetime.timedelta(minutes=30))
+    dist.init_process_group(backend=(('nccl' if device_type == 'cuda' else 'gloo') if backend == 'auto'
+                                     else backend),
+                            store=store, rank=int(os.environ['RANK']),
+                            world_size=int(os.environ['WORLD_SIZE']), timeout=datetime.timedelta(minutes=30))
     atexit.register(lambda: time.sleep(0.1) or dist.destroy_process_group())
 
 
 def all_ranks(values):
-    """values, a tensor on this process's device, summed over the ranks in place (alone: as they are). Every rank
-    calls it at the same points."""
+    """values, a tensor on this process's device, summed over the ranks in place (alone: as they are). Every
+    rank calls it at the same points."""
     if dist.is_initialized():
         dist.all_reduce(values)
     return values
@@ -127,9 +131,9 @@ def gather(obj):
 
 
 def cuda_autocast_dtype(capability):
-    """The dtype 'auto' trains in on a GPU of this compute capability (major, minor): bfloat16 from Ampere (8.0) on,
-    float16 with the GradScaler before. torch.cuda.is_bf16_supported() also says True on a V100 or T4, which only
-    emulate bfloat16 (slowly), unless asked with including_emulation=False."""
+    """The dtype 'auto' trains in on a GPU of this compute capability (major, minor): bfloat16 from Ampere
+    (8.0) on, float16 with the GradScaler before. torch.cuda.is_bf16_supported() also says True on a V100 or
+    T4, which only emulate bfloat16 (slowly), unless asked with including_emulation=False."""
     return 'bfloat16' if capability[0] >= 8 else 'float16'
 
 
@@ -155,8 +159,9 @@ def read_cache(path):
 
 
 def cached(key, measure):
-    """measure()'s JSON-able result, stored under key in the cache file; 'cached' says which run measured it. Processes
-    that measure at once keep the first result written, so runs started together agree (a resume needs the same dtype)."""
+    """measure()'s JSON-able result, stored under key in the cache file; 'cached' says which run measured it.
+    Processes that measure at once keep the first result written, so runs started together agree (a resume
+    needs the same dtype)."""
     folder = os.environ.get('HONESTGPT_CACHE', os.path.join(os.path.expanduser('~'), '.cache', 'honestgpt'))
     path = os.path.join(folder, 'perf.json')
     if key in read_cache(path):
@@ -168,7 +173,8 @@ def cached(key, measure):
     entries[key] = entry
     try:
         os.makedirs(folder, exist_ok=True)
-        checkpoint.atomic_write(path, lambda f: f.write(json.dumps(entries, indent=1).encode()))  # read by others
+        # read by others
+        checkpoint.atomic_write(path, lambda f: f.write(json.dumps(entries, indent=1).encode()))
     except OSError:
         pass  # a read-only home: measure again next time
     return entry | {'cached': None}
@@ -178,19 +184,20 @@ def cached(key, measure):
 # the dtype 'auto' trains in, and autocast
 
 def autocast(device_type, dtype):
-    """The context every forward runs in: autocast to bfloat16 or float16 (weights, gradients and optimizer state stay
-    float32), nothing for float32."""
+    """The context every forward runs in: autocast to bfloat16 or float16 (weights, gradients and optimizer
+    state stay float32), nothing for float32."""
     return nullcontext() if dtype == 'float32' else torch.autocast(device_type, DTYPES[dtype])
 
 
 def step_seconds(model_args, batch_size, device, dtypes, rounds=3):
     """{dtype name: seconds of one forward+backward} of a fresh GPT of this shape on a micro-batch capped at
-    MEASURE_TOKENS, dtypes timed in turns (A B A B ...) so that other load hits each alike; the fastest round counts.
-    The global RNG (dropout's, the weights') is left as it was."""
+    MEASURE_TOKENS, dtypes timed in turns (A B A B ...) so that other load hits each alike; the fastest round
+    counts. The global RNG (dropout's, the weights') is left as it was."""
     with torch.random.fork_rng(devices=[]):
         model = GPT(GPTConfig(**model_args)).to(device)
         T = model_args['block_size']
-        idx = torch.arange(max(1, min(batch_size, MEASURE_TOKENS // T)) * T, device=device).view(-1, T) % model_args['vocab_size']
+        idx = (torch.arange(max(1, min(batch_size, MEASURE_TOKENS // T)) * T, device=device).view(-1, T)
+               % model_args['vocab_size'])
         best = {name: float('inf') for name in dtypes}
         for round in range(rounds + 1):  # round 0 warms up
             for name in dtypes:
@@ -205,40 +212,45 @@ def step_seconds(model_args, batch_size, device, dtypes, rounds=3):
 
 
 def auto_dtype(device, model_args, batch_size):
-    """(dtype name, how it was chosen: a dict for meta.json) for dtype='auto'. CUDA: bfloat16 where supported, else
-    float16. CPU: float32 unless the CPU has bfloat16 matmul units; with them, whichever of the two trained this
-    model's shape faster here, measured once per machine, shape and model.py. Wide matmuls gain from bfloat16 units,
-    small ones lose to the casts. HONESTGPT_AUTO_DTYPE forces the choice (the tests use it to run either way on one
-    machine)."""
+    """(dtype name, how it was chosen: a dict for meta.json) for dtype='auto'. CUDA: bfloat16 where supported,
+    else float16. CPU: float32 unless the CPU has bfloat16 matmul units; with them, whichever of the two
+    trained this model's shape faster here, measured once per machine, shape and model.py. Wide matmuls gain
+    from bfloat16 units, small ones lose to the casts. HONESTGPT_AUTO_DTYPE forces the choice (the tests use
+    it to run either way on one machine)."""
     forced = os.environ.get('HONESTGPT_AUTO_DTYPE')
     if forced:
         return forced, {'rule': 'forced by HONESTGPT_AUTO_DTYPE'}
     if torch.device(device).type == 'cuda':
         capability = torch.cuda.get_device_capability(device)
-        return cuda_autocast_dtype(capability), {'rule': f"CUDA compute capability {capability[0]}.{capability[1]}: "
-                                                         f"bfloat16 from 8.0 on, else float16"}
+        return cuda_autocast_dtype(capability), {'rule': f"CUDA compute capability "
+                                                         f"{capability[0]}.{capability[1]}: bfloat16 from "
+                                                         f"8.0 on, else float16"}
     if not (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()):
-        return 'float32', {'rule': 'CPU without bfloat16 matmul units: bfloat16 would be emulated, many times slower'}
+        return 'float32', {'rule': 'CPU without bfloat16 matmul units: bfloat16 would be emulated, many '
+                                   'times slower'}
     shape = {k: model_args[k] for k in sorted(model_args) if k != 'dropout'}
     # model.py's contents are part of the key: an edit to the model can change which dtype is faster
     with open(inspect.getsourcefile(GPT), 'rb') as f:
         code = hashlib.sha256(f.read()).hexdigest()[:12]
     seconds = cached(f"step {machine(device)} model.py {code} {json.dumps(shape)} batch {batch_size}",
-                     lambda: {'seconds': step_seconds(model_args, batch_size, device, ('float32', 'bfloat16'))})
+                     lambda: {'seconds': step_seconds(model_args, batch_size, device,
+                                                      ('float32', 'bfloat16'))})
     dtype = min(seconds['seconds'], key=seconds['seconds'].get)
-    return dtype, {'rule': 'the faster of float32 and bfloat16 for this model, measured (forward+backward seconds)', **seconds}
+    return dtype, {'rule': 'the faster of float32 and bfloat16 for this model, measured (forward+backward '
+                           'seconds)', **seconds}
 
 
 def float16_warning(device, n_embd, tokens):
-    """A warning line when float16 is emulated on this CPU ('' when it is not): CPUs have no float16 matmul units.
-    Measured on a (tokens, C) x (C, 4C) product, an MLP's, in float16 and float32."""
+    """A warning line when float16 is emulated on this CPU ('' when it is not): CPUs have no float16 matmul
+    units. Measured on a (tokens, C) x (C, 4C) product, an MLP's, in float16 and float32."""
     a16 = torch.full((tokens, n_embd), 0.5, dtype=torch.float16)
     b16 = torch.full((n_embd, 4 * n_embd), 0.25, dtype=torch.float16)
     slow, fast = best_seconds(a16, b16, 0.05), best_seconds(a16.float(), b16.float(), 0.05)
     if slow < 1.5 * fast:
         return ''
-    return (f"warning: dtype=float16 on this CPU is emulated: an MLP matmul of this model took {slow * 1e3:.1f} ms in "
-            f"float16 against {fast * 1e3:.1f} ms in float32 ({slow / fast:.0f}x slower): use dtype=bfloat16 or float32")
+    return (f"warning: dtype=float16 on this CPU is emulated: an MLP matmul of this model took "
+            f"{slow * 1e3:.1f} ms in float16 against {fast * 1e3:.1f} ms in float32 ({slow / fast:.0f}x "
+            f"slower): use dtype=bfloat16 or float32")
 
 
 # -----------------------------------------------------------------------------
@@ -258,47 +270,54 @@ def best_seconds(a, b, budget):
 
 def measure_flops(device, dtype, budget=0.1):
     """The best FLOP/s of square matmuls. Every timing bounds the peak from below, so take the best over sizes
-    (small ones run from cache), over the layouts a Linear multiplies in (forward x W^T, backward dY W and dY^T X:
-    an emulated dtype's speed differs tenfold between them) and over repeats (other load slows only some).
-    Sizes double from 128 until the fastest layout takes 10 ms per product, or up to 8192."""
+    (small ones run from cache), over the layouts a Linear multiplies in (forward x W^T, backward dY W and
+    dY^T X: an emulated dtype's speed differs tenfold between them) and over repeats (other load slows only
+    some). Sizes double from 128 until the fastest layout takes 10 ms per product, or up to 8192."""
     best, n = (0.0, 0), 128
     while True:
-        # no torch.randn: the values do not change the speed, and the global RNG (dropout's) must stay untouched
-        a, b = torch.full((n, n), 0.5, device=device, dtype=dtype), torch.full((n, n), 0.25, device=device, dtype=dtype)
+        # no torch.randn: the values do not change the speed, and the global RNG (dropout's) must stay
+        # untouched
+        a, b = (torch.full((n, n), 0.5, device=device, dtype=dtype),
+                torch.full((n, n), 0.25, device=device, dtype=dtype))
         fastest = min(best_seconds(x, y, budget) for x, y in ((a, b.T), (a, b), (a.T, b)))
         best = max(best, (2 * n**3 / fastest, n))
         if fastest > 0.01 or n == 8192:
             name = str(dtype).removeprefix('torch.')
-            return best[0], f"measured: {best[1]}x{best[1]} {name} matmul, the fastest of 3 layouts and sizes 128 to {n}"
+            return best[0], (f"measured: {best[1]}x{best[1]} {name} matmul, the fastest of 3 layouts and "
+                             f"sizes 128 to {n}")
         n *= 2
 
 
 def peak_flops(device, dtype):
-    """(FLOP/s, how it was obtained) for a torch dtype: the datasheet on known GPUs, else measured once per machine."""
+    """(FLOP/s, how it was obtained) for a torch dtype: the datasheet on known GPUs, else measured once per
+    machine."""
     if torch.device(device).type == 'cuda':
         name = torch.cuda.get_device_name(device)
         peak = table_peak(name, dtype)
         if peak:
             return peak, f"datasheet: {name}, {str(dtype).removeprefix('torch.')} dense"
-    entry = cached(f"peak {machine(device)} {dtype}", lambda: dict(zip(('flops', 'how'), measure_flops(device, dtype))))
+    entry = cached(f"peak {machine(device)} {dtype}",
+                   lambda: dict(zip(('flops', 'how'), measure_flops(device, dtype))))
     return entry['flops'], entry['how'] + (f" (cached in {entry['cached']})" if entry['cached'] else '')
 
 
 def peak_memory_mb(device):
-    """The CUDA allocator's peak, or on CPU the process's peak resident set (all it ever held, not one model's)."""
+    """The CUDA allocator's peak, or on CPU the process's peak resident set (all it ever held, not one
+    model's)."""
     if torch.device(device).type == 'cuda':
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == 'darwin' else 2**10)
 
 
 def memory_held(model, optimizer, device):
-    """What this process holds, MB: weights, gradients and optimizer state (an FSDP rank its shards, a DDP rank full
-    replicas: a DTensor's own part is its to_local()), and its peak memory so far."""
+    """What this process holds, MB: weights, gradients and optimizer state (an FSDP rank its shards, a DDP
+    rank full replicas: a DTensor's own part is its to_local()), and its peak memory so far."""
     def mb(tensors):
         return sum(getattr(t, 'to_local', lambda: t)().nbytes for t in tensors) / 2**20
     params = list(model.parameters())
     return {'weights_mb': mb(params), 'grads_mb': mb(p.grad for p in params if p.grad is not None),
-            'optimizer_mb': mb(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)),
+            'optimizer_mb': mb(v for state in optimizer.state.values() for v in state.values()
+                               if torch.is_tensor(v)),
             'peak_mb': peak_memory_mb(device)}
 
 
@@ -309,7 +328,8 @@ PHASES = ('data', 'forward', 'backward', 'optimizer')  # train.py's record_funct
 
 
 def start_profiler(device_type):
-    activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * (device_type == 'cuda')
+    activities = ([torch.profiler.ProfilerActivity.CPU]
+                  + [torch.profiler.ProfilerActivity.CUDA] * (device_type == 'cuda'))
     profiler = torch.profiler.profile(activities=activities)
     profiler.start()
     return profiler
@@ -325,10 +345,10 @@ def stop_profiler(profiler, device_type, trace_path):
 
 
 def phase_times(events, device_type):
-    """{phase: ms} of a profiled iteration from torch.profiler's events, by train.py's labelled ranges. On a CPU, the
-    wall time of each range; on CUDA, where kernels run after their launch, the device time of the kernels launched
-    inside each range (FunctionEvent.device_time_total of the CPU-side range: its kernels and its children's).
-    'other': the rest of the iteration's wall time (CPU) or of its kernels' time (CUDA)."""
+    """{phase: ms} of a profiled iteration from torch.profiler's events, by train.py's labelled ranges. On a
+    CPU, the wall time of each range; on CUDA, where kernels run after their launch, the device time of the
+    kernels launched inside each range (FunctionEvent.device_time_total of the CPU-side range: its kernels and
+    its children's). 'other': the rest of the iteration's wall time (CPU) or of its kernels' time (CUDA)."""
     cpu_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     cuda = device_type == 'cuda'
     ms = dict.fromkeys(PHASES, 0.0)

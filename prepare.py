@@ -35,7 +35,8 @@ import tokenizer
 SHAKESPEARE_URL = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt'
 KNOWN_DATASETS = ('pystdlib_char', 'shakespeare_char', 'shakespeare')
 SPLITS = ('train', 'val', 'test')
-# llm.c's shard header (dev/data/data_common.py): 256 int32, [0] magic, [1] version, [2] tokens; then the tokens
+# llm.c's shard header (dev/data/data_common.py): 256 int32, [0] magic, [1] version, [2] tokens; then the
+# tokens
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 SHARD_FORMATS = {'uint16': (20240520, 1), 'uint32': (20240801, 7)}  # llm.c's gpt-2 and llama-3 layouts
@@ -48,8 +49,9 @@ class PrepareError(Exception):
     """A user mistake; the one-line message says what is wrong and how to fix it."""
 
 # -----------------------------------------------------------------------------
-# source: items (id, raw bytes, kind, split, offset) read lazily. kind says how a tokenizer process gets the text
-# out; a single text's pieces come with their split (by position) and offset in the file, a document with None, 0
+# source: items (id, raw bytes, kind, split, offset) read lazily. kind says how a tokenizer process gets the
+# text out; a single text's pieces come with their split (by position) and offset in the file, a document with
+# None, 0
 
 def decode_utf8(data, where, offset=0):
     try:
@@ -79,8 +81,9 @@ def is_records_file(path):
 
 
 class Reader:
-    """The documents of a list of files, read lazily, as items (id, raw bytes, kind, split, offset): kind says how a
-    tokenizer process gets the text out of the bytes. bytes_done says how far it got in bytes on disk."""
+    """The documents of a list of files, read lazily, as items (id, raw bytes, kind, split, offset): kind says
+    how a tokenizer process gets the text out of the bytes. bytes_done says how far it got in bytes on
+    disk."""
 
     def __init__(self, files, root, text_key):
         self.files, self.root, self.text_key = files, root, text_key
@@ -111,25 +114,29 @@ def gzip_lines(raw, path):
     try:
         yield from gzip.open(raw)
     except (OSError, EOFError, zlib.error) as e:  # not gzip, truncated, corrupt
-        raise PrepareError(f'{path} is not a readable gzip file ({e}): compress or download it again') from None
+        raise PrepareError(f'{path} is not a readable gzip file ({e}): compress or download it '
+                           f'again') from None
 
 
 def parquet_texts(path, text_key):
     try:
         import pyarrow.parquet
     except ImportError:
-        raise PrepareError(f'{path} is parquet, which needs pyarrow: pip install pyarrow, or convert it to .jsonl') from None
+        raise PrepareError(f'{path} is parquet, which needs pyarrow: pip install pyarrow, or convert it to '
+                           f'.jsonl') from None
     records = pyarrow.parquet.ParquetFile(path)
     if text_key not in records.schema_arrow.names:
-        raise PrepareError(f'{path} has no column {text_key!r} (it has {", ".join(records.schema_arrow.names)}): '
-                           f'pass --text_key NAME of the column that holds the text')
-    for batch in records.iter_batches(batch_size=1024, columns=[text_key]):  # the default 65,536 rows: GBs of long documents
+        raise PrepareError(f'{path} has no column {text_key!r} (it has '
+                           f'{", ".join(records.schema_arrow.names)}): pass --text_key NAME of the column '
+                           f'that holds the text')
+    # the default 65,536 rows: GBs of long documents
+    for batch in records.iter_batches(batch_size=1024, columns=[text_key]):
         yield from (t or '' for t in batch.column(0).to_pylist())
 
 
 def text_chunks(path, start, end, progress):
-    """The bytes [start, end) of a file as (offset, piece) of about BATCH_BYTES each, cut after a newline (or, in a
-    text without newlines, where a character starts), so no character is ever cut in two."""
+    """The bytes [start, end) of a file as (offset, piece) of about BATCH_BYTES each, cut after a newline (or,
+    in a text without newlines, where a character starts), so no character is ever cut in two."""
     with open(path, 'rb') as f:
         f.seek(start)
         rest = b''
@@ -137,7 +144,8 @@ def text_chunks(path, start, end, progress):
             block = rest + f.read(min(BATCH_BYTES, end - start))
             start += len(block) - len(rest)
             # no character is longer than 4 bytes: one starts in the last 4
-            cut = len(block) if start >= end else block.rfind(b'\n') + 1 or char_boundary(block, max(len(block) - 4, 0))
+            cut = (len(block) if start >= end
+                   else block.rfind(b'\n') + 1 or char_boundary(block, max(len(block) - 4, 0)))
             rest = block[cut:]
             progress.bytes_done = start - len(rest)
             if cut:
@@ -204,8 +212,8 @@ def download(url):
 
 
 def read_source(text_path, reader, progress, source_hash):
-    """The source's items, in order; source_hash (a hashlib object) gets its bytes: a single text's, or the ids,
-    lengths and bytes of its documents."""
+    """The source's items, in order; source_hash (a hashlib object) gets its bytes: a single text's, or the
+    ids, lengths and bytes of its documents."""
     if text_path:
         for split, (a, b) in position_bounds(text_path).items():
             for offset, chunk in text_chunks(text_path, a, b, progress):
@@ -214,7 +222,8 @@ def read_source(text_path, reader, progress, source_hash):
         return
     for item in reader:
         doc_id, raw = item[:2]
-        source_hash.update(f'{doc_id}\0{len(raw)}\0'.encode('utf-8') + raw)  # lengths keep boundaries unambiguous
+        # lengths keep boundaries unambiguous
+        source_hash.update(f'{doc_id}\0{len(raw)}\0'.encode('utf-8') + raw)
         progress.bytes_done = reader.bytes_done
         yield item
 
@@ -222,11 +231,11 @@ def read_source(text_path, reader, progress, source_hash):
 # split: a single text's by position (position_bounds), documents' in order as they come
 
 class DocumentSplitter:
-    """Splits of documents in the order they come, drawn in blocks of 20 distinct documents: a permutation from
-    (seed, block) puts 2 in val, 1 in test, 17 in train. No list of all documents is needed, every block holds
-    exactly 10% val and 5% test, so 20 documents make three splits. Exact copies are dropped (None), otherwise a
-    copy in train would make the model look better on val than it is. seen holds a Python int per distinct
-    document: about 70 bytes each (69.5 measured with tracemalloc over a million)."""
+    """Splits of documents in the order they come, drawn in blocks of 20 distinct documents: a permutation
+    from (seed, block) puts 2 in val, 1 in test, 17 in train. No list of all documents is needed, every block
+    holds exactly 10% val and 5% test, so 20 documents make three splits. Exact copies are dropped (None),
+    otherwise a copy in train would make the model look better on val than it is. seen holds a Python int per
+    distinct document: about 70 bytes each (69.5 measured with tracemalloc over a million)."""
     BLOCK = ['val'] * 2 + ['test'] + ['train'] * 17
 
     def __init__(self, seed):
@@ -250,8 +259,8 @@ def split_rule(documents, seed):
     return 'contiguous: test [0, 0.05n), train [0.05n, 0.9n), val [0.9n, n) bytes'
 
 # -----------------------------------------------------------------------------
-# encode: tokenizer processes run a job on every item, a batch at a time: one batch of items in, per item (content
-# digest, split or None for a document, has text, bytes of text, the job's result) out
+# encode: tokenizer processes run a job on every item, a batch at a time: one batch of items in, per item
+# (content digest, split or None for a document, has text, bytes of text, the job's result) out
 
 worker = {}  # this process's job(text, digest), set once by init_worker
 
@@ -271,7 +280,8 @@ def process_batch(batch):
                 raise PrepareError(f'{doc_id} is not a JSON object with a {key!r} field: '
                                    f'pass --text_key NAME of the field that holds the text') from None
             if not isinstance(text, str):
-                raise PrepareError(f'{doc_id} has {key!r}: {json.dumps(text)[:40]}, not a string: fix or drop that record')
+                raise PrepareError(f'{doc_id} has {key!r}: {json.dumps(text)[:40]}, not a string: fix or '
+                                   f'drop that record')
             try:
                 data = text.encode('utf-8')
             except UnicodeEncodeError as e:  # JSON's \ud800 escapes can name half a character
@@ -298,9 +308,9 @@ def batched(items):
 
 
 def processed(items, num_proc, job):
-    """process_batch over batches of items, in order, whatever num_proc: the output does not depend on it. At most
-    2 x num_proc batches are in flight, so reading never runs ahead of tokenizing (Pool.imap would read it all).
-    The processes are forked: job, a closure over a tokenizer too, reaches them without pickling."""
+    """process_batch over batches of items, in order, whatever num_proc: the output does not depend on it. At
+    most 2 x num_proc batches are in flight, so reading never runs ahead of tokenizing (Pool.imap would read
+    it all). The processes are forked: job, a closure over a tokenizer too, reaches them without pickling."""
     if num_proc == 1:
         init_worker(job)
         for batch in batched(items):
@@ -332,13 +342,15 @@ class Progress:
             self.last = now
             rate = self.bytes_done / (now - self.start)
             eta = (self.total_bytes - self.bytes_done) / rate if rate else float('inf')
-            print(f'{self.what}: {self.documents:,} documents, {self.tokens:,} tokens, {self.bytes_done / 1e6:,.0f} of '
-                  f'{self.total_bytes / 1e6:,.0f} MB, {rate / 1e6:.1f} MB/s, ETA {eta:.0f} s', file=sys.stderr, flush=True)
+            print(f'{self.what}: {self.documents:,} documents, {self.tokens:,} tokens, '
+                  f'{self.bytes_done / 1e6:,.0f} of {self.total_bytes / 1e6:,.0f} MB, {rate / 1e6:.1f} MB/s, '
+                  f'ETA {eta:.0f} s', file=sys.stderr, flush=True)
 
 
 def run_pass(what, text_path, reader, num_proc, job, splitter, source_hash=None):
-    """One streaming pass over the source, job(text, digest) run on every item by num_proc processes: per item, in
-    order, (split, has text, bytes of text, the job's result), split None for an exact copy of a document."""
+    """One streaming pass over the source, job(text, digest) run on every item by num_proc processes: per
+    item, in order, (split, has text, bytes of text, the job's result), split None for an exact copy of a
+    document."""
     progress = Progress(what, os.path.getsize(text_path) if text_path else reader.total_bytes)
     items = read_source(text_path, reader, progress, source_hash or hashlib.sha256())
     for digest, split, has_text, text_bytes, result in processed(items, num_proc, job):
@@ -351,19 +363,20 @@ def run_pass(what, text_path, reader, num_proc, job, splitter, source_hash=None)
 # seen it, its vocabulary included)
 
 def given_tokenizer(spec):
-    """--tokenizer's value -> (the Tokenizer, or None for one fit on the train split, the BPE vocabulary asked)."""
+    """--tokenizer's value -> (the Tokenizer, or None for one fit on the train split, the BPE vocabulary
+    asked)."""
     if spec == 'char':
         return None, 0
     if spec.startswith('bpe:'):
         if not spec[4:].isdigit() or int(spec[4:]) < 257:
-            raise PrepareError(f'tokenizer {spec!r}: the vocabulary size after bpe: must be a whole number of at '
-                               f'least 257 (256 bytes and end-of-text), e.g. bpe:8192')
+            raise PrepareError(f'tokenizer {spec!r}: the vocabulary size after bpe: must be a whole number '
+                               f'of at least 257 (256 bytes and end-of-text), e.g. bpe:8192')
         return None, int(spec[4:])
     if spec == 'gpt2':
         return tokenizer.gpt2(), 0
     if not spec.endswith('.tiktoken'):
-        raise PrepareError(f'tokenizer {spec!r} not understood: use char, gpt2, bpe:VOCAB_SIZE (e.g. bpe:8192) '
-                           f'or a path to a .tiktoken ranks file')
+        raise PrepareError(f'tokenizer {spec!r} not understood: use char, gpt2, bpe:VOCAB_SIZE (e.g. '
+                           f'bpe:8192) or a path to a .tiktoken ranks file')
     return tokenizer.ranks_file(os.path.abspath(spec)), 0
 
 
@@ -382,11 +395,11 @@ def train_chars(text_path, reader, num_proc, seed):
 
 
 def train_bpe(vocab_size, text_path, reader, num_proc, seed, folder, name):
-    """A BPE learned on the train split's documents (a single text's pieces), written to folder/NAME.tiktoken; returns
-    the Tokenizer. The sample: every train document whose content digest, uniform over 2**64, falls below
-    BPE_SAMPLE_BYTES / the source's size on disk times 2**64, so it is spread over the corpus and the same for any
-    num_proc; all of train when the source is smaller. A compressed source holds more text than its size: the
-    sample also ends before the document that would take it past BPE_SAMPLE_BYTES."""
+    """A BPE learned on the train split's documents (a single text's pieces), written to folder/NAME.tiktoken;
+    returns the Tokenizer. The sample: every train document whose content digest, uniform over 2**64, falls
+    below BPE_SAMPLE_BYTES / the source's size on disk times 2**64, so it is spread over the corpus and the
+    same for any num_proc; all of train when the source is smaller. A compressed source holds more text than
+    its size: the sample also ends before the document that would take it past BPE_SAMPLE_BYTES."""
     source_bytes = os.path.getsize(text_path) if text_path else reader.total_bytes
     fraction = min(BPE_SAMPLE_BYTES / max(source_bytes, 1), 1.0)
     sample = {'documents': 0, 'bytes': 0}
@@ -395,8 +408,8 @@ def train_bpe(vocab_size, text_path, reader, num_proc, seed, folder, name):
         return text if digest < fraction * 2**64 else None
 
     def train_texts():
-        for split, _, text_bytes, text in run_pass('pass 1/2, BPE sample', text_path, reader, num_proc, sampled,
-                                                   DocumentSplitter(seed)):
+        for split, _, text_bytes, text in run_pass('pass 1/2, BPE sample', text_path, reader, num_proc,
+                                                   sampled, DocumentSplitter(seed)):
             if split == 'train' and text is not None:
                 if sample['bytes'] + text_bytes > BPE_SAMPLE_BYTES:
                     return
@@ -406,7 +419,8 @@ def train_bpe(vocab_size, text_path, reader, num_proc, seed, folder, name):
     tokenizer.train_bpe(train_texts(), vocab_size, os.path.join(folder, f'{name}.tiktoken'))
     tok = tokenizer.ranks_file(f'{name}.tiktoken', folder)
     tok.entry['trained'] = {
-        'vocab_size_asked': vocab_size, 'trainer': f"rustbpe {importlib.metadata.version('rustbpe')}", **sample,
+        'vocab_size_asked': vocab_size, 'trainer': f"rustbpe {importlib.metadata.version('rustbpe')}",
+        **sample,
         'sample_rule': f'train documents whose content digest < {fraction:.6g} x 2**64, '
                        f'at most {BPE_SAMPLE_BYTES:,} bytes'}
     return tok
@@ -422,17 +436,19 @@ def shard_header(num_tokens, dtype):
 
 
 class ShardWriter:
-    """A split's tokens appended to NAME_SPLIT_000000.bin, NAME_SPLIT_000001.bin, ... of shard_size tokens each (the
-    last one shorter). The header's token count is written when a shard is complete."""
+    """A split's tokens appended to NAME_SPLIT_000000.bin, NAME_SPLIT_000001.bin, ... of shard_size tokens
+    each (the last one shorter). The header's token count is written when a shard is complete."""
 
     def __init__(self, folder, name, split, dtype, shard_size):
-        self.folder, self.name, self.split, self.dtype, self.shard_size = folder, name, split, np.dtype(dtype), shard_size
+        self.folder, self.name, self.split, self.dtype, self.shard_size = (
+            folder, name, split, np.dtype(dtype), shard_size)
         self.files, self.file, self.count = [], None, 0
 
     def append(self, tokens):
         while len(tokens):
             if self.file is None:
-                self.file = open(os.path.join(self.folder, f'{self.name}_{self.split}_{len(self.files):06d}.bin'), 'wb')
+                self.file = open(os.path.join(self.folder,
+                                              f'{self.name}_{self.split}_{len(self.files):06d}.bin'), 'wb')
                 self.file.write(shard_header(0, self.dtype))
             piece, tokens = tokens[:self.shard_size - self.count], tokens[self.shard_size - self.count:]
             self.file.write(piece.astype(self.dtype).tobytes())
@@ -470,12 +486,14 @@ def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, t
     if not name or name.startswith('.') or '/' in name or os.sep in name:
         raise PrepareError(f'dataset name {name!r} must be a plain folder name, like my_data')
     if not 0 < shard_size < 2**31:
-        raise PrepareError(f'shard_size={shard_size} must be between 1 and 2**31-1 (the header holds an int32)')
+        raise PrepareError(f'shard_size={shard_size} must be between 1 and 2**31-1 (the header holds an '
+                           f'int32)')
     num_proc = num_proc or os.cpu_count()
     if num_proc < 1:
         raise PrepareError(f'num_proc={num_proc} must be at least 1 (tokenizer processes)')
     tokenizer = tokenizer or ('gpt2' if name == 'shakespeare' else 'char')
-    tok, bpe_vocab_size = given_tokenizer(tokenizer)  # before reading anything, so a bad --tokenizer fails fast
+    # before reading anything, so a bad --tokenizer fails fast
+    tok, bpe_vocab_size = given_tokenizer(tokenizer)
 
     # build the dataset in a temp folder beside the target and swap it in at the end,
     # so a failed run never leaves a half-written dataset or destroys the previous one
@@ -498,7 +516,8 @@ def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, t
         counts = {split: {'tokens': 0, 'documents': 0, 'bytes': 0, 'unknown_chars': 0} for split in SPLITS}
         splitter, source_hash, has_any_text = DocumentSplitter(seed), hashlib.sha256(), False
 
-        def encode(text, digest):  # ids in the shards' dtype: half the bytes to send back and hold, for uint16
+        # ids in the shards' dtype: half the bytes to send back and hold, for uint16
+        def encode(text, digest):
             return tok.ids(text, dtype, end_of_document=documents)
         for split, has_text, text_bytes, tokens in run_pass('tokenizing', text_path, reader, num_proc, encode,
                                                             splitter, source_hash):
@@ -519,14 +538,16 @@ def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, t
         if not has_any_text:
             raise PrepareError(f'input {source} is empty or only whitespace: point --input at some text')
         if documents and len(splitter.seen) < 3:
-            raise PrepareError(f'only {len(splitter.seen)} distinct documents: need at least 3 (one per split); '
-                               f'add files, or pass a single file to split it by position')
+            raise PrepareError(f'only {len(splitter.seen)} distinct documents: need at least 3 (one per '
+                               f'split); add files, or pass a single file to split it by position')
         splits = splits_meta(counts, writers, text_path, tokenizer == 'char')
         meta = {
             'name': name, 'tokenizer': tok.entry, 'vocab_size': tok.vocab_size, 'dtype': np.dtype(dtype).name,
-            'splits': splits, 'val_bytes_per_token': round(splits['val']['bytes'] / splits['val']['tokens'], 4),
-            'source': source, 'source_sha256': source_hash.hexdigest(), 'split_rule': split_rule(documents, seed),
-            'seed': seed, 'duplicates_dropped': splitter.items - len(splitter.seen), 'shard_size': shard_size,
+            'splits': splits,
+            'val_bytes_per_token': round(splits['val']['bytes'] / splits['val']['tokens'], 4),
+            'source': source, 'source_sha256': source_hash.hexdigest(),
+            'split_rule': split_rule(documents, seed), 'seed': seed,
+            'duplicates_dropped': splitter.items - len(splitter.seen), 'shard_size': shard_size,
         }
         with open(os.path.join(new_dir, 'meta.json'), 'w', encoding='utf-8') as f:
             json.dump(meta, f, indent=2, ensure_ascii=False)
@@ -546,12 +567,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description='Tokenize a text dataset into train/val/test shards.')
     parser.add_argument('name', help=f'dataset name: {", ".join(KNOWN_DATASETS)}, or any name with --input')
     parser.add_argument('--input', dest='input_path',
-                        help='a text file (split by position), a folder (split by document), .jsonl, .jsonl.gz or .parquet')
-    parser.add_argument('--tokenizer', help='char, gpt2, PATH.tiktoken, or bpe:VOCAB_SIZE to learn a BPE on the train '
-                                            'split (default: gpt2 for shakespeare, else char)')
+                        help='a text file (split by position), a folder (split by document), .jsonl, '
+                             '.jsonl.gz or .parquet')
+    parser.add_argument('--tokenizer', help='char, gpt2, PATH.tiktoken, or bpe:VOCAB_SIZE to learn a BPE on '
+                                            'the train split (default: gpt2 for shakespeare, else char)')
     parser.add_argument('--data_dir', default='data', help='where the dataset folder is written')
     parser.add_argument('--seed', type=int, default=1337, help='seed of the split of documents')
-    parser.add_argument('--text_key', default='text', help='the field that holds the text in .jsonl and .parquet records')
+    parser.add_argument('--text_key', default='text', help='the field that holds the text in .jsonl and '
+                                                           '.parquet records')
     parser.add_argument('--num_proc', type=int, default=os.cpu_count(), help='tokenizer processes')
     parser.add_argument('--shard_size', type=int, default=100_000_000, help='tokens per shard file')
     args = parser.parse_args(argv)
@@ -566,10 +589,12 @@ def main(argv=None):
     trained = meta['tokenizer'].get('trained')
     kind = f"BPE learned on {trained['bytes']:,} bytes of train" if trained else meta['tokenizer']['kind']
     print(f"wrote {out_dir}: vocab_size {meta['vocab_size']} ({kind}), {meta['dtype']}, "
-          f"{meta['val_bytes_per_token']} bytes/token on val, {meta['duplicates_dropped']} duplicate documents dropped")
+          f"{meta['val_bytes_per_token']} bytes/token on val, {meta['duplicates_dropped']} duplicate "
+          f"documents dropped")
     for split, s in meta['splits'].items():
         unknown = f", {s['unknown_chars']:,} unknown chars" if 'unknown_chars' in s else ''
-        print(f"  {split:5s} {s['tokens']:>12,} tokens {s['documents']:>6,} documents in {len(s['shards'])} shard(s){unknown}")
+        print(f"  {split:5s} {s['tokens']:>12,} tokens {s['documents']:>6,} documents in {len(s['shards'])} "
+              f"shard(s){unknown}")
 
 
 if __name__ == '__main__':

@@ -17,7 +17,8 @@ from configurator import fail
 
 
 RUN_FILES = ('metrics.jsonl', 'config.json', 'meta.json')
-SPIKE_FACTOR, SPIKE_WINDOW, SPIKE_MIN_HISTORY = 5, 100, 10  # grad norm > 5x the median of up to 100 previous steps
+# grad norm > 5x the median of up to 100 previous steps
+SPIKE_FACTOR, SPIKE_WINDOW, SPIKE_MIN_HISTORY = 5, 100, 10
 LEAK_BELOW = 0.05  # val this far (relative) below train at the last eval: suspicious
 LEAK_TRACKS = 0.002  # val this close (relative) to train at every eval: suspicious too
 
@@ -40,15 +41,18 @@ def loss_text(loss):
 def status(records, max_iters):
     """(one word, the rest of the sentence)."""
     # a test or abort record ends the run only if no training record follows it (a later resume)
-    end = next((r for r in reversed(records) if r['kind'] in ('train', 'eval', 'test', 'abort', 'stop')), None)
+    end = next((r for r in reversed(records) if r['kind'] in ('train', 'eval', 'test', 'abort', 'stop')),
+               None)
     if end is None or end['kind'] in ('train', 'eval'):
         last_step = max((r['step'] for r in records if 'step' in r), default=0)
         return 'incomplete', f"the run did not finish (killed or still running?) at iteration {last_step}"
     if end['kind'] == 'abort':
         return 'aborted', f"at iteration {end['step']}: {end['message']}"
     if end['kind'] == 'stop':
-        return 'stopped', f"by {end['signal']} at iteration {end['step']} of {max_iters}: last.pt holds it, resume it"
-    return 'early-stopped' if end['step'] < max_iters else 'finished', f"at iteration {end['step']} of {max_iters}"
+        return 'stopped', (f"by {end['signal']} at iteration {end['step']} of {max_iters}: last.pt holds it, "
+                           f"resume it")
+    return ('early-stopped' if end['step'] < max_iters else 'finished',
+            f"at iteration {end['step']} of {max_iters}")
 
 
 def fit_read(evals):
@@ -58,8 +62,8 @@ def fit_read(evals):
     best = min(range(len(evals)), key=lambda i: evals[i]['val_loss'])
     since_best = len(evals) - 1 - best
     if since_best >= 2 and evals[-1]['train_loss'] < evals[best]['train_loss']:
-        return (f"overfitting from iteration {evals[best]['step']}: val loss was lowest there and stayed above it for the "
-                f"{since_best} evaluations since, while train loss kept falling")
+        return (f"overfitting from iteration {evals[best]['step']}: val loss was lowest there and stayed "
+                f"above it for the {since_best} evaluations since, while train loss kept falling")
     if since_best == 0 and evals[-1]['train_loss'] < evals[-2]['train_loss']:
         return "underfitting: train and val loss are both still falling at the last evaluation: train longer"
     return f"fitting: val loss stopped improving at iteration {evals[best]['step']} without a sustained rise"
@@ -68,9 +72,10 @@ def fit_read(evals):
 def leakage(evals):
     last = evals[-1]
     if last['val_loss'] < (1 - LEAK_BELOW) * last['train_loss']:
-        return (f"val loss sits {last['train_loss'] - last['val_loss']:.4f} below train loss at the last evaluation: "
-                f"check that val text does not also occur in train")
-    if len(evals) >= 3 and all(abs(e['val_loss'] - e['train_loss']) < LEAK_TRACKS * e['train_loss'] for e in evals):
+        return (f"val loss sits {last['train_loss'] - last['val_loss']:.4f} below train loss at the last "
+                f"evaluation: check that val text does not also occur in train")
+    if len(evals) >= 3 and all(abs(e['val_loss'] - e['train_loss']) < LEAK_TRACKS * e['train_loss']
+                               for e in evals):
         return (f"val loss tracks train loss within {LEAK_TRACKS:.1%} at every evaluation: "
                 f"check that val text does not also occur in train")
     return None
@@ -95,7 +100,8 @@ def grad_spikes(train):
     for r in train:
         if r.get('skipped'):
             continue
-        if len(norms) >= SPIKE_MIN_HISTORY and r['grad_norm'] > SPIKE_FACTOR * statistics.median(norms[-SPIKE_WINDOW:]):
+        if (len(norms) >= SPIKE_MIN_HISTORY
+                and r['grad_norm'] > SPIKE_FACTOR * statistics.median(norms[-SPIKE_WINDOW:])):
             spikes.append(r['step'])
         norms.append(r['grad_norm'])
     return spikes
@@ -107,20 +113,25 @@ def resume_command(meta, has_last, settings=None):
     ({key: value}) replace the command's own --key=... (a resumed run's command holds those of its resume)."""
     settings = settings or {}
     dropped = ['init_from', 'resume_from'] if has_last else ['init_from']
-    args = [a for a in meta['command'][1:] if not a.startswith(tuple(f'--{k}=' for k in dropped + list(settings)))]
+    args = [a for a in meta['command'][1:]
+            if not a.startswith(tuple(f'--{k}=' for k in dropped + list(settings)))]
     world_size = meta.get('world_size', 1)
-    launcher = ['python'] if world_size == 1 else ['torchrun', '--standalone', f'--nproc_per_node={world_size}']
-    return shlex.join(launcher + [meta['command'][0], *args, f"--init_from={'resume' if has_last else 'auto'}",
+    launcher = (['python'] if world_size == 1
+                else ['torchrun', '--standalone', f'--nproc_per_node={world_size}'])
+    return shlex.join(launcher + [meta['command'][0], *args,
+                                  f"--init_from={'resume' if has_last else 'auto'}",
                                   *(f'--{k}={v}' for k, v in settings.items())])
 
 
 def task_names(evals):
-    """The multiple-choice tasks an evaluation scored (train.py's eval_tasks): eval records hold TASK/acc_norm."""
+    """The multiple-choice tasks an evaluation scored (train.py's eval_tasks): eval records hold
+    TASK/acc_norm."""
     return [k.removesuffix('/acc_norm') for k in (evals[-1] if evals else {}) if k.endswith('/acc_norm')]
 
 
 def plot_curves(train, evals, path, title, log_interval):
-    import matplotlib  # here: train.py imports this module, and a run stopped at start-up should not pay 0.8 s for it
+    # here: train.py imports this module, and a run stopped at start-up should not pay 0.8 s for it
+    import matplotlib
     matplotlib.use('Agg')  # files only, no display
     import matplotlib.pyplot as plt
     tasks = task_names(evals)
@@ -128,14 +139,17 @@ def plot_curves(train, evals, path, title, log_interval):
                              height_ratios=[3, 1] + [2] * bool(tasks))
     ax_loss, ax_lr = axes[0], axes[-1]
     ax_loss.plot([r['step'] for r in train], [r['loss'] for r in train], lw=0.8, alpha=0.5,
-                 label=f'train (every {log_interval} iterations)' if log_interval > 1 else 'train (every iteration)')
+                 label=(f'train (every {log_interval} iterations)' if log_interval > 1
+                        else 'train (every iteration)'))
     for key, label in (('train_loss', 'train (eval)'), ('val_loss', 'val (eval)')):
         ax_loss.plot([e['step'] for e in evals], [e[key] for e in evals], 'o-', label=label)
     ax_loss.set(ylabel='loss (nats/token)', title=title)
     ax_loss.legend()
     for task in tasks:  # accuracy beside its chance level
-        line, = axes[1].plot([e['step'] for e in evals], [e[f'{task}/acc_norm'] for e in evals], 'o-', label=task)
-        axes[1].axhline(evals[-1][f'{task}/chance'], ls='--', color=line.get_color(), lw=0.8, label=f'{task}: chance')
+        line, = axes[1].plot([e['step'] for e in evals], [e[f'{task}/acc_norm'] for e in evals], 'o-',
+                             label=task)
+        axes[1].axhline(evals[-1][f'{task}/chance'], ls='--', color=line.get_color(), lw=0.8,
+                        label=f'{task}: chance')
     if tasks:
         axes[1].set(ylabel='acc_norm')
         axes[1].legend()
@@ -148,12 +162,14 @@ def plot_curves(train, evals, path, title, log_interval):
 
 def config_lines(config):
     settings = {k: v for k, v in config.items() if k != 'resolved'}
-    lines = ["## Config", "", f"Resolved: device {config['resolved']['device']}, dtype {config['resolved']['dtype']}. "
+    lines = ["## Config", "",
+             f"Resolved: device {config['resolved']['device']}, dtype {config['resolved']['dtype']}. "
              "Values set by a config file or the command line are in bold.", "",
              "| key | value | source |", "|---|---|---|"]
     for key, entry in settings.items():
         value = repr(entry['value']).replace('|', '\\|')
-        lines.append(f"| {key} | {value if entry['source'] == 'default' else f'**{value}**'} | {entry['source']} |")
+        lines.append(f"| {key} | {value if entry['source'] == 'default' else f'**{value}**'} | "
+                     f"{entry['source']} |")
     return lines
 
 
@@ -165,20 +181,23 @@ def loss_lines(evals, test, split_rule):
     last = evals[-1]
     lines = ["## Loss", "",
              f"- last evaluation (iteration {last['step']}): train {loss_text(last['train_loss'])}, "
-             f"val {loss_text(last['val_loss'])}, gap (val - train) {last['val_loss'] - last['train_loss']:+.4f}",
+             f"val {loss_text(last['val_loss'])}, gap (val - train) "
+             f"{last['val_loss'] - last['train_loss']:+.4f}",
              f"- best val loss {loss_text(best_val['val_loss'])} at iteration {best_val['step']}; "
              f"best train loss {loss_text(best_train['train_loss'])} at iteration {best_train['step']}"]
     if test and test.get('test_loss') is not None:
-        lines.append(f"- test loss {loss_text(test['test_loss'])} with the best weights (iteration {test['best_iter']})")
-        if test['test_loss'] < (1 - LEAK_BELOW) * best_val['val_loss'] and split_rule.startswith('contiguous'):
-            lines.append("- test loss sits well below val loss: with a single text, test is its first 5% and val its last "
-                         "10%, so they are different text, and the opening of a text can be easier; compare val losses "
-                         "between runs, not test with val")
+        lines.append(f"- test loss {loss_text(test['test_loss'])} with the best weights (iteration "
+                     f"{test['best_iter']})")
+        if (test['test_loss'] < (1 - LEAK_BELOW) * best_val['val_loss']
+                and split_rule.startswith('contiguous')):
+            lines.append("- test loss sits well below val loss: with a single text, test is its first 5% and "
+                         "val its last 10%, so they are different text, and the opening of a text can be "
+                         "easier; compare val losses between runs, not test with val")
     for task in task_names(evals):
         best = max(evals, key=lambda e: e[f'{task}/acc_norm'])
-        lines.append(f"- {task}: acc {last[f'{task}/acc']:.4f}, acc_norm {last[f'{task}/acc_norm']:.4f} at the last "
-                     f"evaluation, best acc_norm {best[f'{task}/acc_norm']:.4f} at iteration {best['step']} (chance "
-                     f"{last[f'{task}/chance']:.4f})")
+        lines.append(f"- {task}: acc {last[f'{task}/acc']:.4f}, acc_norm {last[f'{task}/acc_norm']:.4f} at "
+                     f"the last evaluation, best acc_norm {best[f'{task}/acc_norm']:.4f} at iteration "
+                     f"{best['step']} (chance {last[f'{task}/chance']:.4f})")
     lines.append(f"- read: {fit_read(evals)}")
     leak = leakage(evals)
     return lines + ([f"- **possible leakage**: {leak}"] if leak else [])
@@ -194,7 +213,8 @@ def throughput_lines(records, train, config, meta):
     mems = [r['peak_mem_mb'] for r in train if r.get('peak_mem_mb') is not None]
     if mems:
         what = ("the CUDA allocator's peak on rank 0" if config['resolved']['device'].startswith('cuda') else
-                "rank 0's peak resident set (the whole process: Python, torch, data; loader workers not included)")
+                "rank 0's peak resident set (the whole process: Python, torch, data; loader workers not "
+                "included)")
         lines.append(f"- peak memory {max(mems):,.0f} MB by the last training log line: {what}")
     seconds = wall_seconds(records)
     if seconds is None:
@@ -205,7 +225,8 @@ def throughput_lines(records, train, config, meta):
                  f"({world_size} process(es))")
     cost_per_hour = config.get('cost_per_hour', {}).get('value')
     if cost_per_hour:
-        lines.append(f"- estimated cost {compute_hours * cost_per_hour:,.2f} ({cost_per_hour} per compute hour)")
+        lines.append(f"- estimated cost {compute_hours * cost_per_hour:,.2f} ({cost_per_hour} per compute "
+                     f"hour)")
     return lines
 
 
@@ -220,10 +241,12 @@ def write_report(out_dir):
     if smoke:
         lines += [f"Smoke test passed: loss {smoke['first_loss']:.4f} -> {smoke['final_loss']:.4f} in "
                   f"{smoke['steps']} steps", ""]
-    lines += loss_lines(evals, test, meta.get('dataset', {}).get('split_rule', '')) + [""] + throughput_lines(records, train, config, meta) + [""]
+    lines += (loss_lines(evals, test, meta.get('dataset', {}).get('split_rule', '')) + [""]
+              + throughput_lines(records, train, config, meta) + [""])
 
     spikes = grad_spikes(train)
-    listed = f", at iterations {', '.join(map(str, spikes[:5]))}{', ...' if len(spikes) > 5 else ''}" if spikes else ""
+    listed = (f", at iterations {', '.join(map(str, spikes[:5]))}{', ...' if len(spikes) > 5 else ''}"
+              if spikes else "")
     lines += ["## Instabilities", "",
               f"- float16 steps skipped: {train[-1].get('skipped_total', 0) if train else 0}",
               f"- gradient-norm spikes (> {SPIKE_FACTOR}x the running median): {len(spikes)}{listed}"]
@@ -236,18 +259,20 @@ def write_report(out_dir):
               if os.path.exists(os.path.join(out_dir, name))]
     max_iters, lr_decay_iters = config['max_iters']['value'], config['lr_decay_iters']['value']
     if word == 'finished':  # nothing left to do at this max_iters: the command must raise it
-        command = resume_command(meta, has_last, {'max_iters': 2 * max_iters, 'lr_decay_iters': lr_decay_iters})
-        how = (f"Train further (from the directory it was started in); past lr_decay_iters={lr_decay_iters} the learning "
-               f"rate stays at min_lr: change the command's --lr_decay_iters={lr_decay_iters} to "
-               f"--lr_decay_iters={2 * max_iters} to decay over the longer run instead:")
+        command = resume_command(meta, has_last,
+                                 {'max_iters': 2 * max_iters, 'lr_decay_iters': lr_decay_iters})
+        how = (f"Train further (from the directory it was started in); past lr_decay_iters={lr_decay_iters} "
+               f"the learning rate stays at min_lr: change the command's --lr_decay_iters={lr_decay_iters} "
+               f"to --lr_decay_iters={2 * max_iters} to decay over the longer run instead:")
     else:
         command = resume_command(meta, has_last)
-        how = f"{'Resume' if has_last else 'No last.pt yet: redo'} the run (from the directory it was started in):"
+        how = (f"{'Resume' if has_last else 'No last.pt yet: redo'} the run (from the directory it was "
+               f"started in):")
     lines += ["- curves: curves.png", "", how, "", f"    {command}", ""]
     with open(os.path.join(out_dir, 'report.md'), 'w') as f:
         f.write('\n'.join(lines))
-    plot_curves(train, evals, os.path.join(out_dir, 'curves.png'), f"{os.path.basename(os.path.normpath(out_dir))}: {word}",
-                config['log_interval']['value'])
+    plot_curves(train, evals, os.path.join(out_dir, 'curves.png'),
+                f"{os.path.basename(os.path.normpath(out_dir))}: {word}", config['log_interval']['value'])
 
 
 if __name__ == '__main__':

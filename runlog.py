@@ -1,9 +1,10 @@
 """
-A run's records in out_dir, written by rank 0 alone: train.log (every line the run printed), metrics.jsonl (one
-JSON record per event: start, train, eval, test, memory, abort, stop, ...), config.json (each key, its value and
-where it came from), meta.json (command, git SHA, seed, versions, hardware, data), and TensorBoard event files and
-Weights & Biases when asked. log() prints a line and keeps it; record() keeps a metrics record everywhere it goes;
-abort() ends a run that cannot go on. Until start() nothing is kept: a run that stops at a mistake writes nothing.
+A run's records in out_dir, written by rank 0 alone: train.log (every line the run printed), metrics.jsonl
+(one JSON record per event: start, train, eval, test, memory, abort, stop, ...), config.json (each key, its
+value and where it came from), meta.json (command, git SHA, seed, versions, hardware, data), and TensorBoard
+event files and Weights & Biases when asked. log() prints a line and keeps it; record() keeps a metrics record
+everywhere it goes; abort() ends a run that cannot go on. Until start() nothing is kept: a run that stops at a
+mistake writes nothing.
 """
 import glob
 import importlib.metadata
@@ -39,8 +40,8 @@ def log(message, stream=sys.stdout):
 
 
 def record(entry):
-    """One metrics.jsonl line (entry: a dict with 'kind' and 'step'); its numbers also go to TensorBoard and wandb
-    as KIND/KEY at that step."""
+    """One metrics.jsonl line (entry: a dict with 'kind' and 'step'); its numbers also go to TensorBoard and
+    wandb as KIND/KEY at that step."""
     if not master:
         return
     files['metrics.jsonl'].write(json.dumps(entry) + '\n')
@@ -59,12 +60,14 @@ def log_bytes():
     return {name: f.tell() for name, f in files.items()}
 
 
-def start(out_dir, keep_bytes, config, sources, resolved, run, report, tensorboard_log, wandb_project, wandb_run_name):
-    """Create out_dir (OSError if it cannot be written), open the logs for appending, write config.json (with what
-    'auto' settings resolved to) and meta.json (run: seed, dtype, device, data, ...). keep_bytes: what the checkpoint
-    a run resumes from had logged; what came after is cut, since those steps are redone (None keeps all: a first
-    session, or a resume from another folder; {} cuts all: a new run where one stopped before its first checkpoint).
-    Temp files a killed save left are dropped: never read, safe to remove. report: write report.md at the end."""
+def start(out_dir, keep_bytes, config, sources, resolved, run, report, tensorboard_log, wandb_project,
+          wandb_run_name):
+    """Create out_dir (OSError if it cannot be written), open the logs for appending, write config.json (with
+    what 'auto' settings resolved to) and meta.json (run: seed, dtype, device, data, ...). keep_bytes: what
+    the checkpoint a run resumes from had logged; what came after is cut, since those steps are redone (None
+    keeps all: a first session, or a resume from another folder; {} cuts all: a new run where one stopped
+    before its first checkpoint). Temp files a killed save left are dropped: never read, safe to remove.
+    report: write report.md at the end."""
     global run_dir, with_report, tensorboard, wandb
     run_dir, with_report = out_dir, report
     os.makedirs(out_dir, exist_ok=True)
@@ -92,14 +95,15 @@ def finish():
     if master and with_report:
         try:
             report.write_report(run_dir)
-        except OSError as e:  # a full disk: the run's files are whole, and python report.py OUT_DIR writes it later
+        except OSError as e:
+            # a full disk: the run's files are whole, and python report.py OUT_DIR writes it later
             return log(f"no report ({e.strerror}): python report.py {run_dir} writes it once there is room")
         log(f"report: {os.path.join(run_dir, 'report.md')} and curves.png")
 
 
 def abort(step, message):
-    """Stop the run now, exit code 1, with an abort record, the message and the report. Every rank calls it at the
-    same point, having decided on the same reduced values."""
+    """Stop the run now, exit code 1, with an abort record, the message and the report. Every rank calls it at
+    the same point, having decided on the same reduced values."""
     record({'kind': 'abort', 'step': step, 'message': message})
     log(f"error: {message}", sys.stderr)
     finish()
@@ -115,13 +119,14 @@ def write_meta(out_dir, run):
     and machine it ran on."""
     sha, dirty = git_state()
     write_json(os.path.join(out_dir, 'meta.json'), {
-        'command': sys.argv, 'start_time': time.strftime('%Y-%m-%dT%H:%M:%S%z'), 'git_sha': sha, 'git_dirty': dirty,
-        **run,
+        'command': sys.argv, 'start_time': time.strftime('%Y-%m-%dT%H:%M:%S%z'), 'git_sha': sha,
+        'git_dirty': dirty, **run,
         'versions': {'python': platform.python_version(), 'torch': torch.__version__, 'numpy': np.__version__,
                      **{p: importlib.metadata.version(p) for p in ('tiktoken', 'safetensors')}},
         'hardware': {'platform': platform.platform(), 'cpu': perf.cpu_name(), 'cpu_count': os.cpu_count(),
                      'torch_threads': torch.get_num_threads(),
-                     'cuda_devices': [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]},
+                     'cuda_devices': [torch.cuda.get_device_name(i)
+                                      for i in range(torch.cuda.device_count())]},
     })
 
 
@@ -131,7 +136,8 @@ def git_state():
     try:
         sha = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=repo, capture_output=True, text=True,
                              check=True).stdout.strip()
-        status = subprocess.run(['git', 'status', '--porcelain'], cwd=repo, capture_output=True, text=True).stdout
+        status = subprocess.run(['git', 'status', '--porcelain'], cwd=repo, capture_output=True,
+                                text=True).stdout
         return sha, bool(status.strip())
     except (OSError, subprocess.CalledProcessError):
         return 'unknown', None

@@ -3,7 +3,8 @@ Sample from a trained model with the run's own tokenizer:
 
     python sample.py --out_dir=out/tiny --start="def " --num_samples=3
     python sample.py --out_dir=out/tiny --start=FILE:prompt.txt --top_k=1   # greedy
-    python sample.py --out_dir=out/tiny --export_hf=out/tiny/hf   # a folder transformers loads: GPT2LMHeadModel, tokenizer
+    python sample.py --out_dir=out/tiny --export_hf=out/tiny/hf   # a folder transformers loads:
+    GPT2LMHeadModel, tokenizer
 
 Samples go to stdout, each followed by a line of dashes; what was loaded goes to stderr. The same
 --seed gives the same samples. An empty prompt starts where documents start: a newline for a
@@ -34,28 +35,37 @@ temperature = 0.8  # below 1 sharpens the distribution, above 1 flattens it
 top_k = 200  # sample among the k likeliest tokens only; 1 is greedy decoding
 seed = 1337  # sample i uses seed + i, so it does not depend on num_samples
 device = 'auto'  # 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...
-dtype = 'auto'  # 'auto' (as train.py decides it, for this model on this device), 'float32', 'bfloat16', 'float16'
-export = ''  # write the weights to this single .pt file (e.g. from an fsdp run's shards) and exit without sampling
-export_hf = ''  # write a Hugging Face GPT2LMHeadModel folder (config.json, model.safetensors, the tokenizer) here and exit
+# 'auto' (as train.py decides it, for this model on this device), 'float32', 'bfloat16', 'float16'
+dtype = 'auto'
+# write the weights to this single .pt file (e.g. from an fsdp run's shards) and exit without sampling
+export = ''
+# write a Hugging Face GPT2LMHeadModel folder (config.json, model.safetensors, the tokenizer) here and exit
+export_hf = ''
 # -----------------------------------------------------------------------------
 
 
 def load_model(path, device):
-    """(GPT in eval mode on device, the checkpoint dict) from a checkpoint file; raises checkpoint.CheckpointError.
-    The tokenizer is the dataset's: tokenizer.load(checkpoint['dataset']['tokenizer'])."""
+    """(GPT in eval mode on device, the checkpoint dict) from a checkpoint file; raises
+    checkpoint.CheckpointError. The tokenizer is the dataset's:
+    tokenizer.load(checkpoint['dataset']['tokenizer'])."""
     saved = checkpoint.load(path)
     try:
         model = GPT(GPTConfig(**saved['model_args']))
-        if 'shards' in saved:  # an fsdp run's checkpoint: gather its shards into whole tensors, in this one process
+        # an fsdp run's checkpoint: gather its shards into whole tensors, in this one process
+        if 'shards' in saved:
             import torch.distributed.checkpoint as dcp  # a second of imports only this case needs
             state = {'model': model.state_dict()}
-            with warnings.catch_warnings():  # dcp warns that it loads without a process group: that is the point
+            # dcp warns that it loads without a process group: that is the point
+            with warnings.catch_warnings():
                 warnings.simplefilter('ignore')
-                dcp.load(state, checkpoint_id=os.path.join(os.path.dirname(path), saved['shards']), no_dist=True)
+                dcp.load(state, checkpoint_id=os.path.join(os.path.dirname(path), saved['shards']),
+                         no_dist=True)
             saved['model'] = state['model']
         # checkpoints saved from a torch.compile or DDP wrapper elsewhere carry these prefixes
-        model.load_state_dict({re.sub(r'^((_orig_mod|module)\.)+', '', k): v for k, v in saved['model'].items()})
-        saved['dataset']['tokenizer']['kind']  # every use needs the dataset's tokenizer: missing, the file is not ours
+        model.load_state_dict({re.sub(r'^((_orig_mod|module)\.)+', '', k): v
+                               for k, v in saved['model'].items()})
+        # every use needs the dataset's tokenizer: missing, the file is not ours
+        saved['dataset']['tokenizer']['kind']
     except (KeyError, TypeError, RuntimeError) as e:
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise checkpoint.CheckpointError(f"{path} is not a train.py checkpoint ({first_line}): "
@@ -76,7 +86,8 @@ def sample_text(model, tok, start, max_new_tokens, temperature, top_k, seed, dev
 
 
 if __name__ == '__main__':
-    config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+    config_keys = [k for k, v in globals().items()
+                   if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
     try:
         globals().update(configure({k: globals()[k] for k in config_keys}, sys.argv[1:])[0])
     except ConfigError as e:
@@ -108,9 +119,11 @@ if __name__ == '__main__':
     except checkpoint.CheckpointError as e:
         fail(e)
     if export:
-        checkpoint.save_file({'model': model.state_dict(), 'model_args': saved['model_args'], 'dataset': saved['dataset'],
-                         'config': saved['config'], 'iter_num': saved['iter_num']}, export)
-        print(f"wrote the weights of {ckpt_path} (iteration {saved['iter_num']}) to {export}", file=sys.stderr)
+        checkpoint.save_file({'model': model.state_dict(), 'model_args': saved['model_args'],
+                              'dataset': saved['dataset'], 'config': saved['config'],
+                              'iter_num': saved['iter_num']}, export)
+        print(f"wrote the weights of {ckpt_path} (iteration {saved['iter_num']}) to {export}",
+              file=sys.stderr)
         sys.exit(0)
     if export_hf:
         try:
@@ -129,9 +142,11 @@ if __name__ == '__main__':
         fail(e)
     if dtype == 'auto':  # train.py's rule, for this model's shape on this device
         dtype = perf.auto_dtype(device, {**saved['model_args'], 'dropout': 0.0}, 1)[0]
-    autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
+    autocast = (nullcontext() if dtype == 'float32'
+                else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype)))
     start = start or tok.start
-    print(f"sampling {ckpt_path} (iteration {saved.get('iter_num', '?')}) on {device} {dtype}", file=sys.stderr)
+    print(f"sampling {ckpt_path} (iteration {saved.get('iter_num', '?')}) on {device} {dtype}",
+          file=sys.stderr)
     for i in range(num_samples):
         with autocast:
             print(sample_text(model, tok, start, max_new_tokens, temperature, top_k, seed + i, device))

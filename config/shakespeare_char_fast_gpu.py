@@ -1,6 +1,7 @@
-# UNTESTED ON A GPU: config/shakespeare_char.py (nanoGPT's GPU recipe: 6 layers of 384, block 256, dropout 0.2) with
-# the recipe of config/shakespeare_char_fast.py, which was measured on a CPU only (docs/benchmarks.md). The rates are
-# the CPU recipe's and half the iterations are a guess: measure against config/shakespeare_char.py before relying on it.
+# UNTESTED ON A GPU: config/shakespeare_char.py (nanoGPT's GPU recipe: 6 layers of 384, block 256, dropout
+# 0.2) with the recipe of config/shakespeare_char_fast.py, which was measured on a CPU only
+# (docs/benchmarks.md). The rates are the CPU recipe's and half the iterations are a guess: measure against
+# config/shakespeare_char.py before relying on it.
 # Prepare first: python prepare.py shakespeare_char [--input input.txt]
 out_dir = 'out-shakespeare-char-fast'
 dataset = 'shakespeare_char'
