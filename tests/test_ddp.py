@@ -71,15 +71,13 @@ def test_two_nodes_on_loopback(tmp_path, data_dir):
     assert_same_run(one, two)
 
 
-def test_ddp_resume_and_elastic_restart_are_exact(tmp_path, data_dir):
+def test_ddp_elastic_restart_resumes_exactly(tmp_path, data_dir):
     args = [*SAME, '--dropout=0.1', '--num_workers=1', '--init_from=auto']  # dropout: each rank's RNG state must travel
-    straight, split, elastic = str(tmp_path / 'straight'), str(tmp_path / 'split'), str(tmp_path / 'elastic')
+    straight, elastic = str(tmp_path / 'straight'), str(tmp_path / 'elastic')
     ok(torchrun(straight, data_dir, *args))
-    ok(torchrun(split, data_dir, *args, '--max_iters=14'))
-    ok(torchrun(split, data_dir, *args, '--init_from=resume'))
     fields = lambda d: [(r['step'], r['loss'], r['lr'], r['grad_norm']) for r in read_metrics(d, 'train')]
-    assert fields(split) == fields(straight)
-    # rank 1 dies at its 50th micro-batch (iteration 25), after the checkpoint at 20; torchrun restarts the group
+    # rank 1 dies at its 50th micro-batch (iteration 25), after the checkpoint at 20; torchrun restarts the group,
+    # which resumes with init_from=auto (a resume between evaluations on 2 ranks: test_interrupt's SIGTERM test)
     result = ok(torchrun(elastic, data_dir, *args, probe=True, env_extra={'PROBE_KILL': '1:50'},
                          torchrun_args=['--standalone', '--max-restarts=1']))
     assert 'resuming from' in result.stdout
