@@ -6,11 +6,11 @@ where one iteration's time goes (train.py's profile_iter). Every figure printed 
 
     python bench.py config/tiny.py --batch_size=8
     python bench.py config/tiny.py --compare='--compile=True'
-    python bench.py config/tiny.py --nproc=2 --parallel=fsdp --gradient_accumulation_steps=2
-    --compare=--parallel=ddp python bench.py config/tiny.py --reference='cd ../nanoGPT && python train.py
-    config/train_shakespeare_char.py ...' python bench.py --loader=out/fineweb --bench_iters=2000   # the
-    train loader of that run's config python bench.py --sample=out/tiny --new_tokens=1000        # generate()
-    with the KV cache and without
+    python bench.py config/tiny.py --nproc=2 --parallel=fsdp --gradient_accumulation_steps=2 \
+        --compare=--parallel=ddp
+    python bench.py config/tiny.py --reference='cd ../nanoGPT && python train.py config/train_shakespeare_char.py'
+    python bench.py --loader=out/fineweb --bench_iters=2000   # the train loader of that run's config
+    python bench.py --sample=out/tiny --new_tokens=1000        # generate() with the KV cache and without
 
 Takes the keys below; every other argument goes to train.py as it is (train.py checks it). Each run of
 train.py gets a fresh out_dir in a temporary folder and bench_warmup + bench_iters iterations, each one
@@ -91,6 +91,9 @@ for key in ('bench_iters', 'bench_warmup', 'rounds', 'nproc', 'new_tokens'):
     if globals()[key] < 1:
         stop(f"{key}={globals()[key]} must be at least 1")
 train_args = [a for a in sys.argv[1:] if not is_bench_key(a)]
+if (loader or sample) and train_args:  # they rebuild what the run used, from its out_dir
+    stop(f"{'loader' if loader else 'sample'} reads a run's out_dir and takes no train.py arguments: drop "
+         f"{shlex.join(train_args)}")
 settings = {'A': train_args} | ({'B': train_args + shlex.split(compare)} if compare else {})
 names = list(settings) + (['reference'] if reference else [])
 folder = tempfile.mkdtemp(prefix='bench-')
@@ -251,20 +254,16 @@ def measure_sampling():
     import torch
 
     import checkpoint
-    from model import GPT, GPTConfig
+    import sample as sample_py  # its load_model: prefixes stripped, an fsdp run's shards gathered
     from perf import cpu_name, resolve_device
     path = os.path.join(sample, 'last.pt')
+    if not os.path.isfile(path):
+        stop(f"sample={sample}: no last.pt there: pass the out_dir of a train.py run")
+    device = resolve_device('auto')[0]
     try:
-        saved = checkpoint.load(path)
+        model, saved = sample_py.load_model(path, device)
     except checkpoint.CheckpointError as e:
         stop(e)
-    if 'shards' in saved:
-        stop(f"sample={sample}: an fsdp run's weights are in shards: export them first (sample.py "
-             f"--export=FILE)")
-    device = resolve_device('auto')[0]
-    model = GPT(GPTConfig(**saved['model_args']))
-    model.load_state_dict(saved['model'])
-    model.to(device).eval()
     prompt = torch.zeros(1, 1, dtype=torch.long, device=device)  # (1, 1)
     load_average = os.getloadavg()[0]
     seconds, tokens = {'cached': [], 'uncached': []}, {}

@@ -3,8 +3,8 @@ Sample from a trained model with the run's own tokenizer:
 
     python sample.py --out_dir=out/tiny --start="def " --num_samples=3
     python sample.py --out_dir=out/tiny --start=FILE:prompt.txt --top_k=1   # greedy
-    python sample.py --out_dir=out/tiny --export_hf=out/tiny/hf   # a folder transformers loads:
-    GPT2LMHeadModel, tokenizer
+    # a folder transformers loads (GPT2LMHeadModel, tokenizer):
+    python sample.py --out_dir=out/tiny --export_hf=out/tiny/hf
 
 Samples go to stdout, each followed by a line of dashes; what was loaded goes to stderr. The same
 --seed gives the same samples. An empty prompt starts where documents start: a newline for a
@@ -119,7 +119,8 @@ if __name__ == '__main__':
     except checkpoint.CheckpointError as e:
         fail(e)
     if export:
-        checkpoint.save_file({'model': model.state_dict(), 'model_args': saved['model_args'],
+        checkpoint.save_file({'format': checkpoint.FORMAT, 'model': model.state_dict(),
+                              'model_args': saved['model_args'],
                               'dataset': saved['dataset'], 'config': saved['config'],
                               'iter_num': saved['iter_num']}, export)
         print(f"wrote the weights of {ckpt_path} (iteration {saved['iter_num']}) to {export}",

@@ -119,6 +119,9 @@ def test_bench_sample_mode_times_generate_with_and_without_the_cache(tmp_path, d
     result = forked.run('bench.py', f'--sample={run}', '--new_tokens=40', '--rounds=2', '--bench_warmup=2',
                         f'--json={report}', timeout=120)
     assert result.returncode == 0, result.stderr
+    no_run = forked.run('bench.py', f'--sample={tmp_path}', '--new_tokens=40')
+    assert no_run.returncode == 2 and no_run.stderr == f"error: sample={tmp_path}: no last.pt there: pass the " \
+                                                       f"out_dir of a train.py run\n"
     report = json.loads(report.read_text())['sample']
     model, _ = toy_params(data_dir)
     assert report['model_args'] == {**vars(model.config), 'pos_emb': 'rope'} and report['new_tokens'] == 40
@@ -138,7 +141,7 @@ def test_bench_mistakes_fail_in_one_line(tmp_path):
                           (['--compare=--compile=True', '--reference=true'], "compare and reference are both set"),
                           (['--sample=out', '--loader=out'], "loader and sample are both set"),
                           (['--sample=out', '--new_tokens=0'], "new_tokens=0 must be at least 1"),
-                          (['--sample=/nonexistent'], "checkpoint /nonexistent/last.pt does not exist")):
+                          (['--sample=out'], "sample reads a run's out_dir and takes no train.py arguments")):
         result = subprocess.run([sys.executable, 'bench.py', RUN_CONFIG, *args], cwd=REPO, capture_output=True, text=True)
         assert result.returncode == 2 and 'round 1/' not in result.stdout, result.stdout + result.stderr
         assert result.stderr.startswith(f"error: {message}") and result.stderr.count('\n') == 1

@@ -46,6 +46,8 @@ def test_exported_state_dict_gives_the_runs_own_val_loss(tmp_path, data_dir):
     exported = str(tmp_path / 'plain.pt')
     result = forked.run('sample.py', f'--ckpt={out}/last.pt', f'--export={exported}')
     assert result.returncode == 0, result.stderr
+    sampled = forked.run('sample.py', f'--ckpt={exported}', '--num_samples=1', '--max_new_tokens=5')
+    assert sampled.returncode == 0, sampled.stderr  # the exported file is a checkpoint sample.py reads
     ckpt = torch.load(exported, weights_only=True)
     model = GPT(GPTConfig(**ckpt['model_args']))
     model.load_state_dict(ckpt['model'])

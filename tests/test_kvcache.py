@@ -57,3 +57,11 @@ def test_cached_attention_runs_in_float32_under_bfloat16_on_cpu(monkeypatch):
         model.generate(torch.zeros(1, 3, dtype=torch.long), 4, top_k=1)
     # 2 layers: the prompt's 3 keys, then 4, 5, 6 as each decoding step adds one
     assert seen == [(torch.float32,) * 3 + (keys,) for keys in (3, 4, 5, 6) for _ in range(2)]
+
+
+def test_cache_is_used_in_train_mode_with_activation_checkpointing():
+    # generate() in train mode goes through the checkpointed blocks: they must get the cache too (dropout 0)
+    model = sharp_gpt(pos_emb='rope').train()
+    model.activation_checkpointing = True
+    prompt = torch.zeros(1, 5, dtype=torch.long)
+    assert torch.equal(model.generate(prompt, 20, top_k=1), model.generate(prompt, 20, top_k=1, use_cache=False))

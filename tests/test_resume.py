@@ -94,6 +94,7 @@ def test_sigkill_at_random_moments_and_mid_write_then_auto_resume(tmp_path, data
                 torch.load(path, weights_only=True)
     run_train(killed, data_dir, *args)  # the last resume runs to the end
     assert trajectory(killed) == trajectory(straight)  # every step once, same numbers
+    assert not glob.glob(os.path.join(killed, '*.tmp'))  # a killed write's temp file (its own PID) was removed
     log_steps = [int(line.split()[1].split('/')[0]) for line in open(os.path.join(killed, 'train.log')) if line.startswith('iter ')]
     assert log_steps == list(range(1, 101))
 
