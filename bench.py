@@ -8,7 +8,8 @@ where one iteration's time goes (train.py's profile_iter). Every figure printed 
     python bench.py config/tiny.py --compare='--compile=True'
     python bench.py config/tiny.py --nproc=2 --parallel=fsdp --gradient_accumulation_steps=2 \
         --compare=--parallel=ddp
-    python bench.py config/tiny.py --reference='cd ../nanoGPT && python train.py config/train_shakespeare_char.py'
+    python bench.py config/tiny.py \
+        --reference='cd ../nanoGPT && python train.py config/train_shakespeare_char.py ...'
     python bench.py --loader=out/fineweb --bench_iters=2000   # the train loader of that run's config
     python bench.py --sample=out/tiny --new_tokens=1000        # generate() with the KV cache and without
 
