@@ -292,7 +292,8 @@ class GPT(nn.Module):
             x = x + self.wpe(torch.arange(start, start + T, device=idx.device))  # (B, T, C) + (T, C)
         x = self.drop(x)  # (B, T, C)
         for block, cache in zip(self.blocks, caches or [None] * len(self.blocks)):
-            if self.activation_checkpointing and self.training:  # the recomputation replays dropout masks exactly
+            # the recomputation in backward replays the dropout masks exactly
+            if self.activation_checkpointing and self.training:
                 x = checkpoint(block, x, cache, use_reentrant=False)  # (B, T, C)
             else:
                 x = block(x, cache)  # (B, T, C)
