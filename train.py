@@ -130,8 +130,11 @@ master = runlog.master = rank == 0
 
 
 def check(ok, message):
-    """A mistake in the settings, the same on every rank: rank 0 says it in one line; all exit 2."""
+    """A mistake in the settings, the same on every rank: rank 0 says it in one line; all exit 2. The other ranks
+    wait for torchrun to stop them: a rank that exited first would have torchrun stop rank 0 before it spoke."""
     if not ok:
+        if not master:
+            time.sleep(60)
         fail(message) if master else sys.exit(2)
 
 
