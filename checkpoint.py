@@ -13,6 +13,7 @@ are refused in one line: their weights have other shapes. A config key that a ch
 yet takes its default on resume: each new key defaults to the old behaviour.
 """
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -62,6 +63,11 @@ def atomic_write(path, write):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_json(path, obj):
+    """obj as indented JSON in path, atomically: config.json, meta.json and the caches others may read."""
+    atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2) + '\n').encode()))
 
 
 class KeepWriteError:

@@ -96,7 +96,7 @@ def fingerprints(paths):
             result[name] = known[name][2]
         if changed:
             with contextlib.suppress(OSError):  # a read-only dataset: hashed again next time
-                checkpoint.atomic_write(cache, lambda f: f.write(json.dumps(known, indent=1).encode()))
+                checkpoint.write_json(cache, known)
     return result
 
 

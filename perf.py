@@ -173,8 +173,7 @@ def cached(key, measure):
     entries[key] = entry
     try:
         os.makedirs(folder, exist_ok=True)
-        # read by others
-        checkpoint.atomic_write(path, lambda f: f.write(json.dumps(entries, indent=1).encode()))
+        checkpoint.write_json(path, entries)  # atomic: other processes read it
     except OSError:
         pass  # a read-only home: measure again next time
     return entry | {'cached': None}

@@ -78,7 +78,7 @@ def start(out_dir, keep_bytes, config, sources, resolved, run, report, tensorboa
         files[name] = open(path, 'a')
     for path in glob.glob(os.path.join(glob.escape(out_dir), '*.tmp')):
         os.remove(path)
-    write_json(os.path.join(out_dir, 'config.json'),
+    checkpoint.write_json(os.path.join(out_dir, 'config.json'),
                {k: {'value': config[k], 'source': sources[k]} for k in config} | {'resolved': resolved})
     write_meta(out_dir, run)
     if tensorboard_log:
@@ -110,15 +110,11 @@ def abort(step, message):
     sys.exit(1)
 
 
-def write_json(path, obj):
-    checkpoint.atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2) + '\n').encode()))
-
-
 def write_meta(out_dir, run):
     """meta.json: what this session of the run is (run: seed, dtype, device, data, ...) and the code, software
     and machine it ran on."""
     sha, dirty = git_state()
-    write_json(os.path.join(out_dir, 'meta.json'), {
+    checkpoint.write_json(os.path.join(out_dir, 'meta.json'), {
         'command': sys.argv, 'start_time': time.strftime('%Y-%m-%dT%H:%M:%S%z'), 'git_sha': sha,
         'git_dirty': dirty, **run,
         'versions': {'python': platform.python_version(), 'torch': torch.__version__, 'numpy': np.__version__,

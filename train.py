@@ -130,8 +130,9 @@ master = runlog.master = rank == 0
 
 
 def check(ok, message):
-    """A mistake in the settings, the same on every rank: rank 0 says it in one line; all exit 2. The other ranks
-    wait for torchrun to stop them: a rank that exited first would have torchrun stop rank 0 before it spoke."""
+    """A mistake in the settings, the same on every rank: rank 0 says it in one line; all exit 2. The other
+    ranks wait for torchrun to stop them: one that exited first would have torchrun stop rank 0 before it
+    spoke."""
     if not ok:
         if not master:
             time.sleep(60)
@@ -603,7 +604,12 @@ while iter_num < max_iters:
     if iter_num == start_iter + 1:  # what each rank holds: every rank gets here
         held = gather(perf.memory_held(raw_model, optimizer, device))
         record({'kind': 'memory', 'step': iter_num, 'ranks': held})
-    rng = gather(checkpoint.rng_state(device))  # right after the step: where a resume restores them
+    evaluating = iter_num % eval_interval == 0 or iter_num == max_iters
+    interval = checkpoint_interval and iter_num % checkpoint_interval == 0
+    opt_step = scheduler.last_epoch  # optimizer steps taken; stable_end: wsd's decay begins
+    stable_end = lr_schedule == 'wsd' and lr_factor(opt_step) < 1 == lr_factor(opt_step - 1)
+    # right after the step, where a resume restores them; a collective, so only where a save may follow
+    rng = gather(checkpoint.rng_state(device)) if evaluating or interval or stops or stable_end else None
     first_loss = first_loss if first_loss is not None else loss
 
     # logging
@@ -614,13 +620,11 @@ while iter_num < max_iters:
         log_progress(loss, grad_norm, lr, skipped, scale)
 
     # evaluation and saving
-    evaluating = iter_num % eval_interval == 0 or iter_num == max_iters
     saves = evaluate_and_choose_saves() if evaluating else []
     stopping_early = evaluating and patience > 0 and evals_since_best >= patience
-    interval = checkpoint_interval and iter_num % checkpoint_interval == 0
     if (iter_num == max_iters or stops or stopping_early or interval) and 'last.pt' not in saves:
         saves.append('last.pt')
-    if lr_schedule == 'wsd' and lr_factor(scheduler.last_epoch) < 1 == lr_factor(scheduler.last_epoch - 1):
+    if stable_end:
         saves.append('stable.pt')  # the stable phase's end: resume_from it to cool down anew, later
     if saves:
         seconds = save(saves, rng)
