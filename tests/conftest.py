@@ -16,8 +16,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # measurements that train.py caches per machine (peak FLOP/s, the dtype 'auto' picks) go to a folder of this
 # session's, inherited by every train.py the tests start: the user's ~/.cache stays untouched
 os.environ.setdefault('HONESTGPT_CACHE', tempfile.mkdtemp(prefix='honestgpt-cache-'))
-# one thread in every process the tests start: the test models gain nothing from a second, tests run some runs side
-# by side, and a run resumed on another thread count sums in another order (bitwise comparisons need the same count)
+# one thread in every process the tests start: the test models gain nothing from a second, tests run some runs
+# side by side, and a run resumed on another thread count sums in another order (bitwise comparisons need the
+# same count)
 os.environ['OMP_NUM_THREADS'] = '1'
 sys.path.insert(0, REPO)
 RUN_CONFIG = os.path.join(REPO, 'tests', 'run_config.py')
@@ -32,7 +33,8 @@ def make_corpus(folder, num_docs=40, seed=0):
     objects = ['the moon.', 'a small bird.', 'the old road.', 'two red apples.', 'the sea.', 'his letter.']
     os.makedirs(folder, exist_ok=True)
     for d in range(num_docs):
-        lines = [f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}" for _ in range(rng.randint(30, 60))]
+        lines = [f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}"
+                 for _ in range(rng.randint(30, 60))]
         with open(os.path.join(folder, f'doc{d:03d}.txt'), 'w') as f:
             f.write('\n'.join(lines) + '\n')
     return folder
@@ -54,7 +56,8 @@ def stop_forked_runs():
 
 @pytest.fixture(autouse=True)
 def fresh_interpreters(request, monkeypatch):
-    """A test marked fresh starts each run as a fresh interpreter (tests/forked.py says what forking cannot show)."""
+    """A test marked fresh starts each run as a fresh interpreter (tests/forked.py says what forking cannot
+    show)."""
     if request.node.get_closest_marker('fresh'):
         monkeypatch.setattr(forked, 'FRESH', True)
 
@@ -69,8 +72,8 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def root(tmp_path_factory, request):
-    """A folder for what a test module shares, with tiktoken's cache of local files (.tiktoken BPEs made by the tests)
-    kept inside it, also for the processes the tests start."""
+    """A folder for what a test module shares, with tiktoken's cache of local files (.tiktoken BPEs made by
+    the tests) kept inside it, also for the processes the tests start."""
     with pytest.MonkeyPatch.context() as mp:
         path = tmp_path_factory.mktemp(request.module.__name__)
         mp.setenv('TIKTOKEN_CACHE_DIR', str(path / 'tiktoken_cache'))
@@ -78,18 +81,19 @@ def root(tmp_path_factory, request):
 
 
 def run_train(out_dir, data_dir, *overrides, check=True, env=None, timeout=300, probe=False):
-    """python train.py tests/run_config.py --data_dir=... --out_dir=... OVERRIDES, from the repo root (forked.py says how);
-    under tests/probe.py if probe."""
+    """python train.py tests/run_config.py --data_dir=... --out_dir=... OVERRIDES, from the repo root
+    (forked.py says how); under tests/probe.py if probe."""
     script = [PROBE, 'train.py'] if probe else ['train.py']
-    result = forked.run(*script, RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides, env=env,
-                        timeout=timeout)
+    result = forked.run(*script, RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides,
+                        env=env, timeout=timeout)
     return ok(result) if check else result
 
 
 def run_trains(data_dir, *runs):
-    """Several independent train.py runs side by side, each (out_dir, [overrides]): on two cores two one-thread runs
-    take the time of one."""
-    procs = [forked.Process('train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides)
+    """Several independent train.py runs side by side, each (out_dir, [overrides]): on two cores two
+    one-thread runs take the time of one."""
+    procs = [forked.Process('train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}',
+                            *overrides)
              for out_dir, overrides in runs]
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=300)
@@ -116,8 +120,9 @@ def torchrun(out_dir, data_dir, *overrides, probe=False, **kwargs):
 def torchrun_script(script, *args, nproc=2, env_extra=None, torchrun_args=(), timeout=300):
     """torchrun SCRIPT tests/run_config.py ARGS on nproc CPU processes with gloo; script is a
     list: the script and its own arguments before the config."""
-    proc = forked.Process('-m', 'torch.distributed.run', *(torchrun_args or ['--standalone']), f'--nproc_per_node={nproc}',
-                          *script, RUN_CONFIG, *args, env={**os.environ, **(env_extra or {})}, new_session=True)
+    proc = forked.Process('-m', 'torch.distributed.run', *(torchrun_args or ['--standalone']),
+                          f'--nproc_per_node={nproc}', *script, RUN_CONFIG, *args,
+                          env={**os.environ, **(env_extra or {})}, new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     finally:  # on a timeout, torchrun's workers must not outlive the test

@@ -10,10 +10,10 @@ fresh interpreter, and test_train checks that a forked run and a fresh `python t
 and weights bit for bit. torchrun's workers are fresh interpreters: torchrun starts them.
 
 What the server fixed at its start stays: environment variables read at import (IMPORT_TIME_ENV: a run that
-sets them differently is refused), warnings printed while importing, the string hash seed. So the tests of exact
-stderr and of signals start fresh interpreters in every session (pytest's `fresh` marker sets FRESH for a test,
-see conftest.py), and HONESTGPT_TEST_FRESH=1 starts every run fresh, to check the whole suite either way
-(docs/benchmarks.md has both times).
+sets them differently is refused), warnings printed while importing, the string hash seed. So the tests of
+exact stderr and of signals start fresh interpreters in every session (pytest's `fresh` marker sets FRESH for
+a test, see conftest.py), and HONESTGPT_TEST_FRESH=1 starts every run fresh, to check the whole suite either
+way (docs/benchmarks.md has both times).
 """
 import atexit
 import contextlib

@@ -1,27 +1,29 @@
-"""Runs train.py, alone or under torchrun, with test probes that the product itself must not contain. RANK is torchrun's
-(0 alone); a probe that writes files writes one per rank, NAME.RANK.
-PROBE_COUNT=DIR      counts DDP's gradient all-reduces per rank (a comm hook) into DIR/allreduce.RANK, and writes
-                     whether DDP would broadcast buffers in a forward into DIR/buffers.RANK
+"""Runs train.py, alone or under torchrun, with test probes that the product itself must not contain. RANK is
+torchrun's (0 alone); a probe that writes files writes one per rank, NAME.RANK.
+PROBE_COUNT=DIR      counts DDP's gradient all-reduces per rank (a comm hook) into DIR/allreduce.RANK, and
+                     writes whether DDP would broadcast buffers in a forward into DIR/buffers.RANK
 PROBE_NAN=R:N        makes rank R's loss NaN from its N-th micro-batch on
 PROBE_KILL=R:N       SIGKILLs rank R at its N-th micro-batch, on torchrun's first attempt only
 PROBE_STEPS=DIR      counts the steps each optimizer class took per rank into DIR/steps.RANK (JSON)
 PROBE_ATTENTION=DIR  counts attention calls (one per block forward) with gradients on, in forward and inside a
                      backward (a recomputation), into DIR/attention.RANK (JSON)
-PROBE_DTYPES=DIR     writes the dtypes the linear layers returned in training forwards into DIR/dtypes.RANK (JSON)
+PROBE_DTYPES=DIR     writes the dtypes the linear layers returned in training forwards into DIR/dtypes.RANK
+                     (JSON)
 PROBE_GRAPHS=DIR     counts the graphs that torch.compile hands to inductor into DIR/graphs.RANK
 PROBE_HOLD_SAVE=N    the N-th write of last.pt stops for 60 s once its temp file (last.pt.PID.tmp) is written,
                      before the rename, and says so on stderr: a kill then lands mid-write
-PROBE_LOGGERS=FILE   stands in for wandb and TensorBoard (the tensorboard package and torch.utils.tensorboard): each
-                     call the run makes to them becomes a JSON line in FILE
-PROBE_SLEEP=A-B:S    sleeps S seconds in training micro-batches A to B (as compilation or a busy machine would)
-PROBE_DATA=R:N:HOW:PATH  at rank R's N-th micro-batch, truncates the file PATH to half its size (HOW=truncate) or
-                     rewrites its second half with other bytes, keeping its size (HOW=rewrite), as a job
+PROBE_LOGGERS=FILE   stands in for wandb and TensorBoard (the tensorboard package and
+                     torch.utils.tensorboard): each call the run makes to them becomes a JSON line in FILE
+PROBE_SLEEP=A-B:S    sleeps S seconds in training micro-batches A to B (as compilation or a busy machine
+                     would)
+PROBE_DATA=R:N:HOW:PATH  at rank R's N-th micro-batch, truncates the file PATH to half its size (HOW=truncate)
+                     or rewrites its second half with other bytes, keeping its size (HOW=rewrite), as a job
                      re-preparing the data under the run would
-PROBE_FSIZE=BYTES    no file this process writes may grow past BYTES (RLIMIT_FSIZE): writes fail with EFBIG, as
-                     on a full disk where no small filesystem can be mounted
+PROBE_FSIZE=BYTES    no file this process writes may grow past BYTES (RLIMIT_FSIZE): writes fail with EFBIG,
+                     as on a full disk where no small filesystem can be mounted
 Always: the GIL changes hands at most once a second unless its holder releases it (sys.setswitchinterval), so
-a collective's tensors that gloo's worker thread frees late reach Python's shutdown unless train.py's exit gives
-way (shut_down_process_group).
+a collective's tensors that gloo's worker thread frees late reach Python's shutdown unless train.py's exit
+gives way (shut_down_process_group).
 Usage: [torchrun ...] tests/probe.py train.py ARGS..."""
 import atexit
 import importlib.machinery
@@ -66,7 +68,8 @@ if 'PROBE_COUNT' in os.environ:
             allreduces += 1
             return allreduce_hook(process_group, bucket)
         self.register_comm_hook(None, hook)
-        open(os.path.join(os.environ['PROBE_COUNT'], f'buffers.{rank}'), 'w').write(str(self.will_sync_module_buffers()))
+        open(os.path.join(os.environ['PROBE_COUNT'],
+                          f'buffers.{rank}'), 'w').write(str(self.will_sync_module_buffers()))
     DistributedDataParallel.__init__ = counting_init
     write_at_exit('PROBE_COUNT', 'allreduce', lambda: str(allreduces))
 
@@ -99,7 +102,8 @@ if 'PROBE_DTYPES' in os.environ:
     write_at_exit('PROBE_DTYPES', 'dtypes', lambda: json.dumps(sorted(linear_dtypes)))
 
 if 'PROBE_GRAPHS' in os.environ:
-    import torch._inductor.compile_fx as inductor  # torch.compile(backend='inductor') calls inductor.compile_fx
+    # torch.compile(backend='inductor') calls inductor.compile_fx
+    import torch._inductor.compile_fx as inductor
     graphs, compile_fx = [], inductor.compile_fx
 
     def counting_compile_fx(*args, **kwargs):
@@ -175,8 +179,8 @@ def probed_cross_entropy(*args, **kwargs):
     return loss
 
 
-# only when asked: torch.compile traces the loss (in GPT.forward), and it cannot guard on a function of this script,
-# whose module train.py's replaces as __main__
+# only when asked: torch.compile traces the loss (in GPT.forward), and it cannot guard on a function of this
+# script, whose module train.py's replaces as __main__
 if any(name in os.environ for name in ('PROBE_NAN', 'PROBE_KILL', 'PROBE_DATA', 'PROBE_SLEEP')):
     F.cross_entropy = probed_cross_entropy
 sys.argv = sys.argv[1:]

@@ -1,5 +1,5 @@
-"""bench.py run as users run it on the toy dataset, its JSON figures checked against each other and against the model's
-shapes; the reference mode against a fake nanoGPT; perf's peaks."""
+"""bench.py run as users run it on the toy dataset, its JSON figures checked against each other and against
+the model's shapes; the reference mode against a fake nanoGPT; perf's peaks."""
 import json
 import os
 import re
@@ -21,7 +21,8 @@ QUICK = ['--bench_iters=5', '--bench_warmup=2', '--rounds=1', '--dtype=float32']
 def run_bench(tmp_path, data_dir, *overrides, env=None):
     """bench.py on tests/run_config.py; its JSON report."""
     report = tmp_path / 'bench.json'
-    cmd = [sys.executable, 'bench.py', RUN_CONFIG, f'--data_dir={data_dir}', *QUICK, f'--json={report}', *overrides]
+    cmd = [sys.executable, 'bench.py', RUN_CONFIG, f'--data_dir={data_dir}', *QUICK, f'--json={report}',
+           *overrides]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, f"bench.py failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
     assert f"all figures: {report}" in result.stdout
@@ -29,7 +30,8 @@ def run_bench(tmp_path, data_dir, *overrides, env=None):
 
 
 def toy_params(data_dir):
-    """The parameters of the GPT that train.py builds from tests/run_config.py on the toy data (tied head once)."""
+    """The parameters of the GPT that train.py builds from tests/run_config.py on the toy data (tied head
+    once)."""
     run_config = {}
     exec(open(RUN_CONFIG).read(), run_config)
     shape = {k: run_config[k] for k in ('n_layer', 'n_head', 'n_embd', 'block_size')}
@@ -56,15 +58,18 @@ def check_setting(s, iters, tokens_per_iter, flops_per_token):
 @pytest.mark.slow
 def test_bench_compares_two_settings_with_speed_mfu_memory_and_profile(tmp_path, data_dir):
     # B trains the same model on the same batches, loaded in a worker process: the same losses, another speed
-    report = run_bench(tmp_path, data_dir, '--compare=--num_workers=1', f"--trace={tmp_path / 'iteration.json'}")
+    report = run_bench(tmp_path, data_dir, '--compare=--num_workers=1',
+                       f"--trace={tmp_path / 'iteration.json'}")
     a, b = report['settings']['A'], report['settings']['B']
     model, params = toy_params(data_dir)
     for s in (a, b):
         check_setting(s, 5, 8 * 32, model.flops_per_token())  # batch_size x block_size of run_config
-    assert a['runs'][0]['losses'] == b['runs'][0]['losses'] and len(a['runs'][0]['losses']) == 2 + 5 + 1  # + profiled
+    # + profiled
+    assert a['runs'][0]['losses'] == b['runs'][0]['losses'] and len(a['runs'][0]['losses']) == 2 + 5 + 1
     assert report['ratio']['of'] == 'B/A'
     assert report['ratio']['tokens_per_sec'] == pytest.approx(b['tokens_per_sec'] / a['tokens_per_sec'])
-    # what the one process holds after its first step: float32 weights and grads, AdamW's two moments and a step count per tensor
+    # what the one process holds after its first step: float32 weights and grads, AdamW's two moments and a
+    # step count per tensor
     replica = sum(p.numel() for p in params) * 4 / 2**20
     held = a['memory_ranks'][0]
     assert (held['weights_mb'], held['grads_mb']) == pytest.approx((replica, replica))
@@ -76,7 +81,8 @@ def test_bench_compares_two_settings_with_speed_mfu_memory_and_profile(tmp_path,
         assert all(ms[phase] > 0 for phase in ('data', 'forward', 'backward', 'optimizer'))
         assert ms['other'] >= 0  # the phases' spans do not overlap
         assert sum(ms.values()) == pytest.approx(profile['iteration_ms'])
-        events = {e.get('name', '') for e in json.load(open(tmp_path / f'iteration_{name}.json'))['traceEvents']}
+        events = {e.get('name', '')
+                  for e in json.load(open(tmp_path / f'iteration_{name}.json'))['traceEvents']}
         assert {'data', 'forward', 'backward', 'optimizer', 'Optimizer.step#AdamW.step'} <= events
         assert any(e.startswith('autograd::engine::evaluate_function') for e in events)
 
@@ -95,24 +101,28 @@ for it, ms in enumerate([100, 100, 20, 30, 25, 35, 20]):
 def test_bench_against_a_reference_command_in_rounds(tmp_path, data_dir):
     fake = tmp_path / 'fake_nanogpt.py'
     fake.write_text(FAKE_NANOGPT)
-    report = run_bench(tmp_path, data_dir, f'--reference={sys.executable} {fake}', '--reference_tokens_per_iter=512',
-                       '--rounds=2', '--profile=False')
+    report = run_bench(tmp_path, data_dir, f'--reference={sys.executable} {fake}',
+                       '--reference_tokens_per_iter=512', '--rounds=2', '--profile=False')
     ours, ref = report['settings']['A'], report['settings']['reference']
     model, _ = toy_params(data_dir)
     check_setting(ours, 5, 8 * 32, model.flops_per_token())
     assert len(ref['runs']) == 2 and all(run['iters'] == 7 for run in ref['runs'])
-    assert [run['seconds'] for run in ref['runs']] == [pytest.approx([0.020, 0.030, 0.025, 0.035, 0.020])] * 2  # warm-up dropped
+    # warm-up dropped
+    assert [run['seconds'] for run in ref['runs']] == [pytest.approx([0.020, 0.030, 0.025, 0.035, 0.020])] * 2
     assert ref['ms_per_iter'] == pytest.approx(25) and ref['first_seconds'] == pytest.approx(0.1)
     assert ref['tokens_per_sec'] == pytest.approx(512 / 0.025)
     assert all(run['wall_seconds'] >= 0.33 for run in ref['runs'])  # it slept that long
     ratio = report['ratio']
-    assert ratio['of'] == 'A/reference' and ratio['tokens_per_sec'] == pytest.approx(ours['tokens_per_sec'] / (512 / 0.025))
-    assert ratio['rounds'] == pytest.approx([tokens / (512 / 0.025) for tokens in ours['round_tokens_per_sec']])
+    assert (ratio['of'] == 'A/reference'
+            and ratio['tokens_per_sec'] == pytest.approx(ours['tokens_per_sec'] / (512 / 0.025)))
+    assert ratio['rounds'] == pytest.approx([tokens / (512 / 0.025)
+                                             for tokens in ours['round_tokens_per_sec']])
 
 
 @pytest.mark.slow
 def test_bench_sample_mode_times_generate_with_and_without_the_cache(tmp_path, data_dir):
-    # 40 new tokens from 1 at block_size 32: decoding, then a sliding window; greedy, so both give the same tokens
+    # 40 new tokens from 1 at block_size 32: decoding, then a sliding window; greedy, so both give the same
+    # tokens
     run = str(tmp_path / 'run')
     run_train(run, data_dir, '--max_iters=20', '--lr_decay_iters=20', '--pos_emb=rope')
     report = tmp_path / 'bench.json'
@@ -120,8 +130,8 @@ def test_bench_sample_mode_times_generate_with_and_without_the_cache(tmp_path, d
                         f'--json={report}', timeout=120)
     assert result.returncode == 0, result.stderr
     no_run = forked.run('bench.py', f'--sample={tmp_path}', '--new_tokens=40')
-    assert no_run.returncode == 2 and no_run.stderr == f"error: sample={tmp_path}: no last.pt there: pass the " \
-                                                       f"out_dir of a train.py run\n"
+    assert no_run.returncode == 2 and no_run.stderr == (f"error: sample={tmp_path}: no last.pt there: pass "
+                                                        f"the out_dir of a train.py run\n")
     report = json.loads(report.read_text())['sample']
     model, _ = toy_params(data_dir)
     assert report['model_args'] == {**vars(model.config), 'pos_emb': 'rope'} and report['new_tokens'] == 40
@@ -131,26 +141,30 @@ def test_bench_sample_mode_times_generate_with_and_without_the_cache(tmp_path, d
         assert len(s['seconds']) == 2 and all(t > 0 for t in s['seconds'])
         assert s['tokens_per_sec'] == pytest.approx(40 / statistics.median(s['seconds']))
         assert s['round_tokens_per_sec'] == pytest.approx([40 / t for t in s['seconds']])
-    assert report['ratio'] == pytest.approx(report['cached']['tokens_per_sec'] / report['uncached']['tokens_per_sec'])
+    assert report['ratio'] == pytest.approx(report['cached']['tokens_per_sec']
+                                            / report['uncached']['tokens_per_sec'])
 
 
 def test_bench_mistakes_fail_in_one_line(tmp_path):
     # its own keys before any run; train.py's in train.py's words, from the first run
     for args, message in ((['--bench_itres=5'], "unknown config key 'bench_itres': did you mean bench_iters"),
                           (['--batch_sise=4'], "unknown config key 'batch_sise': did you mean batch_size"),
-                          (['--compare=--compile=True', '--reference=true'], "compare and reference are both set"),
+                          (['--compare=--compile=True', '--reference=true'],
+                           "compare and reference are both set"),
                           (['--sample=out', '--loader=out'], "loader and sample are both set"),
                           (['--sample=out', '--new_tokens=0'], "new_tokens=0 must be at least 1"),
                           (['--sample=out'], "sample reads a run's out_dir and takes no train.py arguments")):
-        result = subprocess.run([sys.executable, 'bench.py', RUN_CONFIG, *args], cwd=REPO, capture_output=True, text=True)
+        result = subprocess.run([sys.executable, 'bench.py', RUN_CONFIG, *args], cwd=REPO,
+                                capture_output=True, text=True)
         assert result.returncode == 2 and 'round 1/' not in result.stdout, result.stdout + result.stderr
         assert result.stderr.startswith(f"error: {message}") and result.stderr.count('\n') == 1
 
 
 @pytest.mark.slow
 def test_bench_under_torchrun_shows_fsdp_holding_a_shard_per_rank(tmp_path, data_dir):
-    report = run_bench(tmp_path, data_dir, '--nproc=2', '--bench_iters=3', '--profile=False', '--parallel=fsdp',
-                       '--gradient_accumulation_steps=2', '--compare=--parallel=ddp', env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    report = run_bench(tmp_path, data_dir, '--nproc=2', '--bench_iters=3', '--profile=False',
+                       '--parallel=fsdp', '--gradient_accumulation_steps=2', '--compare=--parallel=ddp',
+                       env={**os.environ, 'OMP_NUM_THREADS': '1'})
     fsdp, ddp = report['settings']['A'], report['settings']['B']
     assert fsdp['world_size'] == ddp['world_size'] == 2 and 'profile' not in report
     model, params = toy_params(data_dir)
@@ -166,14 +180,18 @@ def test_bench_under_torchrun_shows_fsdp_holding_a_shard_per_rank(tmp_path, data
     assert len(fsdp['memory_ranks']) == len(ddp['memory_ranks']) == 2
     for r in (0, 1):
         held_fsdp, held_ddp = fsdp['memory_ranks'][r], ddp['memory_ranks'][r]
-        assert (held_ddp['weights_mb'], held_ddp['grads_mb'], held_ddp['optimizer_mb']) == pytest.approx((replica, replica, 2 * replica + step_counts))
-        assert (held_fsdp['weights_mb'], held_fsdp['grads_mb'], held_fsdp['optimizer_mb']) == pytest.approx((shard[r], shard[r], 2 * shard[r] + step_counts))
+        assert ((held_ddp['weights_mb'], held_ddp['grads_mb'], held_ddp['optimizer_mb'])
+                == pytest.approx((replica, replica, 2 * replica + step_counts)))
+        assert ((held_fsdp['weights_mb'], held_fsdp['grads_mb'], held_fsdp['optimizer_mb'])
+                == pytest.approx((shard[r], shard[r], 2 * shard[r] + step_counts)))
         assert held_fsdp['peak_mb'] > 100 and held_ddp['peak_mb'] > 100  # at least Python and torch
 
 
 def test_peak_flops_is_measured_once_per_machine(tmp_path, monkeypatch):
     monkeypatch.setenv('HONESTGPT_CACHE', str(tmp_path))
     flops, how = perf.peak_flops('cpu', torch.float32)
-    assert flops > 1e7 and re.fullmatch(r'measured: (\d+)x\1 float32 matmul, the fastest of 3 layouts and sizes 128 to \d+', how)
+    assert (flops > 1e7
+            and re.fullmatch(r'measured: (\d+)x\1 float32 matmul, the fastest of 3 layouts and sizes 128 to '
+                             r'\d+', how))
     # the next run on this machine reads the same figure: the same speed gives the same MFU
     assert perf.peak_flops('cpu', torch.float32) == (flops, f"{how} (cached in {tmp_path / 'perf.json'})")

@@ -12,7 +12,8 @@ from test_recipe import RECIPE
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
 
 # dropout 0 so one process and two ranks compute the same function; 4 micro-batches per step in total
-SAME = ['--gradient_accumulation_steps=4', '--max_iters=30', '--lr_decay_iters=30', '--eval_interval=10', '--dtype=float32']
+SAME = ['--gradient_accumulation_steps=4', '--max_iters=30', '--lr_decay_iters=30', '--eval_interval=10',
+        '--dtype=float32']
 # Tolerance: two ranks sum gradients in another order than one process (all-reduce of per-rank sums),
 # so float32 results differ by rounding only: ~1e-7 relative per operation, compounded through 30 Adam
 # steps on a 30k-parameter model; 1e-4 relative is far above that and far below any real divergence
@@ -28,7 +29,8 @@ def assert_same_run(one, two):
     steps1, steps2 = read_metrics(one, 'train'), read_metrics(two, 'train')
     assert [s['step'] for s in steps1] == [s['step'] for s in steps2] == list(range(1, 31))
     for s1, s2 in zip(steps1, steps2):
-        assert s1['lr'] == s2['lr'] and close(s1['loss'], s2['loss']) and close(s1['grad_norm'], s2['grad_norm']), (s1, s2)
+        assert (s1['lr'] == s2['lr'] and close(s1['loss'], s2['loss'])
+                and close(s1['grad_norm'], s2['grad_norm'])), (s1, s2)
     evals1, evals2 = read_metrics(one, 'eval'), read_metrics(two, 'eval')
     assert [e['step'] for e in evals1] == [e['step'] for e in evals2]
     assert all(close(e1['val_loss'], e2['val_loss']) for e1, e2 in zip(evals1, evals2))
@@ -62,22 +64,25 @@ def test_two_nodes_on_loopback(tmp_path, data_dir):
     run_train(one, data_dir, *SAME)
     nodes = []
     for node_rank in range(2):
-        args = ['--nnodes=2', f'--node_rank={node_rank}', '--rdzv_backend=c10d', f'--rdzv_endpoint=127.0.0.1:{port}',
+        args = ['--nnodes=2', f'--node_rank={node_rank}', '--rdzv_backend=c10d',
+                f'--rdzv_endpoint=127.0.0.1:{port}',
                 '--rdzv_id=loopback', '--master_addr=127.0.0.1', f'--master_port={port}']
-        nodes.append(forked.Process('-m', 'torch.distributed.run', *args, '--nproc_per_node=1', 'train.py', RUN_CONFIG,
-                                    f'--data_dir={data_dir}', f'--out_dir={two}', *SAME))
+        nodes.append(forked.Process('-m', 'torch.distributed.run', *args, '--nproc_per_node=1', 'train.py',
+                                    RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={two}', *SAME))
     outputs = [''.join(p.communicate(timeout=300)) for p in nodes]
     assert all(p.returncode == 0 for p in nodes), outputs
     assert_same_run(one, two)
 
 
 def test_ddp_elastic_restart_resumes_exactly(tmp_path, data_dir):
-    args = [*SAME, '--dropout=0.1', '--num_workers=1', '--init_from=auto']  # dropout: each rank's RNG state must travel
+    # dropout: each rank's RNG state must travel
+    args = [*SAME, '--dropout=0.1', '--num_workers=1', '--init_from=auto']
     straight, elastic = str(tmp_path / 'straight'), str(tmp_path / 'elastic')
     ok(torchrun(straight, data_dir, *args))
     fields = lambda d: [(r['step'], r['loss'], r['lr'], r['grad_norm']) for r in read_metrics(d, 'train')]
-    # rank 1 dies at its 50th micro-batch (iteration 25), after the checkpoint at 20; torchrun restarts the group,
-    # which resumes with init_from=auto (a resume between evaluations on 2 ranks: test_interrupt's SIGTERM test)
+    # rank 1 dies at its 50th micro-batch (iteration 25), after the checkpoint at 20; torchrun restarts the
+    # group, which resumes with init_from=auto (a resume between evaluations on 2 ranks: test_interrupt's
+    # SIGTERM test)
     result = ok(torchrun(elastic, data_dir, *args, probe=True, env_extra={'PROBE_KILL': '1:50'},
                          torchrun_args=['--standalone', '--max-restarts=1']))
     assert 'resuming from' in result.stdout
@@ -86,7 +91,8 @@ def test_ddp_elastic_restart_resumes_exactly(tmp_path, data_dir):
 
 def test_nan_on_one_rank_ends_both_promptly(tmp_path, data_dir):
     out = str(tmp_path / 'nan')
-    # a rank left waiting in a collective would wait for gloo's timeout (30 minutes): torchrun's timeout fails the test
+    # a rank left waiting in a collective would wait for gloo's timeout (30 minutes): torchrun's timeout fails
+    # the test
     result = torchrun(out, data_dir, *SAME, probe=True, env_extra={'PROBE_NAN': '1:13'}, timeout=300)
     assert result.returncode != 0
     assert 'SIGABRT' not in result.stderr  # both ranks exit with 1, neither aborts at exit
@@ -103,8 +109,9 @@ def test_bad_config_ends_every_rank(tmp_path, data_dir):
 
 
 def test_resume_on_another_number_of_processes_continues_the_data(tmp_path, data_dir):
-    # 1 process to 10, 2 ranks to 20, 1 process to 30: the same windows per step as the run that was never stopped,
-    # so the same losses up to the summation order (RTOL); a step that took other windows moves them by 1e-2
+    # 1 process to 10, 2 ranks to 20, 1 process to 30: the same windows per step as the run that was never
+    # stopped, so the same losses up to the summation order (RTOL); a step that took other windows moves them
+    # by 1e-2
     one, mixed = str(tmp_path / 'one'), str(tmp_path / 'mixed')
     run_train(one, data_dir, *SAME)
     run_train(mixed, data_dir, *SAME, '--max_iters=10')

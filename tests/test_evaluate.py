@@ -1,6 +1,7 @@
-"""evaluate.py: multiple-choice accuracy checked against transformers' GPT2LMHeadModel on random weights and the
-same token ids; the same counts on 1, 2 and 3 gloo ranks, replicated and sharded; bad task files stop with
-FILE:LINE; the command on a trained run and on a Hugging Face folder. Nothing is downloaded: the BPE is made here."""
+"""evaluate.py: multiple-choice accuracy checked against transformers' GPT2LMHeadModel on random weights and
+the same token ids; the same counts on 1, 2 and 3 gloo ranks, replicated and sharded; bad task files stop with
+FILE:LINE; the command on a trained run and on a Hugging Face folder. Nothing is downloaded: the BPE is made
+here."""
 import json
 import os
 import random
@@ -21,7 +22,8 @@ from model import GPT, GPTConfig
 MERGES = [b'th', b'he', b'the', b' t', b'in', b'an', b'en', b' the', b'ing', b'oo']
 N_VOCAB = 256 + len(MERGES) + 1  # the bytes, the merges and <|endoftext|>
 BLOCK = 24  # the positions of the random GPT-2: short, so that many examples are truncated
-WORDS = ['the', 'cat', 'then', 'thing', 'in', 'an', 'sees', 'moon', 'road', 'here', 'a', 'dog', 'sing', 'went']
+WORDS = ['the', 'cat', 'then', 'thing', 'in', 'an', 'sees', 'moon', 'road', 'here', 'a', 'dog', 'sing',
+         'went']
 N_EXAMPLES = 13  # on 2 and 3 ranks with batches of 2, some ranks run fewer batches than others
 
 
@@ -30,8 +32,8 @@ def words(rng, low, high):
 
 
 def task_lines(seed=0):
-    """Examples in both formats, with contexts from 1 to 14 words (many too long for BLOCK), 2 to 5 endings of 1
-    to 4 words, and fixed random labels."""
+    """Examples in both formats, with contexts from 1 to 14 words (many too long for BLOCK), 2 to 5 endings of
+    1 to 4 words, and fixed random labels."""
     rng, lines = random.Random(seed), []
     for i in range(N_EXAMPLES):
         context = words(rng, 1, 14)
@@ -63,7 +65,8 @@ def tiny_gpt2(root):
     losses of the endings are far apart and a wrong mask or position shows."""
     from transformers import GPT2Config, GPT2LMHeadModel  # seconds of imports: only the tests that need it
     torch.manual_seed(0)
-    theirs = GPT2LMHeadModel(GPT2Config(vocab_size=N_VOCAB, n_positions=BLOCK, n_embd=32, n_layer=2, n_head=2))
+    theirs = GPT2LMHeadModel(GPT2Config(vocab_size=N_VOCAB, n_positions=BLOCK, n_embd=32, n_layer=2,
+                                        n_head=2))
     with torch.no_grad():
         for p in theirs.parameters():
             p.normal_(0.0, 0.3)
@@ -77,8 +80,8 @@ def task(root):
 
 
 def reference_losses(theirs, encode, record):
-    """(summed loss, token count) of each ending, scored the plain way: transformers' model, one ending at a time,
-    the last BLOCK + 1 tokens of context + ending."""
+    """(summed loss, token count) of each ending, scored the plain way: transformers' model, one ending at a
+    time, the last BLOCK + 1 tokens of context + ending."""
     if 'ctx' in record:
         context, endings = encode(record['ctx']), [encode(' ' + e) for e in record['endings']]
     else:
@@ -99,10 +102,12 @@ def test_losses_choices_and_accuracies_match_transformers(tiny_gpt2, bpe, task):
     records = task_lines()
     reference = [reference_losses(theirs, encode, r) for r in records]
     labels = [r.get('label', r.get('answer')) for r in records]
-    # the set is as meant: truncated rows, acc and acc_norm choosing differently, no near-ties for rounding to flip
+    # the set is as meant: truncated rows, acc and acc_norm choosing differently, no near-ties for rounding to
+    # flip
     rows = [len(encode(r.get('ctx', r.get('context')))) + n
             for r, losses in zip(records, reference) for _, n in losses]
-    assert sum(length > BLOCK + 1 for length in rows) >= 10 and sum(length <= BLOCK + 1 for length in rows) >= 10
+    assert (sum(length > BLOCK + 1 for length in rows) >= 10
+            and sum(length <= BLOCK + 1 for length in rows) >= 10)
     choice = [min(range(len(ls)), key=lambda c: ls[c][0]) for ls in reference]
     choice_norm = [min(range(len(ls)), key=lambda c: ls[c][0] / ls[c][1]) for ls in reference]
     assert sum(a != b for a, b in zip(choice, choice_norm)) >= 3
@@ -120,16 +125,18 @@ def test_losses_choices_and_accuracies_match_transformers(tiny_gpt2, bpe, task):
     for i, losses in enumerate(reference):
         expected = torch.tensor([s for s, _ in losses] + [float('inf')] * (5 - len(losses)))
         assert torch.allclose(summed[i], expected, atol=1e-4, rtol=1e-5)
-        assert torch.allclose(mean[i], expected / torch.tensor([n for _, n in losses] + [1] * (5 - len(losses))),
+        assert torch.allclose(mean[i],
+                              expected / torch.tensor([n for _, n in losses] + [1] * (5 - len(losses))),
                               atol=1e-5, rtol=1e-5)
     assert summed.argmin(1).tolist() == choice and mean.argmin(1).tolist() == choice_norm
 
     modes = []  # the model's training flag and inference mode, at each forward of score()
-    hook = ours.register_forward_hook(lambda module, args, out: modes.append((module.training,
-                                                                              torch.is_inference_mode_enabled())))
+    hook = ours.register_forward_hook(lambda module, args, out: modes.append(
+        (module.training, torch.is_inference_mode_enabled())))
     result = evaluate.score(ours.train(), examples, 3, 'cpu', nullcontext())
     hook.remove()
-    assert ours.training and modes == [(False, True)] * 5  # 13 examples in batches of 3; train mode given back
+    # 13 examples in batches of 3; train mode given back
+    assert ours.training and modes == [(False, True)] * 5
     correct = sum(c == label for c, label in zip(choice, labels))
     correct_norm = sum(c == label for c, label in zip(choice_norm, labels))
     chance = sum(1 / len(losses) for losses in reference) / N_EXAMPLES
@@ -142,7 +149,8 @@ def test_rows_keep_the_ending_and_the_last_context_tokens(tmp_path):
     encode = lambda text: [ord(c) for c in text]  # a character per token
     path = write_jsonl(tmp_path / 't.jsonl', [
         {'ctx': 'abcdefghij', 'endings': ['xy', 'z'], 'label': 1},  # HellaSwag: ' ' + ending
-        {'context': 'abcdefghij', 'choices': ['1234567', '12'], 'answer': 0},  # 7 tokens: 1 of context is left
+        # 7 tokens: 1 of context is left
+        {'context': 'abcdefghij', 'choices': ['1234567', '12'], 'answer': 0},
     ])
     first, second = evaluate.read_task(path, encode, block_size=7)
     assert first == evaluate.Example([encode('fghij xy'), encode('efghij z')], [3, 2], 1)
@@ -155,18 +163,23 @@ def test_rows_keep_the_ending_and_the_last_context_tokens(tmp_path):
     ('["a", "b"]', "neither HellaSwag's fields (ctx, endings, label) nor the generic ones (context, choices, "
                    "answer)"),
     ('{"question": "a"}', "neither HellaSwag's fields"),
-    ('{"ctx": "a", "endings": ["b", "c"]}', "the field 'label' is missing: a HellaSwag line needs ctx, endings, "
+    ('{"ctx": "a", "endings": ["b", "c"]}',
+     "the field 'label' is missing: a HellaSwag line needs ctx, endings, "
                                             "label"),
-    ('{"context": "a", "answer": 0}', "the field 'choices' is missing: a generic line needs context, choices, answer"),
-    ('{"ctx": "a", "endings": ["b", "c"], "label": 2}', "label=2 is not an index of the 2 endings: use an int from 0 "
+    ('{"context": "a", "answer": 0}',
+     "the field 'choices' is missing: a generic line needs context, choices, answer"),
+    ('{"ctx": "a", "endings": ["b", "c"], "label": 2}',
+     "label=2 is not an index of the 2 endings: use an int from 0 "
                                                         "to 1"),
     ('{"context": "a", "choices": ["b", "c"], "answer": -1}', "answer=-1 is not an index of the 2 choices"),
     ('{"ctx": "a", "endings": ["b", "c"], "label": "1"}', "label='1' is not an index"),
     ('{"ctx": "a", "endings": ["b", "c"], "label": true}', "label=True is not an index"),
     ('{"ctx": "a", "endings": ["b"], "label": 0}', "endings must be a list of at least 2 strings"),
     ('{"context": "a", "choices": "bc", "answer": 0}', "choices must be a list of at least 2 strings"),
-    ('{"ctx": "a", "endings": ["b", ""], "label": 0}', "endings[1] is '': every candidate must be a non-empty"),
-    ('{"context": "a", "choices": ["b", 3], "answer": 0}', "choices[1] is 3: every candidate must be a non-empty"),
+    ('{"ctx": "a", "endings": ["b", ""], "label": 0}',
+     "endings[1] is '': every candidate must be a non-empty"),
+    ('{"context": "a", "choices": ["b", 3], "answer": 0}',
+     "choices[1] is 3: every candidate must be a non-empty"),
     ('{"context": "", "choices": ["b", "c"], "answer": 0}', "context must be a non-empty string"),
     ('{"context": "a", "choices": ["b", "123456789"], "answer": 0}',
      "an ending of 9 tokens leaves no room for context in block_size=8: shorten it"),
@@ -210,8 +223,9 @@ def test_wilson_interval_and_the_printed_line():
     low, high = evaluate.wilson_interval(10, 10)
     assert round(high, 4) == 1.0 and round(low, 4) == 0.7225
     result = {'examples': 10, 'correct': 5, 'correct_norm': 0, 'acc': 0.5, 'acc_norm': 0.0, 'chance': 0.3}
-    assert evaluate.describe('t.jsonl', result) == ('t.jsonl: 10 examples, acc 0.5000 [0.2366, 0.7634], acc_norm '
-                                                    '0.0000 [0.0000, 0.2775] (95% Wilson intervals), chance 0.3000')
+    assert evaluate.describe('t.jsonl', result) == ('t.jsonl: 10 examples, acc 0.5000 [0.2366, 0.7634], '
+                                                    'acc_norm 0.0000 [0.0000, 0.2775] (95% Wilson '
+                                                    'intervals), chance 0.3000')
 
 
 @pytest.mark.slow
@@ -220,8 +234,8 @@ def test_one_two_and_three_ranks_give_the_same_counts(tiny_gpt2, bpe, task, tmp_
     one = evaluate.score(model, evaluate.read_task(task, encode, BLOCK), 2, 'cpu', nullcontext())
     def start(rank, world_size, parallel):
         store = str(tmp_path / f'store-{world_size}-{parallel}')  # the process group's rendezvous
-        return forked.Process('tests/evaluate_ranks.py', tiny_gpt2[1], bpe[0], task, '2', str(rank), str(world_size),
-                              store, parallel)
+        return forked.Process('tests/evaluate_ranks.py', tiny_gpt2[1], bpe[0], task, '2', str(rank),
+                              str(world_size), store, parallel)
     runs = {(world_size, parallel): [start(rank, world_size, parallel) for rank in range(world_size)]
             for world_size, parallel in ((2, 'ddp'), (3, 'ddp'), (3, 'fsdp'))}  # all 8 processes at once
     for procs in runs.values():
@@ -238,7 +252,8 @@ def test_command_on_a_trained_run_and_a_hugging_face_folder(data_dir, tiny_gpt2,
     sentences = [('the cat', [' sees the moon.', ' sees a small bird.', ' loves his letter.']),
                  ('my friend finds', [' the old road.', ' the sea.'])]
     generic = write_jsonl(tmp_path / 'generic.jsonl', [
-        {'context': c, 'choices': ends, 'answer': rng.randrange(len(ends))} for _ in range(4) for c, ends in sentences])
+        {'context': c, 'choices': ends, 'answer': rng.randrange(len(ends))} for _ in range(4)
+        for c, ends in sentences])
     hellaswag = write_jsonl(tmp_path / 'hellaswag.jsonl', [
         {'ctx': c, 'endings': [e.strip() for e in ends], 'label': 0} for c, ends in sentences])
     model, saved = sample.load_model(os.path.join(run, 'best.pt'), 'cpu')
@@ -254,9 +269,11 @@ def test_command_on_a_trained_run_and_a_hugging_face_folder(data_dir, tiny_gpt2,
     assert result.returncode == 0 and result.stdout == expected(generic) + expected(hellaswag), result.stderr
     result = command(f'--ckpt={run}/last.pt', f'--tasks={generic}', '--max_examples=3')  # dtype 'auto'
     assert result.returncode == 0 and result.stdout.startswith(f'{generic}: 3 examples, acc '), result.stderr
-    result = command(f'--init_from={tiny_gpt2[1]}', f'--tokenizer={bpe[0]}', f'--tasks={task}', '--dtype=float32')
+    result = command(f'--init_from={tiny_gpt2[1]}', f'--tokenizer={bpe[0]}', f'--tasks={task}',
+                     '--dtype=float32')
     model, encode = evaluate.load_pretrained(tiny_gpt2[1], bpe[0], 'cpu')
-    assert result.returncode == 0 and result.stdout == expected(task, model=model, encode=encode), result.stderr
+    assert (result.returncode == 0
+            and result.stdout == expected(task, model=model, encode=encode)), result.stderr
 
 
 @pytest.mark.slow
@@ -265,54 +282,65 @@ def test_command_mistakes_are_one_line_with_exit_2(tiny_gpt2, bpe, task, tmp_pat
                                                {'ctx': 'a', 'endings': ['b'], 'label': 0}])
     gpt2 = [f'--init_from={tiny_gpt2[1]}', f'--tokenizer={bpe[0]}']
     for args, message in (
-            ([*gpt2, f'--tasks={task},{bad}'], f"error: {bad}:2: endings must be a list of at least 2 strings"),
-            ([f'--out_dir={tmp_path}', f'--tasks={task}'], f"error: checkpoint {tmp_path}/best.pt does not exist"),
+            ([*gpt2, f'--tasks={task},{bad}'],
+             f"error: {bad}:2: endings must be a list of at least 2 strings"),
+            ([f'--out_dir={tmp_path}', f'--tasks={task}'],
+             f"error: checkpoint {tmp_path}/best.pt does not exist"),
             ([*gpt2, '--tasks='], "error: tasks='' names no task file"),
-            ([*gpt2, f'--tasks={task}', '--tokenizer=char'], "error: tokenizer='char': with init_from use gpt2"),
+            ([*gpt2, f'--tasks={task}', '--tokenizer=char'],
+             "error: tokenizer='char': with init_from use gpt2"),
             ([*gpt2, f'--tasks={task}', '--max_exampels=3'], "error: unknown config key 'max_exampels'")):
         result = forked.run('evaluate.py', *args, timeout=120)
-        assert result.returncode == 2 and result.stdout == '' and result.stderr.count('\n') == 1, result.stderr
+        assert (result.returncode == 2 and result.stdout == ''
+                and result.stderr.count('\n') == 1), result.stderr
         assert result.stderr.startswith(message), result.stderr
 
 
 def test_weights_and_a_tokenizer_of_another_vocabulary_are_refused(tiny_gpt2, root):
     write_ranks(root / 'smaller.tiktoken', MERGES[:-1])
-    with pytest.raises(hf.HFError, match=f"know {N_VOCAB} tokens, tokenizer .*smaller.tiktoken {N_VOCAB - 1}: "):
+    with pytest.raises(hf.HFError,
+                       match=f"know {N_VOCAB} tokens, tokenizer .*smaller.tiktoken {N_VOCAB - 1}: "):
         evaluate.load_pretrained(tiny_gpt2[1], str(root / 'smaller.tiktoken'), 'cpu')
 
 
 def toy_task(path, count=13, seed=1):
-    """A generic task on the toy corpus's sentences: the subject given, which of three endings the corpus has."""
+    """A generic task on the toy corpus's sentences: the subject given, which of three endings the corpus
+    has."""
     rng = random.Random(seed)
     subjects = ['the cat', 'a dog', 'my friend', 'the king']
     endings = [' sees the moon.', ' finds xq zz.', ' keeps qq vv.']
-    return write_jsonl(path, [{'context': rng.choice(subjects), 'choices': rng.sample(endings, 3), 'answer': 0}
+    return write_jsonl(path,
+                       [{'context': rng.choice(subjects), 'choices': rng.sample(endings, 3), 'answer': 0}
                               for _ in range(count)])
 
 
 @pytest.mark.slow
 def test_accuracy_in_the_loop_on_one_and_two_ranks(data_dir, tmp_path):
-    """At every evaluation each task's acc and acc_norm, as evaluate.py computes them on the same weights; on 2
-    ranks (13 examples: not divisible) the same counts; best_by=acc_norm picks best.pt by accuracy; report.md and
-    curves.png show it beside chance level."""
+    """At every evaluation each task's acc and acc_norm, as evaluate.py computes them on the same weights; on
+    2 ranks (13 examples: not divisible) the same counts; best_by=acc_norm picks best.pt by accuracy;
+    report.md and curves.png show it beside chance level."""
     task = toy_task(tmp_path / 'toy_task.jsonl')
-    args = ['--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10', f'--eval_tasks={task}', '--dtype=float32',
-            '--best_by=acc_norm', '--write_report=True', '--gradient_accumulation_steps=2']
+    args = ['--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10', f'--eval_tasks={task}',
+            '--dtype=float32', '--best_by=acc_norm', '--write_report=True', '--gradient_accumulation_steps=2']
     one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
     run_train(one, data_dir, *args)
     ok(torchrun(two, data_dir, *args))
     evals = read_metrics(one, 'eval')
-    assert [e['step'] for e in evals] == [10, 20] and all(e['toy_task/chance'] == pytest.approx(1 / 3) for e in evals)
+    assert ([e['step'] for e in evals] == [10, 20]
+            and all(e['toy_task/chance'] == pytest.approx(1 / 3) for e in evals))
     # the counts of 2 ranks are one process's: the losses differ by rounding only, the choices not at all
-    counts = [[(e['toy_task/examples'], e['toy_task/acc'], e['toy_task/acc_norm']) for e in read_metrics(run, 'eval')]
+    counts = [[(e['toy_task/examples'], e['toy_task/acc'], e['toy_task/acc_norm'])
+               for e in read_metrics(run, 'eval')]
               for run in (one, two)]
     assert counts[0] == counts[1] and all(count[0] == 13 for count in counts[0])
-    for name in ('best.pt', 'last.pt'):  # each checkpoint scored again by evaluate.py gives the recorded figures
+    # each checkpoint scored again by evaluate.py gives the recorded figures
+    for name in ('best.pt', 'last.pt'):
         model, saved = sample.load_model(os.path.join(one, name), 'cpu')
         examples = evaluate.read_task(task, tokenizer.load(saved['dataset']['tokenizer']).encode, 32)
         scored = evaluate.score(model, examples, 8, 'cpu', nullcontext())
         recorded = next(e for e in evals if e['step'] == saved['iter_num'])
-        assert (scored['acc'], scored['acc_norm']) == (recorded['toy_task/acc'], recorded['toy_task/acc_norm'])
+        assert ((scored['acc'], scored['acc_norm'])
+                == (recorded['toy_task/acc'], recorded['toy_task/acc_norm']))
     best = torch.load(os.path.join(one, 'best.pt'), weights_only=True)['iter_num']
     assert best == max(evals, key=lambda e: (e['toy_task/acc_norm'], -e['step']))['step']
     assert '- toy_task: acc ' in open(os.path.join(one, 'report.md')).read()
@@ -320,10 +348,12 @@ def test_accuracy_in_the_loop_on_one_and_two_ranks(data_dir, tmp_path):
 
 def test_a_bad_task_file_stops_the_run_before_anything_is_written(data_dir, tmp_path):
     bad = tmp_path / 'bad.jsonl'
-    bad.write_text('{"context": "the cat", "choices": [" a", " b"], "answer": 0}\n{"context": "x", "choices": []}\n')
+    bad.write_text('{"context": "the cat", "choices": [" a", " b"], "answer": 0}\n{"context": "x", '
+                   '"choices": []}\n')
     out = tmp_path / 'never'
     result = run_train(str(out), data_dir, f'--eval_tasks={bad}', check=False)
-    assert result.returncode == 2 and result.stderr.startswith(f'error: {bad}:2: ') and result.stderr.count('\n') == 1
+    assert (result.returncode == 2 and result.stderr.startswith(f'error: {bad}:2: ')
+            and result.stderr.count('\n') == 1)
     assert not out.exists()
     result = run_train(str(out), data_dir, '--best_by=acc_norm', check=False)
     assert result.returncode == 2 and 'needs eval_tasks' in result.stderr and not out.exists()

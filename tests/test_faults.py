@@ -1,8 +1,8 @@
 """Faults from the machine, not the user: a full disk while saving, an out_dir that cannot be written, the
 data changed under a running job. Each ends in one line that says what happened and what to do, with the right
-exit code, no temp file, every checkpoint whole, and, once the fault is fixed, a resume that is bitwise the run
-that never met it. Where the machine lets a test mount a small filesystem (tmpfs, as root) the disk is really
-full or read-only; elsewhere the fault is made at the same call (tests/probe.py)."""
+exit code, no temp file, every checkpoint whole, and, once the fault is fixed, a resume that is bitwise the
+run that never met it. Where the machine lets a test mount a small filesystem (tmpfs, as root) the disk is
+really full or read-only; elsewhere the fault is made at the same call (tests/probe.py)."""
 import contextlib
 import glob
 import os
@@ -68,7 +68,8 @@ def test_a_full_disk_ends_the_run_in_one_line_and_a_resume_after_freeing_space_i
     # a checkpoint of this model is ~0.35 MB: best.pt and last.pt fit at iteration 10, a third file does not
     with tmpfs(tmp_path / 'disk', 'size=900k') as mounted:
         out = str(tmp_path / 'disk' / 'run')
-        probes = {} if mounted else {'PROBE_FSIZE': str(200_000)}  # without a mount: each file stops at 200 KB
+        # without a mount: each file stops at 200 KB
+        probes = {} if mounted else {'PROBE_FSIZE': str(200_000)}
         result = probed_train(out, data_dir, *ARGS, **probes)
         assert result.returncode == 1
         error = error_line(result)
@@ -88,7 +89,8 @@ def test_a_full_disk_ends_the_run_in_one_line_and_a_resume_after_freeing_space_i
 
 def test_an_out_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path, data_dir):
     with tmpfs(tmp_path / 'ro', 'size=1m,ro') as mounted:
-        if not mounted:  # no read-only filesystem to be had: a file where a folder must go fails the same call
+        # no read-only filesystem to be had: a file where a folder must go fails the same call
+        if not mounted:
             (tmp_path / 'ro' / 'file').write_text('')
         out = str(tmp_path / 'ro' / ('run' if mounted else 'file/run'))
         result = run_train(out, data_dir, *ARGS, check=False)
@@ -136,7 +138,8 @@ def test_one_rank_meets_changed_data_and_every_rank_stops_at_that_step(tmp_path,
                       env_extra={'PROBE_DATA': f'1:13:truncate:{shard}'})
     assert result.returncode != 0 and 'SIGABRT' not in result.stderr
     assert result.stderr.count(f'error: {shard} changed while the run was reading it') == 1, result.stderr
-    # rank 1 truncates the shard in its step-13 forward; rank 0 may not have read its step-13 batch yet (the ranks
-    # meet only at the step's all-reduce), so the first read to fail is rank 0's in step 13 or either's in step 14
+    # rank 1 truncates the shard in its step-13 forward; rank 0 may not have read its step-13 batch yet (the
+    # ranks meet only at the step's all-reduce), so the first read to fail is rank 0's in step 13 or either's
+    # in step 14
     assert [r['step'] for r in read_metrics(out, 'abort')] in ([13], [14])
     assert whole_checkpoints(out) == {'best.pt': 10, 'last.pt': 10}

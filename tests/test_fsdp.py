@@ -1,6 +1,6 @@
 """Sharded training (FSDP2) on CPU (gloo, 2 processes): the same run as DDP, exact resume from sharded
-checkpoints, an exported single-file state_dict, and activation checkpointing that recomputes every block and changes
-no loss."""
+checkpoints, an exported single-file state_dict, and activation checkpointing that recomputes every block and
+changes no loss."""
 import json
 import os
 
@@ -15,10 +15,11 @@ from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
 
-SAME = ['--gradient_accumulation_steps=4', '--max_iters=30', '--lr_decay_iters=30', '--eval_interval=10', '--dtype=float32']
-# FSDP reduce-scatters gradients where one process sums them locally: the same sums in another order, so float32
-# rounding differs (~1e-7 relative per operation, compounded over 30 Adam steps); 1e-4 is far above that
-# and far below what one wrong micro-batch or a missed shard would change (1e-2).
+SAME = ['--gradient_accumulation_steps=4', '--max_iters=30', '--lr_decay_iters=30', '--eval_interval=10',
+        '--dtype=float32']
+# FSDP reduce-scatters gradients where one process sums them locally: the same sums in another order, so
+# float32 rounding differs (~1e-7 relative per operation, compounded over 30 Adam steps); 1e-4 is far above
+# that and far below what one wrong micro-batch or a missed shard would change (1e-2).
 RTOL = 1e-4
 
 
@@ -28,15 +29,19 @@ def trajectory(out_dir):
 
 def test_fsdp_matches_one_process_resumes_exactly_and_checkpoints_activations(tmp_path, data_dir):
     one, fsdp, split = str(tmp_path / 'one'), str(tmp_path / 'fsdp'), str(tmp_path / 'split')
-    run_train(one, data_dir, *SAME)  # tests/test_ddp.py shows DDP on 2 ranks equals this within the same tolerance
+    # tests/test_ddp.py shows DDP on 2 ranks equals this within the same tolerance
+    run_train(one, data_dir, *SAME)
     ok(torchrun(fsdp, data_dir, *SAME, '--parallel=fsdp'))
     for (s1, l1, lr1, g1), (s2, l2, lr2, g2) in zip(trajectory(one), trajectory(fsdp), strict=True):
         assert s1 == s2 and lr1 == lr2 and abs(l1 - l2) <= RTOL * l1 and abs(g1 - g2) <= RTOL * g1
-    assert sorted(f for f in os.listdir(fsdp) if f.startswith('shards-')) == ['shards-30']  # older shards cleaned up
+    # older shards cleaned up
+    assert sorted(f for f in os.listdir(fsdp) if f.startswith('shards-')) == ['shards-30']
     # stop at 14 (after sharded checkpoints at 10 and 14) and resume from the shards, the second part with
-    # activation checkpointing on: bitwise the uninterrupted run, so neither the resume nor recomputation changes a loss
+    # activation checkpointing on: bitwise the uninterrupted run, so neither the resume nor recomputation
+    # changes a loss
     ok(torchrun(split, data_dir, *SAME, '--parallel=fsdp', '--max_iters=14'))
-    ok(torchrun(split, data_dir, *SAME, '--parallel=fsdp', '--init_from=resume', '--activation_checkpointing=True'))
+    ok(torchrun(split, data_dir, *SAME, '--parallel=fsdp', '--init_from=resume',
+                '--activation_checkpointing=True'))
     assert trajectory(split) == trajectory(fsdp)
 
 
@@ -55,12 +60,14 @@ def test_exported_state_dict_gives_the_runs_own_val_loss(tmp_path, data_dir):
     # recompute the run's last val loss with a plain GPT: same windows, same sums
     cfg = ckpt['config']
     val = data.TokenWindows(data.open_dataset(data_dir, 'toy')[1]['val'], cfg['block_size'])
-    sampler = data.EvalSampler(val.num_tokens, cfg['block_size'], cfg['batch_size'], cfg['eval_iters'] * cfg['batch_size'])
+    sampler = data.EvalSampler(val.num_tokens, cfg['block_size'], cfg['batch_size'],
+                               cfg['eval_iters'] * cfg['batch_size'])
     loss_sum, count = 0.0, 0
     with torch.inference_mode():
         for batch in sampler:
             x, y, _ = torch.utils.data.default_collate([val[s] for s in batch])
-            loss_sum += F.cross_entropy(model(x).view(-1, ckpt['model_args']['vocab_size']), y.view(-1), reduction='sum').item()
+            loss_sum += F.cross_entropy(model(x).view(-1, ckpt['model_args']['vocab_size']), y.view(-1),
+                                        reduction='sum').item()
             count += (y != data.IGNORE_INDEX).sum().item()
     assert abs(loss_sum / count - read_metrics(out, 'eval')[-1]['val_loss']) < 1e-5
 
@@ -73,17 +80,20 @@ def test_activation_checkpointing_recomputes_every_block_and_changes_no_loss(tmp
         run_train(str(tmp_path / name / 'run'), data_dir, *args, *extra, probe=True,
                   env={**os.environ, 'PROBE_ATTENTION': str(tmp_path / name)})
     calls = {name: json.load(open(tmp_path / name / 'attention.0')) for name in runs}
-    # 2 blocks x 10 micro-batches: each block's forward runs again inside the backward, and only when checkpointing
+    # 2 blocks x 10 micro-batches: each block's forward runs again inside the backward, and only when
+    # checkpointing
     assert calls == {'plain': {'forward': 20, 'backward': 0}, 'checkpointed': {'forward': 20, 'backward': 20}}
     # dropout on: the recomputation replays the same masks
     assert trajectory(str(tmp_path / 'checkpointed' / 'run')) == trajectory(str(tmp_path / 'plain' / 'run'))
 
 
 def test_fsdp_refuses_float16_and_muon_before_writing_anything(tmp_path, data_dir):
-    for args, message in ((['--dtype=float16'], "error: parallel='fsdp' trains in float32 or bfloat16: use bfloat16"),
-                          (['--optimizer=muon'], "error: optimizer='muon' does not work with parallel='fsdp'")):
-        result = torchrun(str(tmp_path / 'never'), data_dir, '--parallel=fsdp', '--gradient_accumulation_steps=2', *args,
-                          timeout=120)
+    for args, message in ((['--dtype=float16'],
+                           "error: parallel='fsdp' trains in float32 or bfloat16: use bfloat16"),
+                          (['--optimizer=muon'],
+                           "error: optimizer='muon' does not work with parallel='fsdp'")):
+        result = torchrun(str(tmp_path / 'never'), data_dir, '--parallel=fsdp',
+                          '--gradient_accumulation_steps=2', *args, timeout=120)
         assert result.returncode != 0 and message in result.stderr, result.stderr
         assert result.stderr.count(message) == 1  # said once, not once per rank
         assert not (tmp_path / 'never').exists()

@@ -1,6 +1,6 @@
-"""Every decision the CUDA paths make, checked on a CPU: no machine here has a GPU, so each decision is a small
-function tested with the values a GPU host would give it (device counts, compute capabilities, device names), and
-torch's own checks are called where they run without CUDA."""
+"""Every decision the CUDA paths make, checked on a CPU: no machine here has a GPU, so each decision is a
+small function tested with the values a GPU host would give it (device counts, compute capabilities, device
+names), and torch's own checks are called where they run without CUDA."""
 
 import pytest
 import torch
@@ -35,12 +35,14 @@ def test_a_device_this_code_cannot_use_is_refused(device, local_rank, gpus, mess
 
 
 def test_rng_state_holds_and_restores_only_this_process_s_gpu(monkeypatch):
-    """A process draws dropout from its own device's generator; get_rng_state_all() would save one per visible GPU
-    and fail to restore where another number is visible (here: 8 GPUs, the process on cuda:5)."""
+    """A process draws dropout from its own device's generator; get_rng_state_all() would save one per visible
+    GPU and fail to restore where another number is visible (here: 8 GPUs, the process on cuda:5)."""
     asked, restored = [], []
     states = {f'cuda:{i}': torch.full((16,), i, dtype=torch.uint8) for i in range(8)}
-    monkeypatch.setattr(torch.cuda, 'get_rng_state', lambda device: asked.append(str(device)) or states[str(device)])
-    monkeypatch.setattr(torch.cuda, 'set_rng_state', lambda state, device: restored.append((str(device), state)))
+    monkeypatch.setattr(torch.cuda, 'get_rng_state', lambda device: asked.append(str(device))
+                        or states[str(device)])
+    monkeypatch.setattr(torch.cuda, 'set_rng_state',
+                        lambda state, device: restored.append((str(device), state)))
     for name in ('get_rng_state_all', 'set_rng_state_all', 'manual_seed_all'):
         monkeypatch.setattr(torch.cuda, name, lambda *a, name=name: pytest.fail(f'{name} touches every GPU'))
     state = checkpoint.rng_state('cuda:5')
@@ -52,15 +54,16 @@ def test_rng_state_holds_and_restores_only_this_process_s_gpu(monkeypatch):
 
 @pytest.mark.parametrize('gpu, capability, dtype', [
     ('P100', (6, 0), 'float16'), ('V100', (7, 0), 'float16'), ('T4', (7, 5), 'float16'),  # bfloat16 emulated
-    ('A100', (8, 0), 'bfloat16'), ('A10/RTX 3090', (8, 6), 'bfloat16'), ('L4/L40/RTX 4090', (8, 9), 'bfloat16'),
-    ('H100', (9, 0), 'bfloat16'), ('B200', (10, 0), 'bfloat16'),
+    ('A100', (8, 0), 'bfloat16'), ('A10/RTX 3090', (8, 6), 'bfloat16'),
+    ('L4/L40/RTX 4090', (8, 9), 'bfloat16'), ('H100', (9, 0), 'bfloat16'), ('B200', (10, 0), 'bfloat16'),
 ])
 def test_auto_dtype_on_a_gpu_follows_its_compute_capability(gpu, capability, dtype):
     assert perf.cuda_autocast_dtype(capability) == dtype
 
 
 def test_peak_table_matches_the_exact_gpu_name_and_records_the_entry(monkeypatch):
-    # substrings nest ('L4' in 'L40' in 'L40S', 'A10' in 'A100', 'H100' in 'H100 PCIe'): each GPU gets its own row
+    # substrings nest ('L4' in 'L40' in 'L40S', 'A10' in 'A100', 'H100' in 'H100 PCIe'): each GPU gets its own
+    # row
     expected = {'NVIDIA L4': 121e12, 'NVIDIA L40': 181e12, 'NVIDIA L40S': 362e12, 'NVIDIA A10': 125e12,
                 'NVIDIA A100-SXM4-80GB': 312e12, 'NVIDIA H100 PCIe': 756e12, 'NVIDIA H100 80GB HBM3': 989e12}
     for name, peak in expected.items():
@@ -88,14 +91,15 @@ def test_padded_vocabulary_rows_are_never_predicted_sampled_or_counted():
     assert torch.allclose(model(idx, targets), F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
     total = model(idx, targets, reduction='sum')
     assert torch.allclose(total, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction='sum'))
-    assert total < 27 * 10  # 27 predicted tokens at about ln(65) each: a padding row in the softmax would add ~1e3
+    # 27 predicted tokens at about ln(65) each: a padding row in the softmax would add ~1e3
+    assert total < 27 * 10
     sampled = model.generate(idx[:, :2], 20, temperature=2.0, generator=torch.Generator().manual_seed(0))
     assert sampled.max() < 65
 
 
 def test_qk_norm_hands_attention_one_dtype_when_autocast_runs_rms_norm_in_float32(monkeypatch):
-    """CUDA autocast (torch >= 2.12, pytorch#188955) runs rms_norm in float32 while v stays bfloat16; simulated here
-    on the CPU, where autocast leaves rms_norm alone."""
+    """CUDA autocast (torch >= 2.12, pytorch#188955) runs rms_norm in float32 while v stays bfloat16;
+    simulated here on the CPU, where autocast leaves rms_norm alone."""
     rms_norm, sdpa, seen = F.rms_norm, F.scaled_dot_product_attention, []
     monkeypatch.setattr(F, 'rms_norm', lambda x, shape: rms_norm(x.float(), shape))
     monkeypatch.setattr(F, 'scaled_dot_product_attention',
@@ -122,8 +126,9 @@ def test_fsdp_builds_its_mesh_for_the_device_in_use_and_reduces_in_float32(monke
 
 @pytest.mark.slow
 def test_the_loss_compiled_with_the_model_equals_eager():
-    """forward(idx, targets) puts the cross-entropy inside the compiled graph, where inductor fuses it with the
-    head. Float32 on one thread: fused kernels sum in another order, so agreement is to rounding (1e-5)."""
+    """forward(idx, targets) puts the cross-entropy inside the compiled graph, where inductor fuses it with
+    the head. Float32 on one thread: fused kernels sum in another order, so agreement is to rounding
+    (1e-5)."""
     torch.manual_seed(0)
     eager = GPT(GPTConfig(block_size=16, vocab_size=65, n_layer=1, n_head=2, n_embd=32, logit_softcap=15.0))
     twin = GPT(eager.config)

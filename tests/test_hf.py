@@ -1,6 +1,7 @@
 """GPT-2 in and out of the Hugging Face format, checked against transformers itself on a random tiny
-GPT2LMHeadModel: loading gives its logits, a finetune resumes exactly, an export loads back as GPT2LMHeadModel.
-Nothing is downloaded: GPT-2 names are served from a Hugging Face cache the tests build, with HF_HUB_OFFLINE=1."""
+GPT2LMHeadModel: loading gives its logits, a finetune resumes exactly, an export loads back as
+GPT2LMHeadModel. Nothing is downloaded: GPT-2 names are served from a Hugging Face cache the tests build, with
+HF_HUB_OFFLINE=1."""
 import hashlib
 import json
 import os
@@ -38,8 +39,8 @@ def bpe_data(root):
 
 @pytest.fixture(scope='module')
 def tiny_gpt2(root):
-    """A random GPT2LMHeadModel folder as save_pretrained writes it. Every tensor is random, LayerNorms and biases
-    too, so a swapped or untransposed tensor shows in the logits."""
+    """A random GPT2LMHeadModel folder as save_pretrained writes it. Every tensor is random, LayerNorms and
+    biases too, so a swapped or untransposed tensor shows in the logits."""
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=N_VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4))
     with torch.no_grad():
@@ -92,13 +93,15 @@ def test_loads_folder_file_and_openai_layout_with_transformers_logits(tiny_gpt2,
 
 def test_export_loads_in_transformers_as_gpt2_with_our_logits(tiny_gpt2, tmp_path):
     torch.manual_seed(0)
-    without_bias = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50, bias=False)).eval()
+    without_bias = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50,
+                                 bias=False)).eval()
     for ours, activation in ((load_ours(tiny_gpt2)[0], 'gelu_new'), (without_bias, 'gelu')):
         folder = str(tmp_path / activation)
         hf.export_gpt2(ours, folder, eot_id=N_VOCAB - 1)
         theirs, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
         assert type(theirs) is GPT2LMHeadModel and not info['missing_keys'] and not info['unexpected_keys']
-        assert theirs.config.activation_function == activation and theirs.config.n_positions == ours.config.block_size
+        assert (theirs.config.activation_function == activation
+                and theirs.config.n_positions == ours.config.block_size)
         idx = torch.randint(0, ours.config.vocab_size, (2, ours.config.block_size))
         assert torch.allclose(logits(theirs.eval(), idx), logits(ours, idx), atol=1e-5, rtol=0)
     assert sorted(os.listdir(tmp_path)) == ['gelu', 'gelu_new']  # no temp folder left beside them
@@ -147,7 +150,8 @@ def test_load_errors_are_one_line(tiny_gpt2, tmp_path, monkeypatch):
     del tensors['transformer.h.1.mlp.c_fc.bias']
     save_file(tensors, str(broken / 'model.safetensors'), metadata={'format': 'pt'})
     assert 'missing: h.1.mlp.c_fc.bias' in refusal(str(broken))
-    config = json.load(open(broken / 'config.json')) | {'activation_function': 'relu', 'layer_norm_epsilon': 1e-6}
+    config = json.load(open(broken / 'config.json')) | {'activation_function': 'relu',
+                                                        'layer_norm_epsilon': 1e-6}
     json.dump(config, open(broken / 'config.json', 'w'))
     assert "layer_norm_epsilon=1e-06; activation_function='relu'" in refusal(str(broken))
     monkeypatch.setitem(sys.modules, 'huggingface_hub', None)  # as if not installed
@@ -155,7 +159,8 @@ def test_load_errors_are_one_line(tiny_gpt2, tmp_path, monkeypatch):
 
 
 def fake_hub_cache(home, name, folder):
-    """HF_HOME with folder's files cached as the hub's `name`, laid out as huggingface_hub lays out its cache."""
+    """HF_HOME with folder's files cached as the hub's `name`, laid out as huggingface_hub lays out its
+    cache."""
     commit = '0' * 40
     repo = home / 'hub' / f'models--{name}'
     (repo / 'refs').mkdir(parents=True)
@@ -170,24 +175,28 @@ def trajectory(out_dir):
 
 @pytest.mark.slow
 def test_gpt2_by_name_from_the_cache_finetunes_and_resumes_exactly(root, bpe_data, tiny_gpt2, tmp_path):
-    env = {**os.environ, 'HF_HUB_OFFLINE': '1', 'HF_HOME': fake_hub_cache(tmp_path / 'home', 'gpt2', tiny_gpt2)}
+    env = {**os.environ, 'HF_HUB_OFFLINE': '1',
+           'HF_HOME': fake_hub_cache(tmp_path / 'home', 'gpt2', tiny_gpt2)}
     args = ['--init_from=gpt2', '--dataset=shakespeare', '--dropout=0.1', '--block_size=32', '--max_iters=6',
             '--lr_decay_iters=6', '--eval_interval=3']
     straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
     run_train(straight, bpe_data, *args, env=env)
     run_train(split, bpe_data, *args, '--max_iters=3', env=env)
     # resume as a user does: init_from changes, the shape keys stay unset (the config still says n_embd=32)
-    run_train(split, bpe_data, *[a for a in args if not a.startswith('--init_from')], '--init_from=resume', env=env)
+    run_train(split, bpe_data, *[a for a in args if not a.startswith('--init_from')], '--init_from=resume',
+              env=env)
     assert trajectory(split) == trajectory(straight) and len(trajectory(split)) == 6
     a = torch.load(os.path.join(straight, 'last.pt'), weights_only=True)
     b = torch.load(os.path.join(split, 'last.pt'), weights_only=True)
     assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
     cached = os.path.join(env['HF_HOME'], 'hub', 'models--gpt2', 'snapshots', '0' * 40, 'model.safetensors')
-    record = {'init_from': 'gpt2', 'weights': cached, 'sha256': hashlib.sha256(open(cached, 'rb').read()).hexdigest()}
+    record = {'init_from': 'gpt2', 'weights': cached,
+              'sha256': hashlib.sha256(open(cached, 'rb').read()).hexdigest()}
     assert a['pretrained'] == b['pretrained'] == record
     assert json.load(open(os.path.join(split, 'meta.json')))['pretrained'] == record
-    assert a['model_args'] | {'dropout': 0.1} == {'n_layer': 2, 'n_head': 4, 'n_embd': 64, 'block_size': 32, 'bias': True,
-                                                  'activation': 'gelu_tanh', 'vocab_size': N_VOCAB, 'dropout': 0.1,
+    assert a['model_args'] | {'dropout': 0.1} == {'n_layer': 2, 'n_head': 4, 'n_embd': 64, 'block_size': 32,
+                                                  'bias': True, 'activation': 'gelu_tanh',
+                                                  'vocab_size': N_VOCAB, 'dropout': 0.1,
                                                   'pos_emb': 'learned', 'qk_norm': False, 'tie_head': True,
                                                   'logit_softcap': 0.0, 'zero_init': False}
     config = json.load(open(os.path.join(straight, 'config.json')))
@@ -202,17 +211,20 @@ def test_nanogpt_finetune_config_runs_unchanged(bpe_data, tiny_gpt2, tmp_path):
     env = {**os.environ, 'HF_HUB_OFFLINE': '1', 'HF_HOME': str(tmp_path / 'empty_home')}
     result = forked.run(*cmd, env=env, timeout=120)
     assert result.returncode == 2 and result.stderr.count('\n') == 1, result.stderr
-    assert "'gpt2-xl' are not in the Hugging Face cache" in result.stderr and 'init_from=FOLDER' in result.stderr
+    assert ("'gpt2-xl' are not in the Hugging Face cache" in result.stderr
+            and 'init_from=FOLDER' in result.stderr)
     assert not os.path.exists(tmp_path / 'out')
     result = forked.run(*cmd, '--init_from=gtp2', timeout=120)
-    assert result.returncode == 2 and result.stderr.startswith("error: init_from='gtp2': use 'scratch'"), result.stderr
+    assert (result.returncode == 2
+            and result.stderr.startswith("error: init_from='gtp2': use 'scratch'")), result.stderr
     # from the tiny folder, at learning rate 0: it trains, and the weights it holds are the folder's
     result = forked.run(*cmd, f'--init_from={tiny_gpt2}', '--block_size=32', '--max_iters=2', '--device=cpu',
                         '--dtype=float32', '--num_workers=0', '--learning_rate=0.0', timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert [r['step'] for r in read_metrics(str(tmp_path / 'out'), 'train')] == [1, 2]
     saved = torch.load(tmp_path / 'out' / 'last.pt', weights_only=True)['model']
-    assert all(torch.equal(saved[k], v) for k, v in load_ours(tiny_gpt2, block_size=32)[0].state_dict().items())
+    assert all(torch.equal(saved[k], v)
+               for k, v in load_ours(tiny_gpt2, block_size=32)[0].state_dict().items())
 
 
 @pytest.mark.slow
@@ -227,6 +239,8 @@ def test_export_of_a_trained_run_generates_greedily_like_sample_py(data_dir, tmp
     greedy = sample('--top_k=1', '--num_samples=1', '--max_new_tokens=24', '--dtype=float32')
     assert greedy.returncode == 0, greedy.stderr
     theirs = AutoModelForCausalLM.from_pretrained(export).eval()
-    their_tokenizer = AutoTokenizer.from_pretrained(export)  # the character vocabulary, exported beside the weights
-    generated = theirs.generate(torch.tensor([their_tokenizer.encode('\n')]), max_new_tokens=24, do_sample=False)
+    # the character vocabulary, exported beside the weights
+    their_tokenizer = AutoTokenizer.from_pretrained(export)
+    generated = theirs.generate(torch.tensor([their_tokenizer.encode('\n')]), max_new_tokens=24,
+                                do_sample=False)
     assert greedy.stdout == their_tokenizer.decode(generated[0]) + '\n' + SEPARATOR

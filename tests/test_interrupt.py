@@ -1,5 +1,5 @@
-"""Preemption as clusters and terminals deliver it: SIGTERM or Ctrl-C ends the run after the step under way with a
-whole last.pt, and the resumed run is bitwise the run that was never interrupted."""
+"""Preemption as clusters and terminals deliver it: SIGTERM or Ctrl-C ends the run after the step under way
+with a whole last.pt, and the resumed run is bitwise the run that was never interrupted."""
 import json
 import os
 import signal
@@ -11,7 +11,8 @@ import torch
 import forked
 from conftest import PROBE, RUN_CONFIG, read_metrics, torchrun, wait_for_stderr
 
-# training runs in subprocesses: the 'not slow' tier skips them; signals reach fresh interpreters, as users' runs are
+# training runs in subprocesses: the 'not slow' tier skips them; signals reach fresh interpreters, as users'
+# runs are
 pytestmark = [pytest.mark.slow, pytest.mark.fresh]
 
 # dropout and loader workers on: the RNG streams and the loader position must both survive the stop
@@ -26,7 +27,8 @@ def reached(out_dir, step):
     """Whether metrics.jsonl has a training record at or past step."""
     try:
         with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
-            return any(json.loads(line).get('step', 0) >= step for line in f if line.endswith('\n') and '"train"' in line)
+            return any(json.loads(line).get('step', 0) >= step for line in f if line.endswith('\n')
+                       and '"train"' in line)
     except FileNotFoundError:
         return False
 
@@ -53,17 +55,21 @@ def test_sigterm_ctrl_c_and_sigkill_then_resume_bitwise(tmp_path, data_dir):
     # SIGTERM: a cluster's notice; SIGINT to the process group: Ctrl-C; SIGKILL: no notice, so only what
     # checkpoint_interval saved between evaluations (every 25 iterations, evaluations every 100) survives.
     # The straight run and the three interrupted ones run side by side, then the three resumes.
-    cases = {signal.SIGTERM: (143, 60, []), signal.SIGINT: (130, 90, []), signal.SIGKILL: (-9, 130, ['--checkpoint_interval=25'])}
+    cases = {signal.SIGTERM: (143, 60, []), signal.SIGINT: (130, 90, []),
+             signal.SIGKILL: (-9, 130, ['--checkpoint_interval=25'])}
     straight = str(tmp_path / 'straight')
     procs = {None: start(train_cmd(straight, data_dir, *ARGS))}
     outs = {signum: str(tmp_path / signal.Signals(signum).name) for signum in cases}
-    procs |= {signum: start(train_cmd(outs[signum], data_dir, *ARGS, *extra)) for signum, (_, _, extra) in cases.items()}
+    procs |= {signum: start(train_cmd(outs[signum], data_dir, *ARGS, *extra))
+              for signum, (_, _, extra) in cases.items()}
     waiting, deadline = dict(cases), time.time() + 120
-    while waiting and time.time() < deadline:  # signal each run as soon as it passes its step: they all run at once
+    # signal each run as soon as it passes its step: they all run at once
+    while waiting and time.time() < deadline:
         for signum in list(waiting):
             if reached(outs[signum], waiting[signum][1]):
                 if signum == signal.SIGINT:
-                    procs[signum].send_signal(signum, group=True)  # Ctrl-C reaches the whole group: the training process and its workers
+                    # Ctrl-C reaches the whole group: the training process and its workers
+                    procs[signum].send_signal(signum, group=True)
                 else:
                     procs[signum].send_signal(signum)  # a cluster's SIGTERM goes to the job's main process
                 del waiting[signum]
@@ -78,12 +84,15 @@ def test_sigterm_ctrl_c_and_sigkill_then_resume_bitwise(tmp_path, data_dir):
             assert last['iter_num'] % 25 == 0 and last['iter_num'] > 100 and not read_metrics(out, 'stop')
         else:
             stop = read_metrics(out, 'stop')
-            assert len(stop) == 1 and stop[0]['signal'] == signal.Signals(signum).name and stop[0]['step'] > at
+            assert (len(stop) == 1 and stop[0]['signal'] == signal.Signals(signum).name
+                    and stop[0]['step'] > at)
             assert last['iter_num'] == stop[0]['step'] == trajectory(out)[-1][0]
-            line = next(l for l in stdout.splitlines() if l.startswith(f"stopped by {signal.Signals(signum).name}"))
+            line = next(l for l in stdout.splitlines()
+                        if l.startswith(f"stopped by {signal.Signals(signum).name}"))
             resume = line.split('resume with: ')[1]
             assert resume.startswith('python train.py') and resume.endswith('--init_from=resume'), line
-    resumes = [start(train_cmd(outs[signum], data_dir, *ARGS, *extra, '--init_from=resume')) for signum, (_, _, extra) in cases.items()]
+    resumes = [start(train_cmd(outs[signum], data_dir, *ARGS, *extra, '--init_from=resume'))
+               for signum, (_, _, extra) in cases.items()]
     for proc in [procs[None], *resumes]:
         stderr = proc.communicate(timeout=300)[1]
         assert proc.returncode == 0, stderr
@@ -93,8 +102,9 @@ def test_sigterm_ctrl_c_and_sigkill_then_resume_bitwise(tmp_path, data_dir):
 
 def test_second_ctrl_c_exits_at_once_with_whole_checkpoints(tmp_path, data_dir):
     out = str(tmp_path / 'run')
-    # the third write of last.pt (iteration 3) stops before its rename (tests/probe.py): the first Ctrl-C waits for an
-    # iteration that does not end, however fast this CPU, and the second comes once the first has been heard
+    # the third write of last.pt (iteration 3) stops before its rename (tests/probe.py): the first Ctrl-C
+    # waits for an iteration that does not end, however fast this CPU, and the second comes once the first has
+    # been heard
     proc = start([PROBE, *train_cmd(out, data_dir, *ARGS, '--checkpoint_interval=1')],
                  env={**os.environ, 'PROBE_HOLD_SAVE': '3'})
     wait_for_stderr(proc, 'probe: holding the write of')

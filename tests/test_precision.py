@@ -15,14 +15,16 @@ pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' t
 
 def test_float16_skipped_steps_do_not_advance_the_schedule(tmp_path, data_dir):
     out = str(tmp_path / 'fp16')
-    run_train(out, data_dir, '--dtype=float16', f'--init_scale={2.0 ** 26}')  # overflows until the scale backs off
+    # overflows until the scale backs off
+    run_train(out, data_dir, '--dtype=float16', f'--init_scale={2.0 ** 26}')
     steps = read_metrics(out, 'train')
     skipped = [s['skipped'] for s in steps]
     assert 5 <= sum(skipped) < len(steps) and skipped[0]
     assert steps[-1]['skipped_total'] == sum(skipped)
     for before, after in zip(steps, steps[1:]):
         if before['skipped']:
-            assert after['lr'] == before['lr'] and after['scale'] < before['scale']  # no LR progress, lower scale
+            # no LR progress, lower scale
+            assert after['lr'] == before['lr'] and after['scale'] < before['scale']
     real_steps = sum(not s for s in skipped)
     ckpt = torch.load(os.path.join(out, 'last.pt'), weights_only=True)
     assert ckpt['scheduler']['last_epoch'] == real_steps  # scheduler steps == optimizer steps that ran
@@ -31,8 +33,8 @@ def test_float16_skipped_steps_do_not_advance_the_schedule(tmp_path, data_dir):
 
 def test_float16_consecutive_skips_abort(tmp_path, data_dir):
     out = str(tmp_path / 'fp16')
-    result = run_train(out, data_dir, '--dtype=float16', f'--init_scale={2.0 ** 100}', '--max_consecutive_skips=3',
-                       check=False)
+    result = run_train(out, data_dir, '--dtype=float16', f'--init_scale={2.0 ** 100}',
+                       '--max_consecutive_skips=3', check=False)
     assert result.returncode != 0 and 'overflowed 3 optimizer steps in a row' in result.stderr
     assert [r['step'] for r in read_metrics(out, 'abort')] == [3]
 
@@ -41,7 +43,8 @@ def test_every_dtype_learns_like_float32(tmp_path, data_dir):
     final = {}
     for dtype in ('float32', 'bfloat16', 'float16'):
         out = str(tmp_path / dtype)
-        run_train(out, data_dir, f'--dtype={dtype}', probe=True, env={**os.environ, 'PROBE_DTYPES': str(tmp_path)})
+        run_train(out, data_dir, f'--dtype={dtype}', probe=True,
+                  env={**os.environ, 'PROBE_DTYPES': str(tmp_path)})
         assert json.load(open(tmp_path / 'dtypes.0')) == [dtype]  # linear layers' outputs: autocast in effect
         evals = read_metrics(out, 'eval')
         assert evals[-1]['val_loss'] < evals[0]['val_loss']
@@ -51,38 +54,47 @@ def test_every_dtype_learns_like_float32(tmp_path, data_dir):
 
 
 def test_float16_resume_is_exact(tmp_path, data_dir):
-    args = ['--dtype=float16', f'--init_scale={2.0 ** 24}', '--max_iters=30', '--lr_decay_iters=30', '--eval_interval=10']
+    args = ['--dtype=float16', f'--init_scale={2.0 ** 24}', '--max_iters=30', '--lr_decay_iters=30',
+            '--eval_interval=10']
     straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
     run_trains(data_dir, (straight, args), (split, [*args, '--max_iters=12']))
     run_train(split, data_dir, *args, '--init_from=resume')
-    fields = lambda d: [(r['step'], r['loss'], r['lr'], r['grad_norm'], r['scale'], r['skipped']) for r in read_metrics(d, 'train')]
+    fields = lambda d: [(r['step'], r['loss'], r['lr'], r['grad_norm'], r['scale'], r['skipped'])
+                        for r in read_metrics(d, 'train')]
     assert fields(split) == fields(straight)
     assert any(r['skipped'] for r in read_metrics(straight, 'train'))  # the scaler's state mattered
 
 
 def test_auto_dtype_is_measured_on_cpu_and_can_be_forced(tmp_path, data_dir):
     out = str(tmp_path / 'auto')
-    unforced = {k: v for k, v in os.environ.items() if k != 'HONESTGPT_AUTO_DTYPE'}  # the suite may run with it set
-    run_train(out, data_dir, '--dtype=auto', '--device=cpu', '--max_iters=2', '--eval_interval=2', env=unforced)
+    # the suite may run with it set
+    unforced = {k: v for k, v in os.environ.items() if k != 'HONESTGPT_AUTO_DTYPE'}
+    run_train(out, data_dir, '--dtype=auto', '--device=cpu', '--max_iters=2', '--eval_interval=2',
+              env=unforced)
     meta = json.load(open(os.path.join(out, 'meta.json')))
     choice = meta['dtype_choice']
     if torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported():
         # bfloat16 units: both timed on this model's shape, the faster one trains
-        assert set(choice['seconds']) == {'float32', 'bfloat16'} and meta['dtype'] == min(choice['seconds'], key=choice['seconds'].get)
+        assert (set(choice['seconds']) == {'float32', 'bfloat16'}
+                and meta['dtype'] == min(choice['seconds'], key=choice['seconds'].get))
     else:
         assert meta['dtype'] == 'float32' and 'emulated' in choice['rule']
-    assert json.load(open(os.path.join(out, 'config.json')))['resolved'] == {'device': 'cpu', 'dtype': meta['dtype']}
+    assert (json.load(open(os.path.join(out, 'config.json')))['resolved']
+            == {'device': 'cpu', 'dtype': meta['dtype']})
     for forced in ('float32', 'bfloat16'):  # the switch that runs the suite either way on any machine
         out = str(tmp_path / forced)
-        run_train(out, data_dir, '--dtype=auto', '--device=cpu', '--max_iters=2', '--eval_interval=2', env={**os.environ, 'HONESTGPT_AUTO_DTYPE': forced})
+        run_train(out, data_dir, '--dtype=auto', '--device=cpu', '--max_iters=2', '--eval_interval=2',
+                  env={**os.environ, 'HONESTGPT_AUTO_DTYPE': forced})
         assert json.load(open(os.path.join(out, 'meta.json')))['dtype'] == forced
 
 
 def test_float16_on_cpu_warns_with_the_measured_slowdown(tmp_path, data_dir):
-    result = run_train(str(tmp_path / 'fp16'), data_dir, '--dtype=float16', '--device=cpu', '--n_embd=128', '--max_iters=1',
-                       '--eval_interval=1')
-    warning = [line for line in result.stderr.splitlines() if line.startswith('warning: dtype=float16 on this CPU')]
-    assert len(warning) == 1 and 'x slower' in warning[0] and 'use dtype=bfloat16 or float32' in warning[0], result.stderr
+    result = run_train(str(tmp_path / 'fp16'), data_dir, '--dtype=float16', '--device=cpu', '--n_embd=128',
+                       '--max_iters=1', '--eval_interval=1')
+    warning = [line for line in result.stderr.splitlines()
+               if line.startswith('warning: dtype=float16 on this CPU')]
+    assert (len(warning) == 1 and 'x slower' in warning[0]
+            and 'use dtype=bfloat16 or float32' in warning[0]), result.stderr
 
 
 def test_out_of_memory_is_one_clear_message(tmp_path, data_dir):
@@ -91,12 +103,14 @@ def test_out_of_memory_is_one_clear_message(tmp_path, data_dir):
 
     def cap_memory():
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    cmd = [sys.executable, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out}', '--batch_size=1000', '--n_embd=128',
+    cmd = [sys.executable, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out}',
+           '--batch_size=1000', '--n_embd=128',
            '--dtype=float32']  # the limit is sized for float32 activations
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, preexec_fn=cap_memory, timeout=300)
     assert result.returncode != 0 and 'Traceback' not in result.stderr, result.stderr
     error = [line for line in result.stderr.splitlines() if line.startswith('error:')]
-    assert len(error) == 1 and 'out of memory at iteration' in error[0] and 'batch_size=1000' in error[0], result.stderr
+    assert (len(error) == 1 and 'out of memory at iteration' in error[0]
+            and 'batch_size=1000' in error[0]), result.stderr
     assert 'gradient_accumulation_steps' in error[0]
     assert len(read_metrics(out, 'abort')) == 1
     assert not [f for f in os.listdir(out) if f.endswith('.pt') or f.endswith('.tmp')]  # nothing half-written

@@ -25,7 +25,8 @@ def read_meta(out_dir):
 def read_split(out_dir, split):
     """A split's tokens: its shards' tokens after their 1024-byte headers, concatenated."""
     meta = read_meta(out_dir)
-    return np.concatenate([np.fromfile(os.path.join(out_dir, f), dtype=meta['dtype'], offset=prepare.HEADER_BYTES)
+    return np.concatenate([np.fromfile(os.path.join(out_dir, f), dtype=meta['dtype'],
+                                       offset=prepare.HEADER_BYTES)
                            for f in meta['splits'][split]['shards']])
 
 
@@ -68,19 +69,22 @@ def test_folder_splits_are_disjoint_and_duplicates_dropped(tmp_path):
     assert {s: meta['splits'][s]['documents'] for s in prepare.SPLITS} == {'train': 26, 'val': 3, 'test': 1}
     tags = {s: doc_tags(out_dir, s) for s in prepare.SPLITS}
     all_tags = tags['train'] + tags['val'] + tags['test']
-    assert sorted(all_tags) == [f'{i:02d}' for i in range(30)]  # each document exactly once, copies of 03 included
+    # each document exactly once, copies of 03 included
+    assert sorted(all_tags) == [f'{i:02d}' for i in range(30)]
     for split, docs in tags.items():
         assert docs == sorted(docs), 'documents within a split are in sorted-id order'
         assert len(docs) == meta['splits'][split]['documents']
     assert meta['splits']['train']['unknown_chars'] == 0
     assert meta['source'] == str(tmp_path / 'docs')
-    assert meta['split_rule'].startswith('documents: in blocks of 20 distinct documents, a seeded permutation (seed 1337)')
+    assert (meta['split_rule'].startswith('documents: in blocks of 20 distinct documents, a seeded '
+                                          'permutation (seed 1337)'))
 
 
 def test_folder_split_is_deterministic_seeded_and_the_same_for_any_num_proc(tmp_path, monkeypatch):
     write_docs(tmp_path / 'docs')
     monkeypatch.setattr(prepare, 'BATCH_BYTES', 256)  # tasks of 2 documents: both processes tokenize some
-    runs = [prepare.prepare('docs', data_dir=tmp_path / d, input_path=tmp_path / 'docs', seed=seed, num_proc=num_proc)
+    runs = [prepare.prepare('docs', data_dir=tmp_path / d, input_path=tmp_path / 'docs', seed=seed,
+                            num_proc=num_proc)
             for d, seed, num_proc in [('a', 1, 1), ('b', 1, 2), ('c', 2, 1)]]
     assert folder_snapshot(runs[0]) == folder_snapshot(runs[1])
     assert doc_tags(runs[0], 'val') != doc_tags(runs[2], 'val')
@@ -116,8 +120,8 @@ def test_single_file_contiguous_split(tmp_path):
     expected = {'test': (0, 50), 'train': (50, 902), 'val': (902, 1003)}
     for split, (a, b) in expected.items():
         assert decode(read_split(out_dir, split).tolist()) == text[a:b]
-        assert meta['splits'][split] == {'tokens': b - a, 'documents': 1, 'bytes': b - a, 'unknown_chars': 0, 'byte_range': [a, b],
-                                         'shards': [f't_{split}_000000.bin']}
+        assert meta['splits'][split] == {'tokens': b - a, 'documents': 1, 'bytes': b - a, 'unknown_chars': 0,
+                                         'byte_range': [a, b], 'shards': [f't_{split}_000000.bin']}
     assert meta['source_sha256'] == hashlib.sha256(text.encode()).hexdigest()
     assert meta['split_rule'].startswith('contiguous')
     assert meta['dtype'] == 'uint16' and meta['duplicates_dropped'] == 0
@@ -131,7 +135,8 @@ def test_bpe_from_local_tiktoken_file(tmp_path, monkeypatch):
     (tmp_path / 'docs').mkdir()
     for name, text in docs.items():
         (tmp_path / 'docs' / name).write_text(text)
-    out_dir = prepare.prepare('b', data_dir=tmp_path / 'data', input_path=tmp_path / 'docs', tokenizer=str(ranks))
+    out_dir = prepare.prepare('b', data_dir=tmp_path / 'data', input_path=tmp_path / 'docs',
+                              tokenizer=str(ranks))
     meta = read_meta(out_dir)
     assert meta['tokenizer'] == {'kind': 'tiktoken', 'encoding': str(ranks),
                                  'ranks_sha256': hashlib.sha256(ranks.read_bytes()).hexdigest(),
@@ -158,7 +163,8 @@ def test_bpe_from_local_tiktoken_file(tmp_path, monkeypatch):
     write_ranks(ranks, [b'th', b'he'])  # same path, different merges: neither meta nor the cache may go stale
     with pytest.raises(tokenizer.TokenizerError, match='changed since'):
         tokenizer.load(meta['tokenizer'])
-    out_dir = prepare.prepare('b', data_dir=tmp_path / 'data', input_path=tmp_path / 'docs', tokenizer=str(ranks))
+    out_dir = prepare.prepare('b', data_dir=tmp_path / 'data', input_path=tmp_path / 'docs',
+                              tokenizer=str(ranks))
     assert tokenizer.load(read_meta(out_dir)['tokenizer']).encode('the') == [256, ord('e')]
     assert read_meta(out_dir)['tokenizer']['eot_id'] == 258
 
@@ -212,7 +218,8 @@ def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
     (tmp_path / 'latin1.jsonl').write_bytes('{"text": "caf\u00e9"}\n'.encode('latin-1'))
     records = gzip.compress(b''.join(b'{"text": "record %d"}\n' % i for i in range(1000)))
     (tmp_path / 'truncated.jsonl.gz').write_bytes(records[:len(records) // 2])
-    (tmp_path / 'corrupt.jsonl.gz').write_bytes(records[:100] + bytes(b ^ 0xff for b in records[100:200]) + records[200:])
+    (tmp_path / 'corrupt.jsonl.gz').write_bytes(records[:100] + bytes(b ^ 0xff for b in records[100:200])
+                                                + records[200:])
     result = run_cli(*args, cwd=tmp_path)
     assert result.returncode == 2
     assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith('error: ')
@@ -253,7 +260,8 @@ def test_cli_prints_summary(tmp_path):
     result = run_cli('x', '--input', 'good.txt', '--data_dir', 'out', cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert 'out/x' in result.stdout and 'vocab_size' in result.stdout and 'train' in result.stdout
-    assert sorted(os.listdir(tmp_path / 'out' / 'x')) == ['meta.json', 'x_test_000000.bin', 'x_train_000000.bin', 'x_val_000000.bin']
+    assert sorted(os.listdir(tmp_path / 'out' / 'x')) == ['meta.json', 'x_test_000000.bin',
+                                                          'x_train_000000.bin', 'x_val_000000.bin']
 
 
 def test_pystdlib_char(tmp_path):
@@ -266,7 +274,9 @@ def test_pystdlib_char(tmp_path):
     assert meta['splits']['train']['documents'] > 10 * meta['splits']['test']['documents'] > 0
     _, _, reader = prepare.source_items('pystdlib_char', None, 'text', None)
     dirs = {name for path in reader.files for name in os.path.relpath(path, reader.root).split('/')[:-1]}
-    assert dirs and not any(d in ('site-packages', '__pycache__', 'idle_test') or d.startswith('test') for d in dirs)
+    assert (dirs
+            and not any(d in ('site-packages', '__pycache__', 'idle_test') or d.startswith('test')
+                        for d in dirs))
     documents = sum(meta['splits'][s]['documents'] for s in prepare.SPLITS)
     assert documents + meta['duplicates_dropped'] == len(reader.files)
 
@@ -278,13 +288,16 @@ def test_jsonl_and_gzip_records_split_like_the_same_documents_in_files(tmp_path,
     (tmp_path / 'docs.jsonl').write_text('\n'.join(records) + '\n\n')  # a blank line is no record
     with gzip.open(tmp_path / 'docs.jsonl.gz', 'wt') as f:
         f.write('\n'.join(records) + '\n')
-    outs = [prepare.prepare('d', data_dir=tmp_path / f'out_{name}', input_path=tmp_path / name, text_key='body', num_proc=2)
+    outs = [prepare.prepare('d', data_dir=tmp_path / f'out_{name}', input_path=tmp_path / name,
+                            text_key='body', num_proc=2)
             for name in ('docs.jsonl', 'docs.jsonl.gz', 'docs')]
     for split in prepare.SPLITS:  # the same distinct documents in the same order: the same splits
-        assert read_split(outs[0], split).tolist() == read_split(outs[1], split).tolist() == read_split(outs[2], split).tolist()
+        assert (read_split(outs[0], split).tolist() == read_split(outs[1], split).tolist()
+                == read_split(outs[2], split).tolist())
     meta = read_meta(outs[0])
     assert meta['duplicates_dropped'] == 2 and sorted(doc_tags(outs[0], 'train') + doc_tags(outs[0], 'val') +
-                                                       doc_tags(outs[0], 'test')) == [f'{i:02d}' for i in range(30)]
+                                                       doc_tags(outs[0], 'test')) == [f'{i:02d}'
+                                                                                      for i in range(30)]
     result = run_cli('x', '--input', 'docs.jsonl', cwd=tmp_path)  # --text_key defaults to 'text'
     assert result.returncode == 2 and len(result.stderr.splitlines()) == 1
     assert "docs.jsonl:1 is not a JSON object with a 'text' field: pass --text_key" in result.stderr
@@ -307,9 +320,11 @@ def test_parquet_records_split_like_the_same_records_in_jsonl(tmp_path):
     import pyarrow.parquet
     texts = write_docs(tmp_path / 'docs')
     bodies = [texts[name] for name in sorted(texts)]
-    pyarrow.parquet.write_table(pa.table({'id': list(range(len(bodies))), 'body': bodies}), tmp_path / 'docs.parquet')
+    pyarrow.parquet.write_table(pa.table({'id': list(range(len(bodies))), 'body': bodies}),
+                                tmp_path / 'docs.parquet')
     (tmp_path / 'docs.jsonl').write_text(''.join(json.dumps({'body': b}) + '\n' for b in bodies))
-    outs = [prepare.prepare('d', data_dir=tmp_path / f'out_{name}', input_path=tmp_path / name, text_key='body')
+    outs = [prepare.prepare('d', data_dir=tmp_path / f'out_{name}', input_path=tmp_path / name,
+                            text_key='body')
             for name in ('docs.parquet', 'docs.jsonl')]
     for split in prepare.SPLITS:
         assert read_split(outs[0], split).tolist() == read_split(outs[1], split).tolist()
@@ -324,12 +339,14 @@ def test_small_shards_hold_the_same_tokens(tmp_path, monkeypatch):
     (tmp_path / 'in.txt').write_text(text, encoding='utf-8')
     monkeypatch.setattr(prepare, 'BATCH_BYTES', 512)  # many pieces, cut at newlines, tokenized by 2 processes
     one = prepare.prepare('t', data_dir=tmp_path / 'one', input_path=tmp_path / 'in.txt', num_proc=1)
-    many = prepare.prepare('t', data_dir=tmp_path / 'many', input_path=tmp_path / 'in.txt', shard_size=1000, num_proc=2)
+    many = prepare.prepare('t', data_dir=tmp_path / 'many', input_path=tmp_path / 'in.txt', shard_size=1000,
+                           num_proc=2)
     meta = read_meta(many)
     assert meta['splits']['train']['shards'] == [f't_train_{i:06d}.bin' for i in range(5)]  # 4250 tokens
     for split in prepare.SPLITS:
         assert read_split(one, split).tolist() == read_split(many, split).tolist()
-        counts = [int(np.fromfile(os.path.join(many, f), dtype=np.int32, count=3)[2]) for f in meta['splits'][split]['shards']]
+        counts = [int(np.fromfile(os.path.join(many, f), dtype=np.int32, count=3)[2])
+                  for f in meta['splits'][split]['shards']]
         assert counts[:-1] == [1000] * (len(counts) - 1) and 0 < counts[-1] <= 1000
     decode = tokenizer.load(meta['tokenizer']).decode
     assert decode(read_split(many, 'train').tolist()) == text[250:4500]
@@ -337,7 +354,8 @@ def test_small_shards_hold_the_same_tokens(tmp_path, monkeypatch):
 
 def write_jsonl_corpus(path, megabytes):
     rng = random.Random(0)
-    words = [''.join(rng.choice('abcdefghijklmnopqrstuvwxyz') for _ in range(rng.randint(2, 9))) for _ in range(5000)]
+    words = [''.join(rng.choice('abcdefghijklmnopqrstuvwxyz') for _ in range(rng.randint(2, 9)))
+             for _ in range(5000)]
     size = 0
     with open(path, 'w') as f:
         while size < megabytes * 1e6:
@@ -348,17 +366,20 @@ def write_jsonl_corpus(path, megabytes):
 
 @pytest.mark.slow
 def test_peak_memory_does_not_grow_with_the_corpus(tmp_path):
-    """A prepare that held the corpus would grow by several bytes per character (text, code points, ids): 50 MB more
-    text, 250 MB or more; one that read ahead of its tokenizers (Pool.imap) by the 50 MB of text. Streaming holds at
-    most 2 x num_proc tasks of about 1 MB of text and their ids, so the peak rises towards that bound, by well under
-    25 MB, and the set of document digests grows by ~70 bytes per document (23,000 more here: 1.6 MB)."""
+    """A prepare that held the corpus would grow by several bytes per character (text, code points, ids): 50
+    MB more text, 250 MB or more; one that read ahead of its tokenizers (Pool.imap) by the 50 MB of text.
+    Streaming holds at most 2 x num_proc tasks of about 1 MB of text and their ids, so the peak rises towards
+    that bound, by well under 25 MB, and the set of document digests grows by ~70 bytes per document (23,000
+    more here: 1.6 MB)."""
     peaks = []
     for megabytes in (10, 60):
         corpus = tmp_path / f'c{megabytes}.jsonl'
         write_jsonl_corpus(corpus, megabytes)
-        measure = ('import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, capture_output=True); '
+        measure = ('import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, '
+                   'capture_output=True); '
                    'print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)')  # KB: the largest process
-        result = subprocess.run([sys.executable, '-c', measure, sys.executable, PREPARE_PY, 'c', '--input', str(corpus),
+        result = subprocess.run([sys.executable, '-c', measure, sys.executable, PREPARE_PY, 'c', '--input',
+                                 str(corpus),
                                  '--data_dir', str(tmp_path / f'd{megabytes}'), '--num_proc', '2'],
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
@@ -372,5 +393,6 @@ def test_pieces_of_a_text_without_newlines_cut_between_characters(tmp_path, monk
     monkeypatch.setattr(prepare, 'BATCH_BYTES', 7)
     progress = prepare.Progress('test', 0)
     size = os.path.getsize(tmp_path / 'in.txt')
-    pieces = [piece.decode('utf-8') for _, piece in prepare.text_chunks(tmp_path / 'in.txt', 0, size, progress)]
+    pieces = [piece.decode('utf-8')
+              for _, piece in prepare.text_chunks(tmp_path / 'in.txt', 0, size, progress)]
     assert ''.join(pieces) == text and len(pieces) > 100

@@ -1,6 +1,7 @@
 """The modern recipe's switches: rotary positions, QK-norm, ReLU squared, an untied head, soft-capped logits,
-zero-initialized projections, Muon beside AdamW and the warmup-stable-decay schedule. Each does what it says here;
-exact resume and DDP with all of them on are test_resume.py's and test_ddp.py's tests, run over RECIPE too."""
+zero-initialized projections, Muon beside AdamW and the warmup-stable-decay schedule. Each does what it says
+here; exact resume and DDP with all of them on are test_resume.py's and test_ddp.py's tests, run over RECIPE
+too."""
 import json
 import math
 import os
@@ -14,9 +15,11 @@ from conftest import ok, read_metrics, run_train, run_trains, torchrun
 from model import ACTIVATIONS, GPT, GPTConfig, rotate
 
 # every switch on, Muon's rate and the wsd decay share set apart from their defaults
-RECIPE = ['--optimizer=muon', '--muon_lr=0.03', '--pos_emb=rope', '--qk_norm=True', '--activation=relu2', '--tie_head=False',
-          '--logit_softcap=15.0', '--zero_init=True', '--lr_schedule=wsd', '--wsd_decay_frac=0.5']
-SWITCHES = dict(pos_emb='rope', qk_norm=True, activation='relu2', tie_head=False, logit_softcap=15.0, zero_init=True)
+RECIPE = ['--optimizer=muon', '--muon_lr=0.03', '--pos_emb=rope', '--qk_norm=True', '--activation=relu2',
+          '--tie_head=False', '--logit_softcap=15.0', '--zero_init=True', '--lr_schedule=wsd',
+          '--wsd_decay_frac=0.5']
+SWITCHES = dict(pos_emb='rope', qk_norm=True, activation='relu2', tie_head=False, logit_softcap=15.0,
+                zero_init=True)
 
 
 def tiny_gpt(**kw):
@@ -26,19 +29,22 @@ def tiny_gpt(**kw):
 
 def test_rope_scores_depend_on_the_offset_only():
     attn = tiny_gpt(pos_emb='rope').blocks[0].attn
-    q, k = torch.randn(2, 1, 1, 1, 16).expand(2, 1, 1, 16, 16).unbind(0)  # one query and one key vector at every position
+    # one query and one key vector at every position
+    q, k = torch.randn(2, 1, 1, 1, 16).expand(2, 1, 1, 16, 16).unbind(0)
     q, k = rotate(q, attn.cos, attn.sin), rotate(k, attn.cos, attn.sin)  # as the model's attention turns them
     scores = (q @ k.transpose(-2, -1))[0, 0]  # (T, T): query i, key j
     for offset in range(-15, 16):  # constant along every diagonal, and not the same on all of them
         diagonal = torch.diagonal(scores, offset)
         assert torch.allclose(diagonal, diagonal[0].expand_as(diagonal), atol=1e-5)
     assert not torch.allclose(torch.diagonal(scores, 0)[0], torch.diagonal(scores, -3)[0], atol=1e-3)
-    assert 'wpe.weight' not in tiny_gpt(pos_emb='rope').state_dict() and 'wpe.weight' in tiny_gpt().state_dict()
+    assert ('wpe.weight' not in tiny_gpt(pos_emb='rope').state_dict()
+            and 'wpe.weight' in tiny_gpt().state_dict())
 
 
 def test_rope_turns_queries_and_keys_in_the_forward_by_absolute_position():
     model = tiny_gpt(pos_emb='rope').eval()
-    with torch.no_grad():  # larger queries and keys than at init: attention far from uniform, so positions show
+    # larger queries and keys than at init: attention far from uniform, so positions show
+    with torch.no_grad():
         for block in model.blocks:
             block.attn.c_attn.weight.mul_(20)
     idx = torch.randint(50, (2, 16))
@@ -64,7 +70,8 @@ def test_zero_init_blocks_start_as_the_identity():
     x = torch.randn(2, 16, 32)
     model = tiny_gpt(zero_init=True, tie_head=False)
     assert all(torch.equal(block(x), x) for block in model.blocks)
-    assert torch.equal(model(torch.randint(0, 50, (2, 16))), torch.zeros(2, 16, 50))  # zero head: uniform prediction
+    # zero head: uniform prediction
+    assert torch.equal(model(torch.randint(0, 50, (2, 16))), torch.zeros(2, 16, 50))
     assert not torch.equal(tiny_gpt().blocks[0](x), x)
 
 
@@ -72,7 +79,8 @@ def test_untied_head_has_its_own_weight_and_relu2_squares():
     model = tiny_gpt(tie_head=False)
     params = dict(model.named_parameters())
     assert model.lm_head.weight is not model.wte.weight and {'lm_head.weight', 'wte.weight'} <= set(params)
-    assert model.num_params() == sum(p.numel() for p in model.parameters()) - params['wte.weight'].numel() - params['wpe.weight'].numel()
+    assert model.num_params() == (sum(p.numel() for p in model.parameters()) - params['wte.weight'].numel()
+                                  - params['wpe.weight'].numel())
     x = torch.randn(100)
     assert torch.equal(ACTIVATIONS['relu2'](x), F.relu(x) ** 2)
 
@@ -86,12 +94,13 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest_each_at_its_rate():
     in_muon = [names[id(p)] for g in muon.param_groups for p in g['params']]
     in_adamw = [names[id(p)] for g in adamw.param_groups for p in g['params']]
     assert sorted(in_muon + in_adamw) == sorted(names.values())  # every parameter, once
-    assert set(in_muon) == {n for n, p in model.named_parameters() if n.startswith('blocks.') and p.dim() == 2}
+    assert set(in_muon) == {n for n, p in model.named_parameters() if n.startswith('blocks.')
+                            and p.dim() == 2}
     assert {'wte.weight', 'wpe.weight', 'lm_head.weight'} <= set(in_adamw)
     assert [g['lr'] for g in adamw.param_groups] == [1e-3, 1e-3] and muon.param_groups[0]['lr'] == 0.03
     assert muon.param_groups[0]['momentum'] == 0.9
-    # one object to the loop: its groups are theirs, so one scheduler sets each group's rate from its own base,
-    # also after a resume, which gives the members new group dicts
+    # one object to the loop: its groups are theirs, so one scheduler sets each group's rate from its own
+    # base, also after a resume, which gives the members new group dicts
     assert optimizer.param_groups == adamw.param_groups + muon.param_groups
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
     optimizer.load_state_dict(optimizer.state_dict())
@@ -108,20 +117,22 @@ def test_export_refuses_what_gpt2_cannot_hold():
 
 
 def wsd_factor(step, warmup=5, decay_iters=30, frac=0.5, min_factor=0.1):
-    """The warmup-stable-decay schedule written out for these tests: warmup, flat, linear to min_factor, flat."""
+    """The warmup-stable-decay schedule written out for these tests: warmup, flat, linear to min_factor,
+    flat."""
     decay_start = decay_iters - frac * (decay_iters - warmup)
     if step < warmup:
         return (step + 1) / (warmup + 1)
-    return max(min_factor, 1.0 - (1.0 - min_factor) * max(0.0, step - decay_start) / (decay_iters - decay_start))
+    return max(min_factor,
+               1.0 - (1.0 - min_factor) * max(0.0, step - decay_start) / (decay_iters - decay_start))
 
 
 @pytest.mark.slow
 def test_muon_on_two_ranks_tracks_one_process(tmp_path, data_dir):
-    """Not test_ddp's equality over 30 steps: torch's Muon orthogonalizes in bfloat16, where the float32 rounding by
-    which two ranks' gradient sums differ from one process's flips last bits, and training amplifies the flips
-    (measured on this run: loss 1e-6 apart at step 5, 1e-3 by step 15; with AdamW the same run stays at 1e-7). So the
-    first steps within test_ddp's RTOL, where gradients not all-reduced or a lost micro-batch show at 1e-2, and the
-    evaluations within 1%."""
+    """Not test_ddp's equality over 30 steps: torch's Muon orthogonalizes in bfloat16, where the float32
+    rounding by which two ranks' gradient sums differ from one process's flips last bits, and training
+    amplifies the flips (measured on this run: loss 1e-6 apart at step 5, 1e-3 by step 15; with AdamW the same
+    run stays at 1e-7). So the first steps within test_ddp's RTOL, where gradients not all-reduced or a lost
+    micro-batch show at 1e-2, and the evaluations within 1%."""
     from test_ddp import SAME, close
     one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
     run_train(one, data_dir, *SAME, *RECIPE)
@@ -137,9 +148,10 @@ def test_muon_on_two_ranks_tracks_one_process(tmp_path, data_dir):
 @pytest.mark.slow
 def test_float16_overflow_skips_both_optimizers_and_the_wsd_schedule_waits(tmp_path, data_dir):
     out = str(tmp_path / 'fp16')
-    # one process under the probe, which counts each optimizer's real steps; the scale backs off from 2^26 by skips
-    ok(torchrun(out, data_dir, *RECIPE, '--dtype=float16', f'--init_scale={2.0 ** 26}', '--max_iters=50', '--lr_decay_iters=30',
-                probe=True, nproc=1, env_extra={'PROBE_STEPS': str(tmp_path)}))
+    # one process under the probe, which counts each optimizer's real steps; the scale backs off from 2^26 by
+    # skips
+    ok(torchrun(out, data_dir, *RECIPE, '--dtype=float16', f'--init_scale={2.0 ** 26}', '--max_iters=50',
+                '--lr_decay_iters=30', probe=True, nproc=1, env_extra={'PROBE_STEPS': str(tmp_path)}))
     steps = read_metrics(out, 'train')
     skipped = [s['skipped'] for s in steps]
     real_steps = sum(not s for s in skipped)
@@ -147,21 +159,24 @@ def test_float16_overflow_skips_both_optimizers_and_the_wsd_schedule_waits(tmp_p
     steps_taken = json.load(open(tmp_path / 'steps.0'))  # both stepped, or neither
     assert (steps_taken['AdamW'], steps_taken['Muon']) == (real_steps, real_steps)
     taken = 0
-    for s in steps:  # the lr of each iteration follows the real steps before it: warmup, flat, linear decay, flat
+    # the lr of each iteration follows the real steps before it: warmup, flat, linear decay, flat
+    for s in steps:
         assert s['lr'] == pytest.approx(3e-3 * wsd_factor(taken), rel=1e-12), (s, taken)
         taken += not s['skipped']
     ckpt = torch.load(os.path.join(out, 'last.pt'), weights_only=True)
     assert ckpt['scheduler']['last_epoch'] == real_steps
     adamw, muon = ckpt['optimizer']
     assert [g['lr'] for g in adamw['param_groups']] == pytest.approx([3e-3 * wsd_factor(real_steps)] * 2)
-    assert muon['param_groups'][0]['lr'] == pytest.approx(0.03 * wsd_factor(real_steps))  # Muon's own base rate
+    # Muon's own base rate
+    assert muon['param_groups'][0]['lr'] == pytest.approx(0.03 * wsd_factor(real_steps))
 
 
 @pytest.mark.slow
 def test_a_finished_run_trains_further_without_warming_up_again(tmp_path, data_dir):
-    """Two ways on: a cosine run whose max_iters alone is raised goes on at min_lr; a wsd run resumed from stable.pt
-    (its state at the stable phase's end) with a longer schedule stays at the peak rate, then cools down anew.
-    Raising lr_decay_iters on a cosine run instead puts the rate back up the curve, as README says."""
+    """Two ways on: a cosine run whose max_iters alone is raised goes on at min_lr; a wsd run resumed from
+    stable.pt (its state at the stable phase's end) with a longer schedule stays at the peak rate, then cools
+    down anew. Raising lr_decay_iters on a cosine run instead puts the rate back up the curve, as README
+    says."""
     cosine, wsd = str(tmp_path / 'cosine'), str(tmp_path / 'wsd')
     run_trains(data_dir, (cosine, []), (wsd, ['--lr_schedule=wsd', '--wsd_decay_frac=0.5']))  # 40 iterations
     run_train(cosine, data_dir, '--init_from=resume', '--max_iters=50')

@@ -17,7 +17,8 @@ from conftest import REPO, read_metrics, run_train
 @pytest.fixture(scope='module')
 def finished(tmp_path_factory, data_dir):
     out = str(tmp_path_factory.mktemp('report') / 'finished')
-    run_train(out, data_dir, '--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10', '--test_eval=True', '--write_report=True')
+    run_train(out, data_dir, '--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10',
+              '--test_eval=True', '--write_report=True')
     return out
 
 
@@ -31,15 +32,18 @@ def train_further(text):
 
 
 def test_finished_run(finished):
-    result = subprocess.run([sys.executable, 'report.py', finished], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, 'report.py', finished], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 0, result.stderr
     text = read_report(finished)
     test = read_metrics(finished, 'test')[0]
     assert 'Status: **finished**: at iteration 20 of 20' in text
-    assert f"best val loss {test['best_val_loss']:.4f}" in text and f"at iteration {test['best_iter']}" in text
+    assert (f"best val loss {test['best_val_loss']:.4f}" in text
+            and f"at iteration {test['best_iter']}" in text)
     assert f"test loss {test['test_loss']:.4f}" in text
     assert '| max_iters | **20** | command line |' in text and '| beta1 | 0.9 | default |' in text
-    # a finished run has nothing left at its max_iters: the command raises it, and says what lr_decay_iters does
+    # a finished run has nothing left at its max_iters: the command raises it, and says what lr_decay_iters
+    # does
     assert train_further(text).endswith('--init_from=resume --max_iters=40 --lr_decay_iters=20')
     assert "change the command's --lr_decay_iters=20 to --lr_decay_iters=40" in text
     png = os.path.join(finished, 'curves.png')
@@ -51,22 +55,26 @@ def test_finished_run(finished):
 @pytest.mark.slow
 def test_train_further_as_the_report_says_then_again(tmp_path, data_dir):
     out = str(tmp_path / 'run')
-    run_train(out, data_dir, '--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10', '--write_report=True')
+    run_train(out, data_dir, '--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10',
+              '--write_report=True')
     # what the report tells the user to do: its command, with lr_decay_iters raised as its sentence says
     command = train_further(read_report(out)).replace('--lr_decay_iters=20', '--lr_decay_iters=40')
     result = forked.run(*shlex.split(command)[1:])
     assert result.returncode == 0, result.stderr
     assert [r['step'] for r in read_metrics(out, 'train')] == list(range(1, 41))
-    # the resumed run's own command holds --max_iters and --lr_decay_iters: the next one names each once, raised
+    # the resumed run's own command holds --max_iters and --lr_decay_iters: the next one names each once,
+    # raised
     text = read_report(out)
     args = shlex.split(train_further(text))
-    assert [a for a in args if a.startswith(('--max_iters=', '--lr_decay_iters='))] == ['--max_iters=80', '--lr_decay_iters=40']
+    assert ([a for a in args if a.startswith(('--max_iters=', '--lr_decay_iters='))]
+            == ['--max_iters=80', '--lr_decay_iters=40'])
     assert "change the command's --lr_decay_iters=40 to --lr_decay_iters=80" in text
 
 
 def test_aborted_run(finished, tmp_path, data_dir):
     out = str(tmp_path / 'aborted')
-    result = run_train(out, data_dir, '--init_from=resume', f"--resume_from={os.path.join(finished, 'last.pt')}",
+    result = run_train(out, data_dir, '--init_from=resume',
+                       f"--resume_from={os.path.join(finished, 'last.pt')}",
                        '--max_iters=80', '--learning_rate=1e9', '--lr_decay_iters=1000', check=False)
     assert result.returncode != 0
     abort = read_metrics(out, 'abort')[0]
@@ -87,7 +95,8 @@ def test_killed_run(finished, tmp_path):
 def test_a_run_stopped_by_a_signal(finished, tmp_path):
     out = str(tmp_path / 'stopped')
     shutil.copytree(finished, out)
-    records = [r for r in read_metrics(out) if r['kind'] != 'test'] + [{'kind': 'stop', 'step': 20, 'time': 0.0, 'signal': 'SIGTERM'}]
+    records = ([r for r in read_metrics(out) if r['kind'] != 'test']
+               + [{'kind': 'stop', 'step': 20, 'time': 0.0, 'signal': 'SIGTERM'}])
     with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:
         f.write(''.join(json.dumps(r) + '\n' for r in records))
     report.write_report(out)
@@ -97,7 +106,8 @@ def test_a_run_stopped_by_a_signal(finished, tmp_path):
 
 def train_record(step, time):
     # step 12 overflowed in float16 (skipped, its norm inf); step 25's gradient norm spiked
-    return {'kind': 'train', 'step': step, 'loss': 2.0, 'lr': 1e-3, 'grad_norm': {12: float('inf'), 25: 50.0}.get(step, 1.0),
+    return {'kind': 'train', 'step': step, 'loss': 2.0, 'lr': 1e-3,
+            'grad_norm': {12: float('inf'), 25: 50.0}.get(step, 1.0),
             'tokens_per_sec': 1000.0, 'skipped': step == 12, 'skipped_total': int(step >= 12), 'time': time,
             'mfu': 0.25, 'peak_mem_mb': 123.0}
 
@@ -105,15 +115,22 @@ def train_record(step, time):
 def test_diagnoses_from_made_up_metrics(tmp_path):
     out = str(tmp_path / 'run')
     os.makedirs(out)
-    config = {'max_iters': {'value': 100, 'source': 'command line'}, 'cost_per_hour': {'value': 3.6, 'source': 'default'},
-              'log_interval': {'value': 1, 'source': 'default'}, 'lr_decay_iters': {'value': 100, 'source': 'default'},
+    config = {'max_iters': {'value': 100, 'source': 'command line'},
+              'cost_per_hour': {'value': 3.6, 'source': 'default'},
+              'log_interval': {'value': 1, 'source': 'default'},
+              'lr_decay_iters': {'value': 100, 'source': 'default'},
               'resolved': {'device': 'cpu', 'dtype': 'float32'}}
-    meta = {'command': ['train.py', 'config/tiny.py', '--init_from=auto', '--resume_from=x.pt'], 'world_size': 2,
-            'dataset': {'split_rule': 'contiguous: test [0, 0.05n), train [0.05n, 0.9n), val [0.9n, n) characters'}}
+    meta = {'command': ['train.py', 'config/tiny.py', '--init_from=auto', '--resume_from=x.pt'],
+            'world_size': 2,
+            'dataset': {'split_rule': 'contiguous: test [0, 0.05n), train [0.05n, 0.9n), val [0.9n, n) '
+                                      'characters'}}
     # killed after iteration 30 and resumed 4000 s later: 30 s + 10 s of training, on 2 processes
-    records = ([{'kind': 'start', 'step': 0, 'time': 1000.0}] + [train_record(s, 1000.0 + s) for s in range(1, 31)]
-               + [{'kind': 'start', 'step': 30, 'time': 5000.0}] + [train_record(s, 4970.0 + s) for s in range(31, 41)])
-    records += [{'kind': 'eval', 'step': s, 'train_loss': t, 'val_loss': v, 'best_val_loss': 0, 'val_bits_per_token': 0}
+    records = ([{'kind': 'start', 'step': 0, 'time': 1000.0}]
+               + [train_record(s, 1000.0 + s) for s in range(1, 31)]
+               + [{'kind': 'start', 'step': 30, 'time': 5000.0}]
+               + [train_record(s, 4970.0 + s) for s in range(31, 41)])
+    records += [{'kind': 'eval', 'step': s, 'train_loss': t, 'val_loss': v, 'best_val_loss': 0,
+                 'val_bits_per_token': 0}
                 for s, t, v in ((10, 2.0, 2.05), (20, 1.4, 1.5), (30, 1.2, 1.6), (40, 1.0, 1.7))]
     records += [{'kind': 'smoke_test', 'steps': 40, 'first_loss': 3.0, 'final_loss': 1.9},
                 {'kind': 'test', 'step': 40, 'best_iter': 20, 'best_val_loss': 1.5, 'test_loss': 1.2}]
@@ -126,12 +143,15 @@ def test_diagnoses_from_made_up_metrics(tmp_path):
     assert 'Status: **early-stopped**: at iteration 40 of 100' in text
     assert 'overfitting from iteration 20' in text and 'leakage' not in text
     assert 'Smoke test passed: loss 3.0000 -> 1.9000 in 40 steps' in text
-    assert 'median MFU 25.0%' in text and "peak memory 123 MB by the last training log line: rank 0's peak resident set" in text
+    assert ('median MFU 25.0%' in text
+            and "peak memory 123 MB by the last training log line: rank 0's peak resident set" in text)
     assert 'test loss sits well below val loss: with a single text, test is its first 5%' in text
     assert '(40 s), 0.02 compute hours (2 process(es))' in text and 'estimated cost 0.08' in text
-    assert 'float16 steps skipped: 1' in text and 'spikes (> 5x the running median): 1, at iterations 25' in text
+    assert ('float16 steps skipped: 1' in text
+            and 'spikes (> 5x the running median): 1, at iterations 25' in text)
     # no last.pt: init_from=auto redoes the run from what it started from
-    assert 'torchrun --standalone --nproc_per_node=2 train.py config/tiny.py --resume_from=x.pt --init_from=auto' in text
+    assert ('torchrun --standalone --nproc_per_node=2 train.py config/tiny.py --resume_from=x.pt '
+            '--init_from=auto' in text)
 
 
 def test_fit_and_leakage_reads():

@@ -26,14 +26,17 @@ def trajectory(out_dir):
     return [(r['step'], r['loss'], r['lr'], r['grad_norm']) for r in read_metrics(out_dir, 'train')]
 
 
-@pytest.mark.parametrize('recipe', [[], RECIPE], ids=['nanogpt', 'recipe'])  # the recipe: Muon beside AdamW, wsd...
+# the recipe: Muon beside AdamW, wsd...
+@pytest.mark.parametrize('recipe', [[], RECIPE], ids=['nanogpt', 'recipe'])
 def test_bfloat16_resume_mid_epoch_between_evaluations_is_bitwise(tmp_path, data_dir, recipe):
     straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
     args = [*HARD, *recipe, '--dtype=bfloat16']
     # stop at 14: in the middle of an epoch, between evaluations, after an extra final evaluation
     run_trains(data_dir, (straight, args), (split, [*args, '--max_iters=14']))
-    run_train(split, data_dir, *args, '--init_from=resume', probe=True, env={**os.environ, 'PROBE_DTYPES': str(tmp_path)})
-    assert json.load(open(tmp_path / 'dtypes.0')) == ['bfloat16']  # what the linear layers returned after the resume
+    run_train(split, data_dir, *args, '--init_from=resume', probe=True,
+              env={**os.environ, 'PROBE_DTYPES': str(tmp_path)})
+    # what the linear layers returned after the resume
+    assert json.load(open(tmp_path / 'dtypes.0')) == ['bfloat16']
     assert trajectory(split) == trajectory(straight)  # so before it too: a float32 part would differ
     evals = lambda d: [(r['step'], r['val_loss']) for r in read_metrics(d, 'eval') if r['step'] % 10 == 0]
     assert evals(split) == evals(straight)
@@ -46,7 +49,8 @@ def test_bfloat16_resume_mid_epoch_between_evaluations_is_bitwise(tmp_path, data
 def test_float32_resume_after_evaluation_and_from_best_is_bitwise(tmp_path, data_dir):
     straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
     # the split run stops right after the evaluation at 20
-    run_trains(data_dir, (straight, [*HARD, '--dtype=float32']), (split, [*HARD, '--dtype=float32', '--max_iters=20']))
+    run_trains(data_dir, (straight, [*HARD, '--dtype=float32']),
+               (split, [*HARD, '--dtype=float32', '--max_iters=20']))
     best_at_20 = str(tmp_path / 'best_at_20.pt')
     shutil.copy(os.path.join(split, 'best.pt'), best_at_20)
     run_train(split, data_dir, *HARD, '--dtype=float32', '--init_from=resume')
@@ -56,25 +60,27 @@ def test_float32_resume_after_evaluation_and_from_best_is_bitwise(tmp_path, data
     assert all(torch.equal(a[k], b[k]) for k in a)
     # any checkpoint resumes, here a best.pt into a new out_dir
     from_best = str(tmp_path / 'from_best')
-    run_train(from_best, data_dir, *HARD, '--dtype=float32', '--init_from=resume', f'--resume_from={best_at_20}')
+    run_train(from_best, data_dir, *HARD, '--dtype=float32', '--init_from=resume',
+              f'--resume_from={best_at_20}')
     assert trajectory(from_best) == [t for t in trajectory(straight) if t[0] > 20]
 
 
 def start_train(out_dir, data_dir, *overrides, hold_save=None):
     """train.py under tests/probe.py; hold_save=N: its N-th write of last.pt stops before the rename."""
     env = {**os.environ, 'PROBE_HOLD_SAVE': str(hold_save)} if hold_save else None
-    return forked.Process(PROBE, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides,
-                          env=env)
+    return forked.Process(PROBE, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}',
+                          *overrides, env=env)
 
 
 def test_sigkill_at_random_moments_and_mid_write_then_auto_resume(tmp_path, data_dir):
-    args = ['--max_iters=100', '--lr_decay_iters=100', '--eval_interval=3', '--dropout=0.1', '--n_embd=128', '--n_layer=4',
-            '--init_from=auto']
+    args = ['--max_iters=100', '--lr_decay_iters=100', '--eval_interval=3', '--dropout=0.1', '--n_embd=128',
+            '--n_layer=4', '--init_from=auto']
     straight, killed = str(tmp_path / 'straight'), str(tmp_path / 'killed')
     run_train(straight, data_dir, *args)
     rng = random.Random(0)
     for attempt in range(4):  # kill, resume with init_from=auto, kill again...
-        if attempt % 2 == 0:  # in the middle of the session's second write of last.pt: its temp file is complete
+        # in the middle of the session's second write of last.pt: its temp file is complete
+        if attempt % 2 == 0:
             proc = start_train(killed, data_dir, *args, hold_save=2)
             wait_for_stderr(proc, 'probe: holding the write of')
         else:  # anywhere: start-up, a step, an evaluation, a save
@@ -87,15 +93,18 @@ def test_sigkill_at_random_moments_and_mid_write_then_auto_resume(tmp_path, data
         if attempt % 2 == 0:  # the kill landed mid-write: last.pt is still the save before, 3 iterations back
             being_saved = trajectory(killed)[-1][0]
             assert glob.glob(os.path.join(killed, 'last.pt.*.tmp'))
-            assert torch.load(os.path.join(killed, 'last.pt'), weights_only=True)['iter_num'] == being_saved - 3
+            assert (torch.load(os.path.join(killed, 'last.pt'), weights_only=True)['iter_num']
+                    == being_saved - 3)
         for name in ('best.pt', 'last.pt'):  # whatever is on disk after a kill loads
             path = os.path.join(killed, name)
             if os.path.exists(path):
                 torch.load(path, weights_only=True)
     run_train(killed, data_dir, *args)  # the last resume runs to the end
     assert trajectory(killed) == trajectory(straight)  # every step once, same numbers
-    assert not glob.glob(os.path.join(killed, '*.tmp'))  # a killed write's temp file (its own PID) was removed
-    log_steps = [int(line.split()[1].split('/')[0]) for line in open(os.path.join(killed, 'train.log')) if line.startswith('iter ')]
+    # a killed write's temp file (its own PID) was removed
+    assert not glob.glob(os.path.join(killed, '*.tmp'))
+    log_steps = [int(line.split()[1].split('/')[0]) for line in open(os.path.join(killed, 'train.log'))
+                 if line.startswith('iter ')]
     assert log_steps == list(range(1, 101))
 
 
@@ -111,7 +120,8 @@ def test_refuses_mismatched_or_corrupt_checkpoints(tmp_path, data_dir):
     other_data = str(tmp_path / 'other_data')
     prepare.prepare('toy', data_dir=other_data, input_path=make_corpus(str(tmp_path / 'src'), seed=5))
     result = run_train(out, other_data, '--init_from=resume', '--max_iters=20', check=False)
-    assert result.returncode != 0 and 'trained on other data' in result.stderr and 'Traceback' not in result.stderr
+    assert (result.returncode != 0 and 'trained on other data' in result.stderr
+            and 'Traceback' not in result.stderr)
     # a checkpoint cannot run code: a pickled callable is refused, not called
     last = os.path.join(out, 'last.pt')
     good = torch.load(last, weights_only=True)
@@ -133,14 +143,15 @@ def test_refuses_mismatched_or_corrupt_checkpoints(tmp_path, data_dir):
 
 
 def test_checkpoint_of_an_older_format_and_a_newer_one_are_refused(tmp_path, data_dir):
-    """tests/fixtures/format3_last.pt was written by commit 77e6651 (format 3, before the vocabulary was padded):
-    python train.py tests/run_config.py --max_iters=2 --lr_decay_iters=2 --warmup_iters=1 --eval_interval=2
-    --dtype=float32 --n_layer=1 --n_embd=16 --n_head=2 --block_size=8, on tests/conftest.py's corpus."""
+    """tests/fixtures/format3_last.pt was written by commit 77e6651 (format 3, before the vocabulary was
+    padded): python train.py tests/run_config.py --max_iters=2 --lr_decay_iters=2 --warmup_iters=1
+    --eval_interval=2 --dtype=float32 --n_layer=1 --n_embd=16 --n_head=2 --block_size=8, on
+    tests/conftest.py's corpus."""
     out = tmp_path / 'old'
     out.mkdir()
     shutil.copy(os.path.join(os.path.dirname(__file__), 'fixtures', 'format3_last.pt'), out / 'last.pt')
-    shape = ['--max_iters=4', '--lr_decay_iters=2', '--warmup_iters=1', '--n_layer=1', '--n_embd=16', '--n_head=2',
-             '--block_size=8']
+    shape = ['--max_iters=4', '--lr_decay_iters=2', '--warmup_iters=1', '--n_layer=1', '--n_embd=16',
+             '--n_head=2', '--block_size=8']
     result = run_train(str(out), data_dir, *shape, '--init_from=resume', check=False)
     assert result.returncode == 2 and result.stderr.count('\n') == 1, result.stderr
     assert 'has format 3, written before the vocabulary was padded' in result.stderr

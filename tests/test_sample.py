@@ -25,7 +25,8 @@ def run_sample(*args):
 
 
 def test_seed_decides_the_samples(run_dir):
-    # sample i is drawn with seed + i: the second sample of --seed=1 is the first of --seed=2, in another process
+    # sample i is drawn with seed + i: the second sample of --seed=1 is the first of --seed=2, in another
+    # process
     seed_1 = run_sample(f'--out_dir={run_dir}', '--seed=1', '--num_samples=2', '--max_new_tokens=30')
     seed_2 = run_sample(f'--out_dir={run_dir}', '--seed=2', '--num_samples=1', '--max_new_tokens=30')
     assert seed_1.returncode == 0, seed_1.stderr
@@ -37,8 +38,8 @@ def test_seed_decides_the_samples(run_dir):
 def test_top_k_1_is_greedy_with_a_prompt_file(run_dir, tmp_path):
     prompt = tmp_path / 'prompt.txt'
     prompt.write_text('the cat ')
-    result = run_sample(f'--out_dir={run_dir}', f'--start=FILE:{prompt}', '--top_k=1', '--num_samples=1', '--max_new_tokens=12',
-                        '--dtype=float32')  # the reference below computes in float32
+    result = run_sample(f'--out_dir={run_dir}', f'--start=FILE:{prompt}', '--top_k=1', '--num_samples=1',
+                        '--max_new_tokens=12', '--dtype=float32')  # the reference below computes in float32
     assert result.returncode == 0, result.stderr
     ckpt = torch.load(os.path.join(run_dir, 'best.pt'), weights_only=True)
     model = GPT(GPTConfig(**ckpt['model_args']))
@@ -62,10 +63,13 @@ def test_missing_checkpoint_is_a_one_line_error(tmp_path):
 def test_prefixed_checkpoint_loads(run_dir, tmp_path):
     best = os.path.join(run_dir, 'best.pt')
     ckpt = torch.load(best, weights_only=True)
-    ckpt['model'] = {'_orig_mod.' + k: v for k, v in ckpt['model'].items()}  # as saved from a torch.compile'd model
+    # as saved from a torch.compile'd model
+    ckpt['model'] = {'_orig_mod.' + k: v for k, v in ckpt['model'].items()}
     torch.save(ckpt, tmp_path / 'compiled.pt')
-    loaded, reference = sample.load_model(str(tmp_path / 'compiled.pt'), 'cpu')[0], sample.load_model(best, 'cpu')[0]
-    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), reference.state_dict().values()))
+    loaded, reference = (sample.load_model(str(tmp_path / 'compiled.pt'), 'cpu')[0],
+                         sample.load_model(best, 'cpu')[0])
+    assert all(torch.equal(a, b)
+               for a, b in zip(loaded.state_dict().values(), reference.state_dict().values()))
 
 
 def test_sample_text_leaves_global_rng_and_train_mode(run_dir):

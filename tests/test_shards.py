@@ -1,6 +1,6 @@
-"""Shards in llm.c's format: written and read back, llm.c's own layout read, bad headers refused in one line, and
-training on many shards: exact resume across shard boundaries, DDP as one process, a resume after shards changed
-refused."""
+"""Shards in llm.c's format: written and read back, llm.c's own layout read, bad headers refused in one line,
+and training on many shards: exact resume across shard boundaries, DDP as one process, a resume after shards
+changed refused."""
 import json
 import os
 import shutil
@@ -50,8 +50,8 @@ def test_shard_writer_round_trip(tmp_path, dtype):
 
 @pytest.mark.skipif(not os.path.isdir('/proc/self/fd'), reason='counts open files in /proc')
 def test_reading_many_shards_keeps_no_file_open(tmp_path):
-    # a file (or memmap) kept per shard read would hold 50 descriptors here; FineWeb100B's 1,030 shards would exceed
-    # the usual limit of 1024
+    # a file (or memmap) kept per shard read would hold 50 descriptors here; FineWeb100B's 1,030 shards would
+    # exceed the usual limit of 1024
     tokens = np.arange(1000) * 7 % 50257
     paths = [tmp_path / f'd_train_{i:06d}.bin' for i in range(50)]
     for i, path in enumerate(paths):
@@ -73,9 +73,11 @@ def test_llmc_shards_with_a_written_meta_are_a_dataset(tmp_path):
     (folder / 'meta.json').write_text(json.dumps({'vocab_size': 50257, 'tokenizer': 'gpt2'}))
     for dataset in ('fineweb10B', 'fineweb10B/fineweb_*.bin'):
         meta, shards = data.open_dataset(str(tmp_path), dataset)
-        assert meta == {'vocab_size': 50257, 'tokenizer': {'kind': 'tiktoken', 'encoding': 'gpt2'}, 'name': 'fineweb10B'}
+        assert meta == {'vocab_size': 50257, 'tokenizer': {'kind': 'tiktoken', 'encoding': 'gpt2'},
+                        'name': 'fineweb10B'}
         assert {s: [os.path.basename(p) for p in paths] for s, paths in shards.items()} == {
-            'val': ['fineweb_val_000000.bin'], 'train': ['fineweb_train_000001.bin', 'fineweb_train_000002.bin']}
+            'val': ['fineweb_val_000000.bin'],
+            'train': ['fineweb_train_000001.bin', 'fineweb_train_000002.bin']}
         for split, tokens in streams.items():
             assert all_windows_match(data.TokenWindows(shards[split], 64), tokens, 64)
     with pytest.raises(data.DataError, match='has no val shards'):
@@ -114,7 +116,8 @@ def test_dataset_mistakes_are_one_line(tmp_path):
     (tmp_path / 'old').mkdir()
     (tmp_path / 'old' / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": "gpt2", "name": "old"}')
     np.zeros(10, np.uint16).tofile(tmp_path / 'old' / 'train.bin')
-    assert 'prepared by an older prepare.py (train.bin, no shards): run python prepare.py old again' in error('old')
+    assert ('prepared by an older prepare.py (train.bin, no shards): run python prepare.py old again'
+            in error('old'))
     # a hand-written meta.json cannot give a char vocabulary: the end-of-run sample would need its characters
     for entry in ('"char"', '{"kind": "char"}'):
         (tmp_path / 'old' / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": %s}' % entry)
@@ -122,7 +125,8 @@ def test_dataset_mistakes_are_one_line(tmp_path):
     with pytest.raises(tokenizer.TokenizerError, match="the char tokenizer's characters are missing"):
         tokenizer.load({'kind': 'char'})
     (tmp_path / 'old' / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": "gpt2",}')
-    assert 'meta.json is not valid JSON (Expecting property name' in error('old') and ': fix it' in error('old')
+    assert ('meta.json is not valid JSON (Expecting property name' in error('old')
+            and ': fix it' in error('old'))
     (tmp_path / 'nometa').mkdir()
     assert 'has no' in error('nometa') and '"vocab_size": 50257' in error('nometa')
     assert 'no files match' in error('nometa/*.bin')
@@ -132,10 +136,14 @@ def test_data_change_names_the_shards():
     ident = {'name': 'd', 'source_sha256': 'abc', 'vocab_size': 9, 'tokenizer': {'kind': 'char'},
              'shards': [['d_train_000000.bin', 10, 'f0'], ['d_val_000000.bin', 5, 'f1']]}
     assert data.data_change(ident, ident) == ''
-    grown = {**ident, 'shards': [['d_train_000000.bin', 10, 'f0'], ['d_train_000001.bin', 3, 'f2'], ['d_val_000000.bin', 5, 'f9']]}
+    grown = {**ident,
+             'shards': [['d_train_000000.bin', 10, 'f0'], ['d_train_000001.bin', 3, 'f2'],
+                        ['d_val_000000.bin', 5, 'f9']]}
     other = 'was trained on other data '
-    assert data.data_change(ident, grown) == other + '(shards added d_train_000001.bin; changed d_val_000000.bin)'
-    assert data.data_change(grown, ident) == other + '(shards removed d_train_000001.bin; changed d_val_000000.bin)'
+    assert (data.data_change(ident, grown)
+            == other + '(shards added d_train_000001.bin; changed d_val_000000.bin)')
+    assert (data.data_change(grown, ident)
+            == other + '(shards removed d_train_000001.bin; changed d_val_000000.bin)')
     assert data.data_change(ident, {**ident, 'vocab_size': 10}) == other + '(its vocab_size differ)'
 
 
@@ -146,7 +154,8 @@ def test_data_change_names_the_shards():
 def sharded_dir(tmp_path_factory):
     """The toy corpus in shards of 5,000 tokens (train: 9 of them) and no test split, as FineWeb's."""
     root = tmp_path_factory.mktemp('sharded')
-    out_dir = prepare.prepare('toy', data_dir=str(root), input_path=make_corpus(str(root / 'src')), shard_size=5000)
+    out_dir = prepare.prepare('toy', data_dir=str(root), input_path=make_corpus(str(root / 'src')),
+                              shard_size=5000)
     for name in os.listdir(out_dir):
         if '_test_' in name:
             os.remove(os.path.join(out_dir, name))
@@ -160,8 +169,10 @@ def test_resume_across_shard_boundaries_is_bitwise_and_refused_after_shards_chan
     train = data.TokenWindows(shards['train'], 32)
     assert len(shards['train']) >= 8 and 'test' not in shards
     # the resumed part, steps 15-30 of 2 micro-batches each, reads a window across two shards
-    resumed = [s for b in epoch_batches(data.TrainSampler(train.num_tokens, 32, 8, 16, 1337), 0)[28:60] for s in b]
-    assert any(np.searchsorted(train.offsets, s, 'right') != np.searchsorted(train.offsets, s + 32, 'right') for s in resumed)
+    resumed = [s for b in epoch_batches(data.TrainSampler(train.num_tokens, 32, 8, 16, 1337), 0)[28:60]
+               for s in b]
+    assert any(np.searchsorted(train.offsets, s, 'right') != np.searchsorted(train.offsets, s + 32, 'right')
+               for s in resumed)
     straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
     args = [*HARD, '--dtype=float32', '--test_eval=True']
     run_trains(sharded_dir, (straight, args), (split, [*args, '--max_iters=14']))
@@ -199,8 +210,8 @@ def test_default_dataset_of_the_older_layout_is_prepared_again(tmp_path):
     old.mkdir(parents=True)
     (old / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": {"kind": "char", "chars": ["a"]}}')
     np.zeros(10, np.uint16).tofile(old / 'train.bin')
-    result = run_train(str(tmp_path / 'out'), str(tmp_path / 'data'), '--dataset=pystdlib_char', '--max_iters=1',
-                       '--eval_interval=1', '--eval_iters=1')
+    result = run_train(str(tmp_path / 'out'), str(tmp_path / 'data'), '--dataset=pystdlib_char',
+                       '--max_iters=1', '--eval_interval=1', '--eval_iters=1')
     assert 'preparing the default dataset pystdlib_char' in result.stdout
     assert os.path.exists(old / 'pystdlib_char_train_000000.bin') and not os.path.exists(old / 'train.bin')
 

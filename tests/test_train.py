@@ -16,8 +16,8 @@ from conftest import PROBE, REPO, RUN_CONFIG, ok, read_metrics, run_train
 
 def test_run_learns_and_records_everything(tmp_path, data_dir):
     out = str(tmp_path / 'run')
-    result = run_train(out, data_dir, '--max_iters=60', '--lr_decay_iters=60', '--eval_interval=20', '--test_eval=True',
-                       '--sample_tokens=20')
+    result = run_train(out, data_dir, '--max_iters=60', '--lr_decay_iters=60', '--eval_interval=20',
+                       '--test_eval=True', '--sample_tokens=20')
     evals = read_metrics(out, 'eval')
     assert [e['step'] for e in evals] == [20, 40, 60]
     vocab_size = json.load(open(os.path.join(data_dir, 'toy', 'meta.json')))['vocab_size']
@@ -27,12 +27,15 @@ def test_run_learns_and_records_everything(tmp_path, data_dir):
     steps = read_metrics(out, 'train')
     assert [s['step'] for s in steps] == list(range(1, 61))
     for s in steps:
-        assert {'loss', 'lr', 'grad_norm', 'tokens_per_sec'} <= s.keys() and math.isfinite(s['loss']) and s['tokens_per_sec'] > 0
+        assert ({'loss', 'lr', 'grad_norm', 'tokens_per_sec'} <= s.keys() and math.isfinite(s['loss'])
+                and s['tokens_per_sec'] > 0)
     assert steps[0]['lr'] < steps[5]['lr'] and steps[-1]['lr'] < steps[20]['lr']  # warmup, then decay
     test = read_metrics(out, 'test')[0]
-    assert test['best_iter'] == min(evals, key=lambda e: e['val_loss'])['step'] and math.isfinite(test['test_loss'])
+    assert (test['best_iter'] == min(evals, key=lambda e: e['val_loss'])['step']
+            and math.isfinite(test['test_loss']))
     assert 0 < test['save_seconds'] < test['wall_seconds']  # the save cost is measured, inside the run's time
-    assert 'best val loss' in result.stdout and 'test loss' in result.stdout and 'a sample from the best weights' in result.stdout
+    assert ('best val loss' in result.stdout and 'test loss' in result.stdout
+            and 'a sample from the best weights' in result.stdout)
     # the run directory: resolved config with sources, run metadata, state_dict-only checkpoints
     config = json.load(open(os.path.join(out, 'config.json')))
     assert config['max_iters'] == {'value': 60, 'source': 'command line'}
@@ -42,7 +45,8 @@ def test_run_learns_and_records_everything(tmp_path, data_dir):
     assert meta['versions']['torch'] == torch.__version__
     log = open(os.path.join(out, 'train.log')).read()
     stdout = result.stdout.strip().splitlines()  # start-up lines come before the run directory exists
-    assert log.strip().splitlines() == stdout[next(i for i, l in enumerate(stdout) if l.startswith('starting from scratch')):]
+    assert log.strip().splitlines() == stdout[next(i for i, l in enumerate(stdout)
+                                                   if l.startswith('starting from scratch')):]
     best = torch.load(os.path.join(out, 'best.pt'), weights_only=True)
     last = torch.load(os.path.join(out, 'last.pt'), weights_only=True)
     assert last['iter_num'] == 60 and best['iter_num'] == test['best_iter']
@@ -68,9 +72,10 @@ def test_nan_aborts_with_context_and_keeps_checkpoints(tmp_path, data_dir):
     out = str(tmp_path / 'nan')
     run_train(out, data_dir)
     before = {name: sha(os.path.join(out, name)) for name in ('best.pt', 'last.pt')}
-    # the resumed run's first micro-batch (iteration 41) gives a NaN loss, on an iteration with an evaluation and a
-    # save due: the run must stop before either
-    result = run_train(out, data_dir, '--init_from=resume', '--max_iters=80', '--eval_interval=1', '--checkpoint_interval=1',
+    # the resumed run's first micro-batch (iteration 41) gives a NaN loss, on an iteration with an evaluation
+    # and a save due: the run must stop before either
+    result = run_train(out, data_dir, '--init_from=resume', '--max_iters=80', '--eval_interval=1',
+                       '--checkpoint_interval=1',
                        check=False, probe=True, env={**os.environ, 'PROBE_NAN': '0:1'})
     assert result.returncode != 0
     assert {name: sha(os.path.join(out, name)) for name in before} == before
@@ -78,7 +83,8 @@ def test_nan_aborts_with_context_and_keeps_checkpoints(tmp_path, data_dir):
     assert len(error) == 1 and 'Traceback' not in result.stderr
     for words in ('non-finite loss at iteration 41', 'lr ', 'grad norm', 'batch windows'):
         assert words in error[0], error[0]
-    assert [r['step'] for r in read_metrics(out, 'abort')] == [41] and read_metrics(out, 'eval')[-1]['step'] == 40
+    assert ([r['step'] for r in read_metrics(out, 'abort')] == [41]
+            and read_metrics(out, 'eval')[-1]['step'] == 40)
 
 
 @pytest.mark.fresh
@@ -100,17 +106,20 @@ def run_20(tmp_path_factory, data_dir):
 
 
 def test_a_forked_run_is_the_run_of_a_fresh_interpreter(tmp_path, data_dir):
-    # run_train forks a server that has imported torch (tests/forked.py): the same run in a fresh `python train.py`,
-    # with dropout and a loader worker, so that the RNG streams and the worker process are compared too
+    # run_train forks a server that has imported torch (tests/forked.py): the same run in a fresh `python
+    # train.py`, with dropout and a loader worker, so that the RNG streams and the worker process are compared
+    # too
     args = ['--max_iters=20', '--lr_decay_iters=20', '--dropout=0.1', '--num_workers=1']
     forked_run, fresh = str(tmp_path / 'forked'), str(tmp_path / 'fresh')
     run_train(forked_run, data_dir, *args)
-    ok(subprocess.run([sys.executable, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={fresh}', *args],
+    ok(subprocess.run([sys.executable, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={fresh}',
+                       *args],
                       cwd=REPO, capture_output=True, text=True, timeout=300))
     for kind, keys in (('train', ('step', 'loss', 'lr', 'grad_norm')), ('eval', ('step', 'val_loss'))):
         records = [[[r[k] for k in keys] for r in read_metrics(run, kind)] for run in (forked_run, fresh)]
         assert records[0] == records[1] and len(records[0]) > 0, kind
-    weights = [torch.load(os.path.join(run, 'last.pt'), weights_only=True)['model'] for run in (forked_run, fresh)]
+    weights = [torch.load(os.path.join(run, 'last.pt'), weights_only=True)['model']
+               for run in (forked_run, fresh)]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     commands = [json.load(open(os.path.join(run, 'meta.json')))['command'][:2] for run in (forked_run, fresh)]
     assert commands[0] == commands[1] == ['train.py', RUN_CONFIG]
@@ -131,14 +140,16 @@ def test_smoke_test_passes_or_refuses_to_start(tmp_path, data_dir, run_20):
     smoke = read_metrics(out, 'smoke_test')[0]
     assert smoke['final_loss'] < 0.7 * smoke['first_loss'] and 'smoke test passed' in result.stdout
     # the smoke test leaves no trace in the run: same losses as without it
-    assert [r['loss'] for r in read_metrics(out, 'train')] == [r['loss'] for r in read_metrics(run_20, 'train')]
+    assert ([r['loss'] for r in read_metrics(out, 'train')]
+            == [r['loss'] for r in read_metrics(run_20, 'train')])
     never = tmp_path / 'never'
     result = run_train(str(never), data_dir, '--smoke_test=True', '--learning_rate=0', check=False)
-    assert result.returncode != 0 and result.stderr.startswith('error: smoke test failed') and not never.exists()
+    assert (result.returncode != 0 and result.stderr.startswith('error: smoke test failed')
+            and not never.exists())
     # under float16 it backs its loss off the way training does: a loss scale of 2^20 overflows at first
     fp16 = str(tmp_path / 'fp16')
-    run_train(fp16, data_dir, '--smoke_test=True', '--dtype=float16', f'--init_scale={2.0 ** 20}', '--max_iters=1',
-              '--eval_interval=1')
+    run_train(fp16, data_dir, '--smoke_test=True', '--dtype=float16', f'--init_scale={2.0 ** 20}',
+              '--max_iters=1', '--eval_interval=1')
     smoke = read_metrics(fp16, 'smoke_test')[0]
     assert 0 < smoke['skipped'] < 10 and smoke['final_loss'] < 0.7 * smoke['first_loss']
 
@@ -149,7 +160,8 @@ def test_missing_logging_package_is_a_one_line_error(tmp_path, data_dir, key, pa
     if importlib.util.find_spec(package):
         pytest.skip(f'{package} is installed here')
     result = run_train(str(tmp_path / 'run'), data_dir, f'--{key}=True', check=False)
-    assert result.returncode != 0 and result.stderr == f"error: {key}=True needs the {package} package: pip install {package}, or set {key}=False\n"
+    assert result.returncode != 0 and result.stderr == (f"error: {key}=True needs the {package} package: "
+                                                        f"pip install {package}, or set {key}=False\n")
     assert not (tmp_path / 'run').exists()
 
 
@@ -157,8 +169,9 @@ def test_missing_logging_package_is_a_one_line_error(tmp_path, data_dir, key, pa
 def test_nanogpt_config_runs_unchanged(tmp_path, data_dir):
     # nanoGPT's own shakespeare_char config file, shrunk from the command line to test size
     out = str(tmp_path / 'nano')
-    cmd = ['config/shakespeare_char.py', '--dataset=toy', '--n_layer=1', '--n_head=2', '--n_embd=16', '--block_size=16',
-           '--batch_size=4', '--max_iters=4', '--lr_decay_iters=4', '--warmup_iters=1', '--eval_interval=2', '--eval_iters=2']
+    cmd = ['config/shakespeare_char.py', '--dataset=toy', '--n_layer=1', '--n_head=2', '--n_embd=16',
+           '--block_size=16', '--batch_size=4', '--max_iters=4', '--lr_decay_iters=4', '--warmup_iters=1',
+           '--eval_interval=2', '--eval_iters=2']
     result = forked.run('train.py', *cmd, f'--data_dir={data_dir}', f'--out_dir={out}')
     assert result.returncode == 0, result.stderr
     config = json.load(open(os.path.join(out, 'config.json')))
@@ -218,39 +231,43 @@ def test_live_log_line(short_run):
 
 @pytest.mark.slow
 def test_eta_is_the_mean_of_the_last_ten_intervals_without_the_first(short_run):
-    """The session's first interval holds one-time work (compilation, warm-up): the ETA starts from the estimate
-    (the second micro-batch's time) and then follows the mean time per iteration of the last 10 intervals, so a
-    slow spell moves it at once, by its share of those intervals."""
+    """The session's first interval holds one-time work (compilation, warm-up): the ETA starts from the
+    estimate (the second micro-batch's time) and then follows the mean time per iteration of the last 10
+    intervals, so a slow spell moves it at once, by its share of those intervals."""
     steps = read_metrics(short_run[0], 'train')
     estimate = read_metrics(short_run[0], 'estimate')[0]['seconds_per_iter']
     tokens_per_iter = 2 * 8 * 32
-    seconds = [tokens_per_iter / r['tokens_per_sec'] for r in steps]  # each record's own interval: one iteration
+    # each record's own interval: one iteration
+    seconds = [tokens_per_iter / r['tokens_per_sec'] for r in steps]
     assert steps[0]['eta_seconds'] == pytest.approx(29 * estimate, rel=1e-6)
     for k in range(1, 30):
         recent = seconds[max(1, k - 9):k + 1]
-        assert steps[k]['eta_seconds'] == pytest.approx((30 - steps[k]['step']) * sum(recent) / len(recent), rel=1e-6,
-                                                        abs=1e-9)
+        assert steps[k]['eta_seconds'] == pytest.approx((30 - steps[k]['step']) * sum(recent) / len(recent),
+                                                        rel=1e-6, abs=1e-9)
 
 
 @pytest.mark.slow
 def test_one_time_work_in_the_first_micro_batch_is_left_out_of_estimate_and_eta(tmp_path, data_dir):
-    """What compilation does to the first micro-batch (here: 3 s of sleep in its loss, tests/probe.py) must not
-    reach the start-up estimate or the ETA; the step itself takes milliseconds."""
+    """What compilation does to the first micro-batch (here: 3 s of sleep in its loss, tests/probe.py) must
+    not reach the start-up estimate or the ETA; the step itself takes milliseconds."""
     out = str(tmp_path / 'slow_start')
-    result = forked.run(PROBE, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out}', '--max_iters=6',
-                        '--eval_interval=6', env={**os.environ, 'PROBE_SLEEP': '1-1:3'})
+    result = forked.run(PROBE, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out}',
+                        '--max_iters=6', '--eval_interval=6', env={**os.environ, 'PROBE_SLEEP': '1-1:3'})
     assert result.returncode == 0, result.stderr
     assert read_metrics(out, 'estimate')[0]['seconds_per_iter'] < 1
-    assert all(r['eta_seconds'] < 5 for r in read_metrics(out, 'train')[1:])  # 3 s x 5 iterations left, were it in
+    # 3 s x 5 iterations left, were it in
+    assert all(r['eta_seconds'] < 5 for r in read_metrics(out, 'train')[1:])
 
 
 @pytest.mark.slow
 def test_a_run_stopped_before_its_first_checkpoint_starts_again(tmp_path, data_dir):
     out = tmp_path / 'run'
     out.mkdir()
-    (out / 'metrics.jsonl').write_text('{"kind": "start", "step": 0, "time": 0}\n')  # what a run killed at start-up leaves
+    # what a run killed at start-up leaves
+    (out / 'metrics.jsonl').write_text('{"kind": "start", "step": 0, "time": 0}\n')
     result = run_train(str(out), data_dir, '--init_from=resume', '--max_iters=2', check=False)
     assert result.returncode == 2 and 'does not exist, so there is nothing to resume' in result.stderr
     assert 'init_from=scratch or auto' in result.stderr
     run_train(str(out), data_dir, '--max_iters=2', '--eval_interval=2')  # scratch reuses it
-    assert [r['kind'] for r in read_metrics(str(out))][0] == 'start' and len(read_metrics(str(out), 'start')) == 1
+    assert ([r['kind'] for r in read_metrics(str(out))][0] == 'start'
+            and len(read_metrics(str(out), 'start')) == 1)

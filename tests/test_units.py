@@ -61,7 +61,8 @@ def test_init_and_param_groups():
     decay_ids = {id(p) for p in decay['params']}
     assert id(model.blocks[0].attn.c_attn.weight) in decay_ids
     assert id(model.wte.weight) not in decay_ids and id(model.wpe.weight) not in decay_ids
-    assert id(model.blocks[0].ln_1.weight) not in decay_ids and id(model.blocks[0].attn.c_attn.bias) not in decay_ids
+    assert (id(model.blocks[0].ln_1.weight) not in decay_ids
+            and id(model.blocks[0].attn.c_attn.bias) not in decay_ids)
     assert decay['weight_decay'] == 0.1 and no_decay['weight_decay'] == 0.0
 
 
@@ -100,7 +101,8 @@ def test_eval_cap_is_fixed_and_spread(token_file):
 
 def test_train_shards_union_equals_one_process():
     one = data.TrainSampler(5000, 16, batch_size=8, global_batch=32, seed=3)
-    ranks = [data.TrainSampler(5000, 16, batch_size=8, global_batch=32, seed=3, rank=r, world_size=2) for r in range(2)]
+    ranks = [data.TrainSampler(5000, 16, batch_size=8, global_batch=32, seed=3, rank=r, world_size=2)
+             for r in range(2)]
     one_batches, rank_batches = epoch_batches(one, 0), [epoch_batches(s, 0) for s in ranks]
     steps = len(one_batches) // 4
     assert steps > 0 and all(len(b) == 2 * steps for b in rank_batches)
@@ -127,7 +129,8 @@ def test_train_sampler_resumes_at_next_unseen_batch():
 
 
 def test_train_sampler_resumes_on_another_number_of_ranks():
-    two = [data.TrainSampler(5000, 16, batch_size=4, global_batch=16, seed=2, rank=r, world_size=2) for r in range(2)]
+    two = [data.TrainSampler(5000, 16, batch_size=4, global_batch=16, seed=2, rank=r, world_size=2)
+           for r in range(2)]
     for sampler in two:  # 3 optimizer steps of 2 micro-batches per rank
         for _ in range(6):
             sampler.mark_consumed()
@@ -164,7 +167,8 @@ def test_configure_file_then_overrides(tmp_path):
     cfg = tmp_path / 'c.py'
     cfg.write_text("import math\nbatch_size = 4\nlearning_rate = 1\n")
     config, sources = configure(DEFAULTS, [str(cfg), '--batch_size=8', '--device=cuda:1', '--out_dir=2024'])
-    assert config == {'batch_size': 8, 'learning_rate': 1.0, 'compile': False, 'device': 'cuda:1', 'out_dir': '2024'}
+    assert config == {'batch_size': 8, 'learning_rate': 1.0, 'compile': False, 'device': 'cuda:1',
+                      'out_dir': '2024'}
     assert sources == {'batch_size': 'command line', 'learning_rate': str(cfg), 'compile': 'default',
                        'device': 'command line', 'out_dir': 'command line'}
 
@@ -196,7 +200,8 @@ def test_auto_dtype_is_timed_once_per_model_py(tmp_path, monkeypatch):
     monkeypatch.delenv('HONESTGPT_AUTO_DTYPE', raising=False)
     monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: True)  # so that it times on any CPU
     timed = []
-    monkeypatch.setattr(perf, 'step_seconds', lambda *args: timed.append(args) or {'float32': 2.0, 'bfloat16': 1.0})
+    monkeypatch.setattr(perf, 'step_seconds', lambda *args: timed.append(args)
+                        or {'float32': 2.0, 'bfloat16': 1.0})
     args = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=50, dropout=0.0, bias=False)
     assert perf.auto_dtype('cpu', args, 4)[0] == perf.auto_dtype('cpu', args, 4)[0] == 'bfloat16'
     assert len(timed) == 1  # the second run read the cache
