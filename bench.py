@@ -79,8 +79,9 @@ def is_bench_key(arg):
 
 
 try:
-    globals().update(configure({k: globals()[k] for k in bench_keys},
-                               [a for a in sys.argv[1:] if is_bench_key(a)])[0])
+    bench_args = [a for a in sys.argv[1:] if is_bench_key(a)]
+    globals().update(configure({k: globals()[k] for k in bench_keys}, bench_args, minimums=dict.fromkeys(
+        ('bench_iters', 'bench_warmup', 'rounds', 'nproc', 'new_tokens'), 1))[0])
 except ConfigError as e:
     stop(e)
 if compare and reference:
@@ -88,9 +89,6 @@ if compare and reference:
          "(reference)")
 if loader and sample:
     stop("loader and sample are both set: give one")
-for key in ('bench_iters', 'bench_warmup', 'rounds', 'nproc', 'new_tokens'):
-    if globals()[key] < 1:
-        stop(f"{key}={globals()[key]} must be at least 1")
 train_args = [a for a in sys.argv[1:] if not is_bench_key(a)]
 if (loader or sample) and train_args:  # they rebuild what the run used, from its out_dir
     stop(f"{'loader' if loader else 'sample'} reads a run's out_dir and takes no train.py arguments: drop "

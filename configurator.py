@@ -6,8 +6,9 @@ assigns some of those names), then apply --key=value overrides:
     python train.py config/tiny.py --batch_size=8 --compile=False
 
 Every value is type-checked against its default, and unknown names fail with the closest known
-ones, so a typo never trains the wrong model silently. Returns the resolved config and where each
-value came from ('default', the config file's path, or 'command line').
+ones, so a typo never trains the wrong model silently; a script may also name each key's allowed values
+(choices) or its least value (minimums). Returns the resolved config and where each value came from
+('default', the config file's path, or 'command line').
 
 fail() is how every script reports a user's mistake: one line naming the problem and the fix, exit code 2.
 """
@@ -55,9 +56,9 @@ def _parse(key, text, default):
     return value
 
 
-def configure(defaults, argv):
-    """defaults: {name: value} of int/float/bool/str; argv: sys.argv[1:].
-    Returns (config, sources), both dicts over the same keys."""
+def configure(defaults, argv, choices={}, minimums={}):
+    """defaults: {name: value} of int/float/bool/str; argv: sys.argv[1:]; choices: {name: allowed values};
+    minimums: {name: least value}. Returns (config, sources), both dicts over the same keys."""
     config, sources = dict(defaults), {k: 'default' for k in defaults}
     for arg in argv:
         if not arg.startswith('--'):
@@ -87,4 +88,11 @@ def configure(defaults, argv):
                 raise _unknown(key, defaults)
             value = _parse(key, text, defaults[key])
             config[key], sources[key] = _checked(key, value, defaults[key], 'command line'), 'command line'
+    for key, allowed in choices.items():
+        if config[key] not in allowed:
+            raise ConfigError(f"{key}={config[key]!r}: use {', '.join(map(repr, allowed[:-1]))} or "
+                              f"{allowed[-1]!r}")
+    for key, least in minimums.items():
+        if config[key] < least:
+            raise ConfigError(f"{key}={config[key]} must be at least {least}")
     return config, sources

@@ -169,6 +169,25 @@ def open_dataset(data_dir, dataset):
     return meta, {split: [f for _, f in sorted(files)] for split, files in shards.items()}
 
 
+def open_splits(data_dir, dataset, block_size, first_on_node=True):
+    """(meta, {split: TokenWindows}, identity) of a run's dataset; identity is what the ranks compare and a
+    checkpoint records (its name, source, vocabulary, tokenizer and every shard's fingerprint). The first
+    process of each node prepares the default dataset on first use and hashes new shards while the others
+    wait."""
+    if first_on_node:
+        if dataset == 'pystdlib_char':
+            prepare_once(data_dir, dataset)
+        fingerprints([p for paths in open_dataset(data_dir, dataset)[1].values() for p in paths])
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    meta, shard_paths = open_dataset(data_dir, dataset)
+    splits = {s: TokenWindows(paths, block_size) for s, paths in shard_paths.items()}
+    identity = {'name': meta['name'], 'source_sha256': meta.get('source_sha256'),
+                'vocab_size': meta['vocab_size'], 'tokenizer': meta['tokenizer'],
+                'shards': [shard for s in splits.values() for shard in s.shards]}
+    return meta, splits, identity
+
+
 def data_change(recorded, current):
     """Why a checkpoint's data (its recorded dataset id) is not this run's ('was trained on other data
     (...)'), or '' when it is the same."""

@@ -294,10 +294,6 @@ def load(config, device):
 def main(config):
     check(config['tasks'], "tasks='' names no task file: pass --tasks=FILE.jsonl (comma-separated for "
                            "several)")
-    check(config['max_examples'] >= 0, f"max_examples={config['max_examples']} must be 0 (all) or positive")
-    check(config['batch_size'] > 0, f"batch_size={config['batch_size']} must be positive")
-    check(config['dtype'] in ('auto', *perf.DTYPES), f"dtype='{config['dtype']}': use 'auto', "
-                                                     f"{', '.join(repr(d) for d in perf.DTYPES)}")
     try:
         device, device_type = perf.resolve_device(config['device'])
     except ValueError as e:
@@ -322,6 +318,8 @@ def main(config):
 
 if __name__ == '__main__':
     try:
-        main(configure({k: globals()[k] for k in config_keys}, sys.argv[1:])[0])
+        main(configure({k: globals()[k] for k in config_keys}, sys.argv[1:],
+                       choices={'dtype': ('auto', *perf.DTYPES)},
+                       minimums={'max_examples': 0, 'batch_size': 1})[0])
     except ConfigError as e:
         check(False, e)

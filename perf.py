@@ -8,6 +8,7 @@ names another folder), keyed by the processor, torch version and thread count: t
 reads as the same MFU in every run on a machine, and start-up pays for a measurement only once.
 """
 import atexit
+import collections
 import datetime
 import functools
 import hashlib
@@ -119,6 +120,11 @@ def all_ranks(values):
     if dist.is_initialized():
         dist.all_reduce(values)
     return values
+
+
+def any_rank(flag, device):
+    """Whether flag is true on any rank. Every rank calls it at the same points."""
+    return bool(all_ranks(torch.tensor(float(bool(flag)), device=device)).item())
 
 
 def gather(obj):
@@ -318,6 +324,47 @@ def memory_held(model, optimizer, device):
             'optimizer_mb': mb(v for state in optimizer.state.values() for v in state.values()
                                if torch.is_tensor(v)),
             'peak_mb': peak_memory_mb(device)}
+
+
+# -----------------------------------------------------------------------------
+# training speed, and the time left
+
+class Speedometer:
+    """Tokens/s and MFU over each log interval, and the time left: before the second interval, the start-up
+    estimate from the second micro-batch (the first holds one-time work: compilation); then the mean time per
+    iteration over the last 10 intervals (the session's first, with its one-time work, left out)."""
+
+    def __init__(self, iter_num, max_iters, tokens_per_iter, flops_per_token, peak_flops):
+        """peak_flops: of all the processes together."""
+        self.first_iter, self.max_iters, self.tokens_per_iter = iter_num, max_iters, tokens_per_iter
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.clock = []  # the synced end times of the session's first two micro-batches (train.py's step)
+        self.estimate = None  # seconds per iteration, once the clock has two times
+        self.recent = collections.deque(maxlen=10)  # (seconds, iterations) of the last intervals
+        self.restart(iter_num)
+
+    def restart(self, iter_num):
+        """The next interval starts now: evaluation and save time is not training throughput."""
+        self.since, self.since_iter = time.time(), iter_num
+
+    def startup_estimate(self, accum_steps):
+        """Seconds per iteration from the second micro-batch, once it has run; None before and after."""
+        if self.estimate is not None or len(self.clock) < 2:
+            return None
+        self.estimate = (self.clock[1] - self.clock[0]) * accum_steps
+        return self.estimate
+
+    def interval(self, iter_num):
+        """(tokens/s, MFU, seconds left or None) of the interval ending at iter_num; the next starts now."""
+        elapsed, iters = time.time() - self.since, iter_num - self.since_iter
+        if self.since_iter > self.first_iter:
+            self.recent.append((elapsed, iters))
+        per_iter = sum(s for s, _ in self.recent) / sum(n for _, n in self.recent) if self.recent \
+            else self.estimate
+        tokens_per_sec = iters * self.tokens_per_iter / elapsed
+        self.restart(iter_num)
+        return (tokens_per_sec, tokens_per_sec * self.flops_per_token / self.peak_flops,
+                None if per_iter is None else (self.max_iters - iter_num) * per_iter)
 
 
 # -----------------------------------------------------------------------------

@@ -3,14 +3,16 @@ A run's records in out_dir, written by rank 0 alone: train.log (every line the r
 (one JSON record per event: start, train, eval, test, memory, abort, stop, ...), config.json (each key, its
 value and where it came from), meta.json (command, git SHA, seed, versions, hardware, data), and TensorBoard
 event files and Weights & Biases when asked. log() prints a line and keeps it; record() keeps a metrics record
-everywhere it goes; abort() ends a run that cannot go on. Until start() nothing is kept: a run that stops at a
-mistake writes nothing.
+everywhere it goes; check() refuses a mistake in the settings, abort() ends a run that cannot go on, and
+a stop signal or running out of memory ends it in one line. Until start() nothing is kept: a run that stops
+at a mistake writes nothing.
 """
 import glob
 import importlib.metadata
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +23,7 @@ import torch
 import checkpoint
 import perf
 import report
+from configurator import fail
 
 LOGS = ('metrics.jsonl', 'train.log')
 master = True  # rank 0: train.py sets it; the other ranks print and write nothing
@@ -28,6 +31,7 @@ run_dir, with_report = None, False  # set by start()
 files = {}  # LOGS, open for appending once start() has run
 tensorboard = None  # a SummaryWriter when asked
 wandb = None  # the wandb module when asked
+stop_signal = None  # SIGINT (Ctrl-C) or SIGTERM (a cluster's notice), once catch_stop_signals() has run
 
 
 def log(message, stream=sys.stdout):
@@ -101,6 +105,16 @@ def finish():
         log(f"report: {os.path.join(run_dir, 'report.md')} and curves.png")
 
 
+def check(ok, message):
+    """A mistake in the settings, the same on every rank: rank 0 says it in one line; all exit 2. The other
+    ranks wait for torchrun to stop them: one that exited first would have torchrun stop rank 0 before it
+    spoke."""
+    if not ok:
+        if not master:
+            time.sleep(60)
+        fail(message) if master else sys.exit(2)
+
+
 def abort(step, message):
     """Stop the run now, exit code 1, with an abort record, the message and the report. Every rank calls it at
     the same point, having decided on the same reduced values."""
@@ -108,6 +122,49 @@ def abort(step, message):
     log(f"error: {message}", sys.stderr)
     finish()
     sys.exit(1)
+
+
+def catch_stop_signals():
+    """From now on SIGINT and SIGTERM set stop_signal, and the loop saves last.pt after the step under way and
+    exits; a second Ctrl-C exits at once (every checkpoint on disk is whole, written atomically)."""
+    def request_stop(signum, frame):
+        global stop_signal
+        if signum == signal.SIGINT and stop_signal == signal.SIGINT:
+            os._exit(130)
+        if stop_signal is None:
+            stop_signal = signum
+            if master:  # os.write: print() may be in the middle of a line, and a handler must not re-enter it
+                again = ' (Ctrl-C again to stop at once)' if signum == signal.SIGINT else ''
+                os.write(2, f"\n{signal.Signals(signum).name}: saving last.pt after the iteration under way, "
+                            f"then stopping{again}\n".encode())
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+
+
+def exit_on_signal(step, world_size):
+    """The run stops for a signal (on any rank) once last.pt holds step: a stop record, the line that says how
+    to resume, the report, and exit code 128 + the signal's number."""
+    signum = stop_signal or signal.SIGTERM  # a rank stopping for another's signal
+    name = signal.Signals(signum).name
+    record({'kind': 'stop', 'step': step, 'time': time.time(), 'signal': name})
+    resume = report.resume_command({'command': sys.argv, 'world_size': world_size}, True)
+    log(f"stopped by {name} at iteration {step}: {os.path.join(run_dir, 'last.pt')} holds it; resume with: "
+        f"{resume}")
+    finish()
+    sys.exit(128 + signum)
+
+
+def explain_out_of_memory(where):
+    """A sys.excepthook: an out-of-memory error becomes an abort record and one line, where() giving (step,
+    the rest of the line: when it happened and the fix), instead of a traceback; the exit code stays 1. No
+    report: plotting needs memory this process may not get (python report.py OUT_DIR writes it later)."""
+    def hook(exc_type, exc, tb):
+        if not (issubclass(exc_type, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)):
+            return sys.__excepthook__(exc_type, exc, tb)
+        step, message = where()
+        record({'kind': 'abort', 'step': step, 'message': 'out of memory'})
+        log(f"error: out of memory {message}", sys.stderr)
+    return hook
 
 
 def write_meta(out_dir, run):

@@ -89,16 +89,13 @@ if __name__ == '__main__':
     config_keys = [k for k, v in globals().items()
                    if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
     try:
-        globals().update(configure({k: globals()[k] for k in config_keys}, sys.argv[1:])[0])
+        globals().update(configure({k: globals()[k] for k in config_keys}, sys.argv[1:],
+                                   choices={'dtype': ('auto', *perf.DTYPES)},
+                                   minimums=dict.fromkeys(('num_samples', 'max_new_tokens', 'top_k'), 1))[0])
     except ConfigError as e:
         fail(e)
-    for key in ('num_samples', 'max_new_tokens', 'top_k'):
-        if globals()[key] < 1:
-            fail(f"{key}={globals()[key]} must be at least 1")
     if temperature <= 0:
         fail(f"temperature={temperature} must be positive: for greedy decoding use top_k=1")
-    if dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
-        fail(f"dtype='{dtype}': use 'auto', 'float32', 'bfloat16' or 'float16'")
     try:
         device, device_type = perf.resolve_device(device)
     except ValueError as e:

@@ -11,20 +11,17 @@ The defaults below keep nanoGPT's names and meanings; config files and --key=val
 (configurator.py). A run writes to out_dir: config.json, meta.json, train.log, metrics.jsonl, best.pt (lowest
 val loss), last.pt (the latest state, for resuming), report.md and curves.png.
 """
-import collections
 import copy
 import dataclasses
 import importlib.util
 import math
 import os
 import random
-import signal
 import sys
 import time
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 
@@ -34,14 +31,13 @@ import evaluate
 import hf
 import perf
 import prepare
-import report
 import runlog
 import sample
 import tokenizer
 from configurator import ConfigError, configure, fail
 from model import GPT, OPTIMIZERS, GPTConfig
-from perf import all_ranks, gather
-from runlog import abort, log, record
+from perf import all_ranks, any_rank, gather
+from runlog import abort, check, log, record
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -127,37 +123,23 @@ ddp = 'RANK' in os.environ  # torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
 rank, local_rank, world_size = (int(os.environ.get(k, default)) for k, default in
                                 (('RANK', 0), ('LOCAL_RANK', 0), ('WORLD_SIZE', 1)))
 master = runlog.master = rank == 0
-
-
-def check(ok, message):
-    """A mistake in the settings, the same on every rank: rank 0 says it in one line; all exit 2. The other
-    ranks wait for torchrun to stop them: one that exited first would have torchrun stop rank 0 before it
-    spoke."""
-    if not ok:
-        if not master:
-            time.sleep(60)
-        fail(message) if master else sys.exit(2)
-
-
 try:
-    config, config_sources = configure(defaults, sys.argv[1:])
+    config, config_sources = configure(defaults, sys.argv[1:], choices={
+        'dtype': ('auto', *perf.DTYPES), 'backend': ('auto', 'nccl', 'gloo'), 'parallel': ('ddp', 'fsdp'),
+        'optimizer': OPTIMIZERS, 'lr_schedule': ('cosine', 'wsd'), 'best_by': ('val_loss', 'acc_norm')},
+        minimums={**dict.fromkeys(('eval_interval', 'log_interval', 'gradient_accumulation_steps',
+                                   'batch_size', 'max_iters'), 1),
+                  **dict.fromkeys(('checkpoint_interval', 'profile_iter', 'eval_iters', 'patience',
+                                   'eval_tasks_examples'), 0)})  # 0: off, or all
     model_config = GPTConfig(**{f.name: config[f.name] for f in dataclasses.fields(GPTConfig)
                                 if f.name in config})
 except (ConfigError, ValueError) as e:  # the model's shape too, checked before anything is written
     check(False, e)
 globals().update(config)
-for key, allowed in (('dtype', ('auto', *perf.DTYPES)), ('backend', ('auto', 'nccl', 'gloo')),
-                     ('parallel', ('ddp', 'fsdp')), ('optimizer', OPTIMIZERS),
-                     ('lr_schedule', ('cosine', 'wsd')), ('best_by', ('val_loss', 'acc_norm'))):
-    check(config[key] in allowed, f"{key}='{config[key]}': use {' or '.join(repr(a) for a in allowed)}")
 check(init_from in ('scratch', 'resume', 'auto') or hf.is_source(init_from),
       f"init_from='{init_from}': use 'scratch', 'resume', 'auto', a GPT-2 name ({', '.join(hf.GPT2_NAMES)}) "
       f"or the path of a Hugging Face model folder or .safetensors file")
-for key in ('eval_interval', 'log_interval', 'gradient_accumulation_steps', 'batch_size', 'max_iters'):
-    check(config[key] > 0, f"{key}={config[key]} must be positive")
 check(best_by == 'val_loss' or eval_tasks, "best_by='acc_norm' needs eval_tasks: name the task files")
-for key in ('checkpoint_interval', 'profile_iter', 'eval_iters', 'patience', 'eval_tasks_examples'):
-    check(config[key] >= 0, f"{key}={config[key]} must be 0 (off) or positive")
 check(not decay_lr or lr_decay_iters > warmup_iters,
       f"lr_decay_iters={lr_decay_iters} must exceed warmup_iters={warmup_iters}")
 check(0 < wsd_decay_frac <= 1, f"wsd_decay_frac={wsd_decay_frac} must be in (0, 1]")
@@ -190,22 +172,10 @@ if deterministic:
 if ddp:
     perf.init_process_group(device_type, backend)
 
-
-def any_rank(flag):
-    return bool(all_ranks(torch.tensor(float(bool(flag)), device=device)).item())
-
-
 # -----------------------------------------------------------------------------
 # data
 try:
-    if local_rank == 0:  # first on each node: the default dataset prepared on first use, new shards hashed
-        if dataset == 'pystdlib_char':
-            data.prepare_once(data_dir, dataset)
-        data.fingerprints([p for paths in data.open_dataset(data_dir, dataset)[1].values() for p in paths])
-    if ddp:
-        dist.barrier()
-    data_meta, shard_paths = data.open_dataset(data_dir, dataset)
-    splits = {s: data.TokenWindows(paths, block_size) for s, paths in shard_paths.items()}
+    data_meta, splits, dataset_id = data.open_splits(data_dir, dataset, block_size, local_rank == 0)
     train_sampler = data.TrainSampler(splits['train'].num_tokens, block_size, batch_size,
                                       batch_size * gradient_accumulation_steps, seed, rank, world_size)
     # a sharded forward is a collective: every rank must run as many eval batches as the others
@@ -215,9 +185,6 @@ try:
                     for s, sampler in eval_samplers.items()}
 except (data.DataError, prepare.PrepareError) as e:  # a node's own data may differ from rank 0's
     fail(f"rank {rank}: {e}" if ddp else e)
-dataset_id = {'name': data_meta['name'], 'source_sha256': data_meta.get('source_sha256'),
-              'vocab_size': data_meta['vocab_size'], 'tokenizer': data_meta['tokenizer'],
-              'shards': [shard for s in splits.values() for shard in s.shards]}
 check(gather(dataset_id).count(dataset_id) == world_size, f"the ranks see different data in {data_dir}/"
       f"{dataset}: every node needs the same prepared dataset (shared storage, or the same files on each)")
 try:  # a bad task file is found now, before anything is written
@@ -412,7 +379,7 @@ try:
                      write_report, tensorboard_log, wandb_log and wandb_project, wandb_run_name)
 except OSError as e:
     unwritable = f"out_dir '{out_dir}' cannot be written ({e.strerror or e}): pick a writable out_dir"
-check(not any_rank(unwritable), unwritable)  # every rank stops here together
+check(not any_rank(unwritable, device), unwritable)  # every rank stops here together
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 record({'kind': 'start', 'step': iter_num, 'time': time.time()})
 start_point = f"resuming from {ckpt_path} at iteration {iter_num}" if resuming else \
@@ -435,8 +402,8 @@ if smoke_result:
 def save(names, rng):
     """Write names (best.pt before last.pt: a kill in between leaves last.pt older, never ahead of best.pt),
     then agree with the other ranks on how it went: a save that failed anywhere (a full disk) ends every rank
-    here, with every file on disk whole. Returns the seconds it took."""
-    global last_saved
+    here, with every file on disk whole."""
+    global last_saved, save_seconds
     start, failed = time.time(), None
     progress = dict(zip(checkpoint.PROGRESS, (iter_num, best_val_loss, best_acc_norm, best_iter,
                                               evals_since_best, skipped_steps, consecutive_skips,
@@ -448,60 +415,45 @@ def save(names, rng):
         checkpoint.save(names, out_dir, build, model, optimizer, sharded, iter_num, master)
     except (OSError, checkpoint.CheckpointError) as e:
         failed = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-    if any_rank(failed):
+    if any_rank(failed, device):
         has_last = os.path.exists(os.path.join(out_dir, 'last.pt'))
         held = f" (last.pt holds iteration {last_saved})" if has_last else ''
         abort(iter_num, f"saving {' and '.join(names)} at iteration {iter_num} failed "
                         f"({failed or 'on another rank'}): the files on disk are whole; free space in "
                         f"{out_dir}, then run again with init_from=auto{held}")
     last_saved = iter_num if 'last.pt' in names else last_saved
-    return time.time() - start
+    save_seconds += time.time() - start
+    log(f"saved {' and '.join(names)} in {time.time() - start:.2f} s")
 
 
-def explain_out_of_memory(exc_type, exc, tb):
-    """One clear line instead of a traceback; the exit code stays 1. No report: plotting needs memory this
-    process may not get (python report.py OUT_DIR writes it later)."""
-    if not (issubclass(exc_type, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)):
-        return sys.__excepthook__(exc_type, exc, tb)
-    record({'kind': 'abort', 'step': iter_num + 1, 'message': 'out of memory'})
-    log(f"error: out of memory at iteration {iter_num + 1} with batch_size={batch_size}, block_size="
-        f"{block_size} ({perf.peak_memory_mb(device):,.0f} MB at peak): lower batch_size and raise "
-        f"gradient_accumulation_steps by the same factor (the tokens per iteration stay)"
-        f"{', or use dtype=bfloat16' if dtype == 'float32' else ''}; the checkpoints are intact", sys.stderr)
+sys.excepthook = runlog.explain_out_of_memory(lambda: (iter_num + 1, (
+    f"at iteration {iter_num + 1} with batch_size={batch_size}, block_size={block_size} "
+    f"({perf.peak_memory_mb(device):,.0f} MB at peak): lower batch_size and raise "
+    f"gradient_accumulation_steps by the same factor (the tokens per iteration stay)"
+    f"{', or use dtype=bfloat16' * (dtype == 'float32')}; the checkpoints are intact")))
+runlog.catch_stop_signals()  # Ctrl-C or SIGTERM: save last.pt after the step under way, then exit
 
 
-sys.excepthook = explain_out_of_memory
-stop_signal = None  # SIGINT (Ctrl-C) or SIGTERM (a cluster's notice): save last.pt after this step, then exit
-
-
-def request_stop(signum, frame):
-    global stop_signal
-    if signum == signal.SIGINT and stop_signal == signal.SIGINT:
-        os._exit(130)  # a second Ctrl-C: at once; every checkpoint on disk is whole, written atomically
-    if stop_signal is None:
-        stop_signal = signum
-        if master:  # os.write: print() may be in the middle of a line, and a handler must not re-enter it
-            again = ' (Ctrl-C again to stop at once)' if signum == signal.SIGINT else ''
-            os.write(2, f"\n{signal.Signals(signum).name}: saving last.pt after the iteration under way, "
-                        f"then stopping{again}\n".encode())
-
-
-signal.signal(signal.SIGINT, request_stop)
-signal.signal(signal.SIGTERM, request_stop)
-
-
-def log_progress(loss, grad_norm, lr, skipped, scale):
-    """The log line and train record: speed over the interval since the last one, and the ETA from the mean
-    time per iteration over the last 10 intervals (the session's first, with its one-time work, left out;
-    before any other, the start-up estimate)."""
-    global t_last, iters_since_log
-    elapsed = time.time() - t_last
-    if iter_num - iters_since_log > start_iter:
-        recent.append((elapsed, iters_since_log))
-    per_iter = sum(s for s, _ in recent) / sum(n for _, n in recent) if recent else step_estimate
-    eta = None if per_iter is None else (max_iters - iter_num) * per_iter
-    tokens_per_sec = iters_since_log * tokens_per_iter / elapsed
-    mfu = tokens_per_sec * raw_model.flops_per_token() / (peak_flops * world_size)
+def log_step(loss, grad_norm, lr, skipped, scale, profiler):
+    """The train line and record every log_interval, with the speed since the last and the time left; once,
+    the start-up estimate, the memory each rank holds and the profiled iteration's phases."""
+    global first_loss
+    first_loss = loss if first_loss is None else first_loss
+    if profiler:
+        trace = os.path.join(out_dir, 'trace.json') if master else None
+        record({'kind': 'profile', 'step': iter_num, 'ms': perf.stop_profiler(profiler, device_type, trace)})
+    if iter_num == start_iter + 1:  # what each rank holds: every rank gets here
+        record({'kind': 'memory', 'step': iter_num,
+                'ranks': gather(perf.memory_held(raw_model, optimizer, device))})
+    seconds_per_iter, left = speed.startup_estimate(accum_steps), max_iters - iter_num
+    if seconds_per_iter:
+        record({'kind': 'estimate', 'step': iter_num, 'seconds_per_iter': seconds_per_iter})
+        log(f"a micro-batch after the first took {seconds_per_iter / accum_steps:.2f} s: about "
+            f"{seconds_per_iter:.2f} s per iteration, {seconds_per_iter * left / 3600:.2f} h for the {left} "
+            f"left")
+    if iter_num % log_interval and iter_num != max_iters:
+        return
+    tokens_per_sec, mfu, eta = speed.interval(iter_num)
     memory = perf.peak_memory_mb(device)
     record({'kind': 'train', 'step': iter_num, 'time': time.time(), 'loss': loss, 'lr': lr,
             'grad_norm': grad_norm, 'tokens_per_sec': tokens_per_sec, 'mfu': mfu, 'peak_mem_mb': memory,
@@ -510,7 +462,6 @@ def log_progress(loss, grad_norm, lr, skipped, scale):
     log(f"iter {iter_num}/{max_iters}: loss {loss:.4f}, lr {lr:.3e}, grad norm {grad_norm:.3f}, "
         f"{tokens_per_sec:,.0f} tok/s, MFU {mfu:.1%}, mem {memory:,.0f} MB, "
         f"ETA {'?' if eta is None else f'{eta / 60:.1f} min'}{', step skipped (float16 overflow)' * skipped}")
-    t_last, iters_since_log = time.time(), 0
 
 
 def evaluate_and_choose_saves():
@@ -545,7 +496,7 @@ def agree_or_abort(loss_sum, grad_norm, starts, lr):
     """One all-reduce for the loss, a stop signal and a data fault on any rank, one host sync, and the checks
     that end the run before the optimizer steps: changed data, a non-finite loss or gradient norm (float16's
     are the scaler's to skip). Returns the mean loss, the gradient norm and whether a stop was asked."""
-    flags = torch.tensor([stop_signal is not None, batches.fault is not None], device=device).float()
+    flags = torch.tensor([runlog.stop_signal is not None, batches.fault is not None], device=device).float()
     loss_sum, stops, faults = all_ranks(torch.cat([loss_sum.view(1), flags]))
     synced = torch.stack([loss_sum / gradient_accumulation_steps, grad_norm.float(), stops, faults])
     loss, grad_norm, stops, faults = synced.tolist()
@@ -562,27 +513,18 @@ def agree_or_abort(loss_sum, grad_norm, starts, lr):
     return loss, grad_norm, stops
 
 
-def say_how_long(clock):
-    """The start-up estimate, from the second micro-batch: the first holds one-time work (compilation)."""
-    seconds_per_iter, left = (clock[1] - clock[0]) * accum_steps, max_iters - iter_num
-    record({'kind': 'estimate', 'step': iter_num, 'seconds_per_iter': seconds_per_iter})
-    log(f"a micro-batch after the first took {seconds_per_iter / accum_steps:.2f} s: about "
-        f"{seconds_per_iter:.2f} s per iteration, {seconds_per_iter * left / 3600:.2f} h for the {left} left")
-    return seconds_per_iter
-
-
 # -----------------------------------------------------------------------------
 # training loop
 batches = data.TrainBatches(splits['train'], train_sampler, num_workers, seed + rank, device_type == 'cuda')
 micro_batches = iter(lambda batch=next(batches): batch, None) if overfit_one_batch else batches
-clock, step_estimate, recent = [], None, collections.deque(maxlen=10)  # recent: (seconds, iterations) a line
-t_start = t_last = time.time()
-iters_since_log, first_loss, save_seconds = 0, None, 0.0
+speed = perf.Speedometer(iter_num, max_iters, tokens_per_iter, raw_model.flops_per_token(),
+                         peak_flops * world_size)
+t_start, first_loss, save_seconds = time.time(), None, 0.0
 while iter_num < max_iters:
     # the step
     lr = optimizer.param_groups[0]['lr']  # AdamW's, learning_rate's schedule
     profiler = perf.start_profiler(device_type) if iter_num + 1 == profile_iter else None
-    loss_sum, grad_norm, starts = train_step(model, optimizer, scaler, micro_batches, clock)
+    loss_sum, grad_norm, starts = train_step(model, optimizer, scaler, micro_batches, speed.clock)
     loss, grad_norm, stops = agree_or_abort(loss_sum, grad_norm, starts, lr)
     skipped = scaler.is_enabled() and not math.isfinite(grad_norm)  # float16 overflow: the scaler skips it
     scale = scaler.get_scale() if scaler.is_enabled() else 1.0
@@ -598,28 +540,17 @@ while iter_num < max_iters:
                         f"iteration {iter_num}, loss scale now {scaler.get_scale():g}): the model diverged "
                         f"or float16's range is too small for it; use dtype=bfloat16 or float32, or lower "
                         f"learning_rate, then resume")
-    if profiler:
-        trace = os.path.join(out_dir, 'trace.json') if master else None
-        record({'kind': 'profile', 'step': iter_num, 'ms': perf.stop_profiler(profiler, device_type, trace)})
-    if iter_num == start_iter + 1:  # what each rank holds: every rank gets here
-        held = gather(perf.memory_held(raw_model, optimizer, device))
-        record({'kind': 'memory', 'step': iter_num, 'ranks': held})
+
+    # logging
+    log_step(loss, grad_norm, lr, skipped, scale, profiler)
+
+    # evaluation and saving
     evaluating = iter_num % eval_interval == 0 or iter_num == max_iters
     interval = checkpoint_interval and iter_num % checkpoint_interval == 0
     opt_step = scheduler.last_epoch  # optimizer steps taken; stable_end: wsd's decay begins
     stable_end = lr_schedule == 'wsd' and lr_factor(opt_step) < 1 == lr_factor(opt_step - 1)
-    # right after the step, where a resume restores them; a collective, so only where a save may follow
+    # as right after the step, where a resume restores them; a collective, so only where a save may follow
     rng = gather(checkpoint.rng_state(device)) if evaluating or interval or stops or stable_end else None
-    first_loss = first_loss if first_loss is not None else loss
-
-    # logging
-    iters_since_log += 1
-    if step_estimate is None and len(clock) == 2:
-        step_estimate = say_how_long(clock)
-    if iter_num % log_interval == 0 or iter_num == max_iters:
-        log_progress(loss, grad_norm, lr, skipped, scale)
-
-    # evaluation and saving
     saves = evaluate_and_choose_saves() if evaluating else []
     stopping_early = evaluating and patience > 0 and evals_since_best >= patience
     if (iter_num == max_iters or stops or stopping_early or interval) and 'last.pt' not in saves:
@@ -627,21 +558,13 @@ while iter_num < max_iters:
     if stable_end:
         saves.append('stable.pt')  # the stable phase's end: resume_from it to cool down anew, later
     if saves:
-        seconds = save(saves, rng)
-        save_seconds += seconds
-        log(f"saved {' and '.join(saves)} in {seconds:.2f} s")
+        save(saves, rng)
     if evaluating or saves:
-        t_last, iters_since_log = time.time(), 0  # evaluation and save time is not training throughput
+        speed.restart(iter_num)  # evaluation and save time is not training throughput
 
     # stopping
     if stops:  # every rank saw the same count: all saved above and stop here
-        name = signal.Signals(stop_signal or signal.SIGTERM).name
-        record({'kind': 'stop', 'step': iter_num, 'time': time.time(), 'signal': name})
-        resume = report.resume_command({'command': sys.argv, 'world_size': world_size}, True)
-        log(f"stopped by {name} at iteration {iter_num}: {os.path.join(out_dir, 'last.pt')} holds it; resume "
-            f"with: {resume}")
-        runlog.finish()
-        sys.exit(128 + (stop_signal or signal.SIGTERM))
+        runlog.exit_on_signal(iter_num, world_size)
     if stopping_early:
         log(f"early stop: no better val loss in {patience} evaluations since iteration {best_iter}")
         break

@@ -184,7 +184,7 @@ def test_nanogpt_config_runs_unchanged(tmp_path, data_dir):
 @pytest.mark.parametrize('args, message', [
     (['--device=mps'], "error: device='mps' is not supported: use device=cpu, cuda, cuda:N or auto"),
     (['--device=cuda'], "error: device='cuda' but CUDA is not available here: use device=cpu"),
-    (['--checkpoint_interval=-1'], "error: checkpoint_interval=-1 must be 0 (off) or positive"),
+    (['--checkpoint_interval=-1'], "error: checkpoint_interval=-1 must be at least 0"),
 ])
 def test_mistakes_are_one_line_exit_2_nothing_written(tmp_path, data_dir, args, message):
     if args == ['--device=cuda'] and torch.cuda.is_available():
