@@ -23,6 +23,7 @@ os.environ['OMP_NUM_THREADS'] = '1'
 sys.path.insert(0, REPO)
 RUN_CONFIG = os.path.join(REPO, 'tests', 'run_config.py')
 PROBE = os.path.join(REPO, 'tests', 'probe.py')
+FORKED_TORCHRUN = os.path.join(REPO, 'tests', 'forked_torchrun.py')
 
 
 def make_corpus(folder, num_docs=40, seed=0):
@@ -120,9 +121,12 @@ def torchrun(out_dir, data_dir, *overrides, probe=False, **kwargs):
 def torchrun_script(script, *args, nproc=2, env_extra=None, torchrun_args=(), timeout=300):
     """torchrun SCRIPT tests/run_config.py ARGS on nproc CPU processes with gloo; script is a
     list: the script and its own arguments before the config."""
-    proc = forked.Process('-m', 'torch.distributed.run', *(torchrun_args or ['--standalone']),
-                          f'--nproc_per_node={nproc}', *script, RUN_CONFIG, *args,
-                          env={**os.environ, **(env_extra or {})}, new_session=True)
+    env = {**os.environ, **(env_extra or {})}
+    launcher = ['-m', 'torch.distributed.run'] if forked.FRESH else [FORKED_TORCHRUN]
+    if not forked.FRESH:  # its workers are forks too
+        env[forked.SOCKET_ENV] = forked.server_socket()
+    proc = forked.Process(*launcher, *(torchrun_args or ['--standalone']), f'--nproc_per_node={nproc}',
+                          *script, RUN_CONFIG, *args, env=env, new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     finally:  # on a timeout, torchrun's workers must not outlive the test

@@ -10,18 +10,23 @@ follow: freeing the objects of torch's imports costs a child, whose memory it sh
 writes to it, 1.3 CPU-s. So objects still alive at exit are not finalized, as after os._exit: close files with
 `with`.
 
-The server takes one request per line on stdin (JSON: args, cwd, env, new_session, folder), answers with the
-child's pid on stdout, reaps its children and writes each one's exit status into its request's folder. It
-exits when stdin closes. It never starts a thread: it forks.
+The server takes one request per line on stdin (JSON: args, cwd, env, new_session, folder, and optionally
+output: the files stdout and stderr append to instead of the folder's), answers with the child's pid on
+stdout, reaps its children and writes each one's exit status into its request's folder. The same requests
+come over the Unix socket named by its argument, one per connection, from its children (a forked torchrun
+asking for its workers: tests/forked_torchrun.py). It exits when stdin closes. It never starts a thread: it
+forks.
 """
 import atexit
 import builtins
 import importlib
+import io
 import json
 import os
 import runpy
 import select
 import signal
+import socket
 import sys
 import types
 
@@ -50,8 +55,11 @@ for name in ('numpy', 'torch', 'torch._dynamo', 'torch.distributed', 'torch.util
     importlib.import_module(name)
 
 
-def serve():
+def serve(socket_path):
     """Fork a child per request, answer with its pid. Returns the request in a child, None at stdin's end."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path)
+    listener.listen()
     wakeup, wakeup_write = os.pipe()  # SIGCHLD writes a byte to it, so that select wakes up to reap
     os.set_blocking(wakeup_write, False)
     signal.set_wakeup_fd(wakeup_write)
@@ -61,26 +69,40 @@ def serve():
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal ends the runs, not their reaper
     folders, pending = {}, b''  # each running child's folder; stdin read past the last whole line
     while True:
-        ready = select.select([0, wakeup], [], [])[0]
+        ready = select.select([0, wakeup, listener], [], [])[0]
         if wakeup in ready:
             os.read(wakeup, 4096)
             reap(folders)
+        requests = []  # (request, where its answer goes)
         if 0 in ready:
             data = os.read(0, 65536)
             if not data:
+                listener.close()
                 return None
             *lines, pending = (pending + data).split(b'\n')
-            for line in lines:
-                request = json.loads(line)
-                pid = os.fork()
-                if pid == 0:  # what the child must not inherit: the server's signal handling and its pipes
-                    signal.set_wakeup_fd(-1)
-                    os.close(wakeup)
-                    os.close(wakeup_write)
-                    for signum, handler in handlers.items():
-                        signal.signal(signum, handler)
-                    return request
-                folders[pid] = request['folder']
+            requests += [(json.loads(line), None) for line in lines]
+        if listener in ready:
+            connection = listener.accept()[0]
+            with connection.makefile('rb') as f:  # the client writes one line and waits for the answer
+                requests.append((json.loads(f.readline()), connection))
+        for request, connection in requests:
+            pid = os.fork()
+            if pid == 0:  # what the child must not inherit: the server's signal handling, pipes and socket
+                signal.set_wakeup_fd(-1)
+                for fd in (wakeup, wakeup_write):
+                    os.close(fd)
+                listener.close()
+                for _, other in requests:
+                    if other:
+                        other.close()
+                for signum, handler in handlers.items():
+                    signal.signal(signum, handler)
+                return request
+            folders[pid] = request['folder']
+            if connection:
+                connection.sendall(b'%d\n' % pid)
+                connection.close()
+            else:
                 os.write(1, b'%d\n' % pid)
 
 
@@ -99,14 +121,22 @@ def reap(folders):
         os.replace(path + '.part', path)
 
 
-def become(args, cwd, env, new_session, folder):
-    """In the child: what the interpreter does to run `python SCRIPT ARGS` or `python -m MODULE ARGS`."""
-    # stdin off the server's requests, stdout and stderr to the files the client reads
-    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, os.path.join(folder, 'stdout'), os.O_WRONLY),
-                            (2, os.path.join(folder, 'stderr'), os.O_WRONLY)):
+def become(args, cwd, env, new_session, folder, output=None):
+    """In the child: what the interpreter does to run `python [-u] SCRIPT ARGS` or `python [-u] -m MODULE
+    ARGS`."""
+    # stdin off the server's requests, stdout and stderr to the files the client reads; appended to, as a file
+    # several processes write (torchrun's and its workers') must be
+    output = output or [os.path.join(folder, name) for name in ('stdout', 'stderr')]
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, output[0], os.O_WRONLY | os.O_APPEND),
+                            (2, output[1], os.O_WRONLY | os.O_APPEND)):
         opened = os.open(path, flags)
         os.dup2(opened, fd)
         os.close(opened)
+    if args[0] == '-u':  # as the interpreter's: stdout and stderr unbuffered, each write passed on at once
+        args = args[1:]
+        sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, 'w', closefd=False), write_through=True,
+                                                   encoding=stream.encoding, errors=stream.errors)
+                                  for fd, stream in ((1, sys.stdout), (2, sys.stderr)))
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -128,7 +158,7 @@ def become(args, cwd, env, new_session, folder):
     exec(code, vars(main))
 
 
-request = serve()
+request = serve(sys.argv[1])
 if request is not None:
     try:
         become(**request)

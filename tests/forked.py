@@ -7,7 +7,8 @@ imported them; the child takes its own argv, sys.path, cwd, environment, stdout 
 as __main__ at the server script's top level, so that it exits as the interpreter exits after any script
 (fork_server.py says how). It is a real process: signals, exit codes and DataLoader workers behave as in a
 fresh interpreter, and test_train checks that a forked run and a fresh `python train.py` write the same losses
-and weights bit for bit. torchrun's workers are fresh interpreters: torchrun starts them.
+and weights bit for bit. torchrun runs forked too, and its workers are forks of the same server
+(tests/forked_torchrun.py asks the server for them over its socket).
 
 What the server fixed at its start stays: environment variables read at import (IMPORT_TIME_ENV: a run that
 sets them differently is refused), warnings printed while importing, the string hash seed. So the tests of
@@ -21,6 +22,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -29,19 +31,43 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER = os.path.join(REPO, 'tests', 'fork_server.py')
 IMPORT_TIME_ENV = ('OMP_', 'MKL_', 'KMP_', 'PYTHON', 'TORCH', 'LC_', 'LANG', 'TMP', 'TEMP')
+TORCHRUN_ENV = ('TORCHELASTIC_', 'TORCH_NCCL_ASYNC_ERROR_HANDLING')  # torchrun's for its workers, read later
+SOCKET_ENV = 'HONESTGPT_FORK_SERVER'  # in a run: the server's socket, where it may ask for runs of its own
 FRESH = os.environ.get('HONESTGPT_TEST_FRESH') == '1'  # read when a run starts: a test may set it
-_server = None  # the fork server, started with the first run
+_server = _socket = None  # the fork server, started with the first run, and its socket's path
 _server_env = None  # the import-time variables it started with
 _running = set()  # started and not yet waited for: stop_all() ends them
 
 
+def server_socket():
+    """The path of the fork server's socket (a run that has it in SOCKET_ENV asks the server from there);
+    starts the server from this process's environment, as _server_env holds, if it is not running."""
+    global _server, _socket
+    if _server is None:
+        folder = tempfile.mkdtemp(prefix='fork-server-')
+        _socket = os.path.join(folder, 'socket')
+        _server = subprocess.Popen([sys.executable, SERVER, _socket], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True)
+        atexit.register(shutil.rmtree, folder, True)  # after the server ends: atexit runs the last first
+        atexit.register(_server.communicate)  # at the session's end: stdin closed, the server ends
+    return _socket
+
+
+def import_time_env(env):
+    """The variables of env that a process reads as it imports torch (not those torchrun adds for its
+    workers, read later)."""
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and not k.startswith(TORCHRUN_ENV)}
+
+
 def _fork(request):
     """The pid of a new child of the fork server, which runs the request."""
-    global _server
-    if _server is None:  # started from this process's environment, as _server_env holds
-        _server = subprocess.Popen([sys.executable, SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   text=True)
-        atexit.register(_server.communicate)  # at the session's end: stdin closed, the server ends
+    if _server is None and SOCKET_ENV in os.environ:  # a run of the server's, asking for one of its own
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.connect(os.environ[SOCKET_ENV])
+            connection.sendall(json.dumps(request).encode() + b'\n')
+            with connection.makefile('rb') as f:
+                return int(f.readline())
+    server_socket()
     _server.stdin.write(json.dumps(request) + '\n')
     _server.stdin.flush()
     pid = _server.stdout.readline()
@@ -53,28 +79,29 @@ def _fork(request):
 
 def _check_server():
     """A run waited for would otherwise wait forever: nothing reaps it."""
-    if _server.poll() is not None:
+    if _server is not None and _server.poll() is not None:
         raise RuntimeError(f'tests/fork_server.py exited with {_server.returncode}: its stderr says why')
 
 
 class Process:
-    """A started `python ARGS` with the parts of subprocess.Popen that tests use; its output captured."""
+    """A started `python ARGS` with the parts of subprocess.Popen that tests use; its output captured, or
+    appended to the files output names."""
 
-    def __init__(self, *args, cwd=REPO, env=None, new_session=False):
+    def __init__(self, *args, cwd=REPO, env=None, new_session=False, output=None):
         global _server_env
         self.fresh = FRESH  # this run's way, also when a test changes FRESH later
         if _server_env is None:  # the server starts with the first run, from this process's environment
-            _server_env = {k: v for k, v in os.environ.items() if k.startswith(IMPORT_TIME_ENV)}
+            _server_env = import_time_env(os.environ)
         env = dict(os.environ if env is None else env)
-        import_time = {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
+        import_time = import_time_env(env)
         if import_time != _server_env and not self.fresh:
             raise ValueError(f"the fork server imported torch with {_server_env}, this run asks for "
                              f"{import_time}: start it with subprocess")
         self.args, self.new_session = [sys.executable, *args], new_session
         self.stdout, self.stderr, self._returncode = None, None, None
-        self.folder = tempfile.mkdtemp(prefix='forked-')
-        self.paths = [os.path.join(self.folder, name) for name in ('stdout', 'stderr')]
-        for path in self.paths:  # there even if the child dies before it opens them
+        self.folder, self.captured = tempfile.mkdtemp(prefix='forked-'), output is None
+        self.paths = output or [os.path.join(self.folder, name) for name in ('stdout', 'stderr')]
+        for path in self.paths * self.captured:  # there even if the child dies before it opens them
             open(path, 'w').close()
         if self.fresh:
             with open(self.paths[0], 'w') as stdout, open(self.paths[1], 'w') as stderr:
@@ -83,7 +110,7 @@ class Process:
             self.pid = self.process.pid
         else:
             self.pid = _fork({'args': list(args), 'cwd': cwd, 'env': env, 'new_session': new_session,
-                              'folder': self.folder})
+                              'folder': self.folder, 'output': output})
         _running.add(self)
 
     @property
@@ -120,8 +147,9 @@ class Process:
             if deadline is not None and time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(self.args, timeout)
             time.sleep(0.01)
-        if self.stdout is None:  # the first wait after the exit collects the output
-            self.stdout, self.stderr = (open(path, errors='replace').read() for path in self.paths)
+        if os.path.isdir(self.folder):  # the first wait after the exit collects the output
+            if self.captured:
+                self.stdout, self.stderr = (open(path, errors='replace').read() for path in self.paths)
             shutil.rmtree(self.folder)
             _running.discard(self)
         return self._returncode

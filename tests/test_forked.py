@@ -1,6 +1,6 @@
 """tests/forked.py, the harness that forks test runs from a server that has imported torch: a run starts and
-exits as a fresh interpreter does, and nothing is left behind. The exit cases run in fresh interpreters too:
-what the harness must imitate."""
+exits as a fresh interpreter does, and nothing is left behind; torchrun's workers are forks that torchrun
+supervises. The exit cases run in fresh interpreters too: what the harness must imitate."""
 import os
 import signal
 import subprocess
@@ -9,6 +9,7 @@ import sys
 import pytest
 
 import forked
+from conftest import torchrun_script
 
 
 WAYS = pytest.mark.parametrize('way', ['forked', pytest.param('fresh', marks=pytest.mark.fresh)])
@@ -72,3 +73,24 @@ def test_leftover_runs_are_stopped_and_import_time_settings_refused(tmp_path):
     if not forked.FRESH:  # a fresh interpreter reads them itself
         with pytest.raises(ValueError, match='start it with subprocess'):
             forked.Process('x.py', env={**os.environ, 'OMP_NUM_THREADS': '7'})
+
+
+@pytest.mark.slow
+def test_torchrun_workers_are_forks_that_torchrun_supervises(tmp_path):
+    # rank 1 fails; rank 0, in the middle of a sleep, must be stopped by torchrun (SIGTERM to its process
+    # group), with its line already out: torchrun runs workers with python -u
+    path = script(tmp_path, "import os, sys, time\n"
+                            "print('rank', os.environ['RANK'], 'parent', os.getppid(), 'own session',\n"
+                            "      os.getsid(0) == os.getpid())\n"
+                            "if os.environ['RANK'] == '1':\n"
+                            "    time.sleep(1)\n"
+                            "    sys.exit(3)\n"
+                            "time.sleep(60)\n")
+    result = torchrun_script([path], timeout=120)
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith('rank'))
+    ranks = [line.split()[:2] for line in lines]
+    assert result.returncode == 1 and ranks == [['rank', '0'], ['rank', '1']], result
+    assert all(line.endswith('own session True') for line in lines), lines
+    assert 'exitcode  : 3' in result.stderr and '(SIGTERM)' in result.stderr, result.stderr
+    if not forked.FRESH:  # forks of the server, which every other run of this test process comes from too
+        assert {line.split()[3] for line in lines} == {str(forked._server.pid)}, lines
