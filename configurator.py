@@ -56,7 +56,7 @@ def _parse(key, text, default):
     return value
 
 
-def configure(defaults, argv, choices={}, minimums={}):
+def configure(defaults, argv, choices=None, minimums=None):
     """defaults: {name: value} of int/float/bool/str; argv: sys.argv[1:]; choices: {name: allowed values};
     minimums: {name: least value}. Returns (config, sources), both dicts over the same keys."""
     config, sources = dict(defaults), {k: 'default' for k in defaults}
@@ -88,11 +88,11 @@ def configure(defaults, argv, choices={}, minimums={}):
                 raise _unknown(key, defaults)
             value = _parse(key, text, defaults[key])
             config[key], sources[key] = _checked(key, value, defaults[key], 'command line'), 'command line'
-    for key, allowed in choices.items():
+    for key, allowed in (choices or {}).items():
         if config[key] not in allowed:
-            raise ConfigError(f"{key}={config[key]!r}: use {', '.join(map(repr, allowed[:-1]))} or "
-                              f"{allowed[-1]!r}")
-    for key, least in minimums.items():
+            *others, last = map(repr, allowed)
+            raise ConfigError(f"{key}={config[key]!r}: use {', '.join(others)}{' or ' * bool(others)}{last}")
+    for key, least in (minimums or {}).items():
         if config[key] < least:
             raise ConfigError(f"{key}={config[key]} must be at least {least}")
     return config, sources

@@ -64,34 +64,37 @@ def log_bytes():
     return {name: f.tell() for name, f in files.items()}
 
 
-def start(out_dir, keep_bytes, config, sources, resolved, run, report, tensorboard_log, wandb_project,
-          wandb_run_name):
-    """Create out_dir (OSError if it cannot be written), open the logs for appending, write config.json (with
-    what 'auto' settings resolved to) and meta.json (run: seed, dtype, device, data, ...). keep_bytes: what
-    the checkpoint a run resumes from had logged; what came after is cut, since those steps are redone (None
-    keeps all: a first session, or a resume from another folder; {} cuts all: a new run where one stopped
-    before its first checkpoint). Temp files a killed save left are dropped: never read, safe to remove.
-    report: write report.md at the end."""
+def start(out_dir, keep_bytes, config, sources, resolved, run):
+    """Create out_dir, open the logs for appending, write config.json (with what 'auto' settings resolved to)
+    and meta.json (run: seed, dtype, device, data, ...), and start TensorBoard and wandb where config asks.
+    Returns None, or the line that says out_dir cannot be written. keep_bytes: what the checkpoint a run
+    resumes from had logged; what came after is cut, since those steps are redone (None keeps all: a first
+    session, or a resume from another folder; {} cuts all: a new run where one stopped before its first
+    checkpoint). Temp files a killed save left are dropped: never read, safe to remove."""
     global run_dir, with_report, tensorboard, wandb
-    run_dir, with_report = out_dir, report
-    os.makedirs(out_dir, exist_ok=True)
-    for name in LOGS:
-        path = os.path.join(out_dir, name)
-        if keep_bytes is not None and os.path.exists(path):
-            os.truncate(path, min(os.path.getsize(path), keep_bytes.get(name, 0)))
-        files[name] = open(path, 'a')
-    for path in glob.glob(os.path.join(glob.escape(out_dir), '*.tmp')):
-        os.remove(path)
-    checkpoint.write_json(os.path.join(out_dir, 'config.json'),
-               {k: {'value': config[k], 'source': sources[k]} for k in config} | {'resolved': resolved})
-    write_meta(out_dir, run)
-    if tensorboard_log:
-        from torch.utils.tensorboard import SummaryWriter
-        tensorboard = SummaryWriter(os.path.join(out_dir, 'tensorboard'))
-    if wandb_project:
+    run_dir, with_report = out_dir, config['write_report']
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        for name in LOGS:
+            path = os.path.join(out_dir, name)
+            if keep_bytes is not None and os.path.exists(path):
+                os.truncate(path, min(os.path.getsize(path), keep_bytes.get(name, 0)))
+            files[name] = open(path, 'a')
+        for path in glob.glob(os.path.join(glob.escape(out_dir), '*.tmp')):
+            os.remove(path)
+        settings = {k: {'value': config[k], 'source': sources[k]} for k in config}
+        checkpoint.write_json(os.path.join(out_dir, 'config.json'), settings | {'resolved': resolved})
+        write_meta(out_dir, run)
+        if config['tensorboard_log']:
+            from torch.utils.tensorboard import SummaryWriter
+            tensorboard = SummaryWriter(os.path.join(out_dir, 'tensorboard'))
+    except OSError as e:
+        return f"out_dir '{out_dir}' cannot be written ({e.strerror or e}): pick a writable out_dir"
+    if config['wandb_log'] and config['wandb_project']:
         import wandb as wandb_module
         wandb = wandb_module
-        wandb.init(project=wandb_project, name=wandb_run_name, config=config, resume='allow')
+        wandb.init(project=config['wandb_project'], name=config['wandb_run_name'], config=config,
+                   resume='allow')
 
 
 def finish():
@@ -147,9 +150,10 @@ def exit_on_signal(step, world_size):
     signum = stop_signal or signal.SIGTERM  # a rank stopping for another's signal
     name = signal.Signals(signum).name
     record({'kind': 'stop', 'step': step, 'time': time.time(), 'signal': name})
-    resume = report.resume_command({'command': sys.argv, 'world_size': world_size}, True)
-    log(f"stopped by {name} at iteration {step}: {os.path.join(run_dir, 'last.pt')} holds it; resume with: "
-        f"{resume}")
+    if master:  # run_dir is rank 0's
+        resume = report.resume_command({'command': sys.argv, 'world_size': world_size}, True)
+        log(f"stopped by {name} at iteration {step}: {os.path.join(run_dir, 'last.pt')} holds it; resume "
+            f"with: {resume}")
     finish()
     sys.exit(128 + signum)
 

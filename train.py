@@ -365,20 +365,16 @@ peak_flops, peak_how = perf.peak_flops(device, perf.DTYPES[dtype]) if master els
 run_record = {'config': config, 'model_args': dataclasses.asdict(model_config), 'dataset': dataset_id,
               'pretrained': pretrained, 'dtype': dtype, 'seed': seed, 'out_dir': out_dir}
 unwritable = None
-try:
-    if master:
-        same_run = resuming and os.path.realpath(ckpt['out_dir']) == os.path.realpath(out_dir)
-        keep_bytes = ckpt['log_bytes'] if same_run else None if resuming else {}
-        runlog.start(out_dir, keep_bytes, config, config_sources, {'device': device, 'dtype': dtype}, {
-                         'seed': seed, 'dtype': dtype, 'dtype_choice': dtype_how, 'device': device,
-                         'world_size': world_size, 'pretrained': pretrained,
-                         'resumed_from': f"{ckpt_path} at iteration {iter_num}" if resuming else None,
-                         'peak_flops': {'per_process': peak_flops, 'how': peak_how},
-                         'dataset': {**dataset_id, 'tokenizer': data_meta['tokenizer']['kind'],
-                                     'dir': data_dir, 'split_rule': data_meta.get('split_rule', '')}},
-                     write_report, tensorboard_log, wandb_log and wandb_project, wandb_run_name)
-except OSError as e:
-    unwritable = f"out_dir '{out_dir}' cannot be written ({e.strerror or e}): pick a writable out_dir"
+if master:
+    same_run = resuming and os.path.realpath(ckpt['out_dir']) == os.path.realpath(out_dir)
+    keep_bytes = ckpt['log_bytes'] if same_run else None if resuming else {}
+    resolved = {'device': device, 'dtype': dtype}  # what 'auto' settings became
+    unwritable = runlog.start(out_dir, keep_bytes, config, config_sources, resolved, {
+        'seed': seed, 'dtype': dtype, 'dtype_choice': dtype_how, 'device': device, 'world_size': world_size,
+        'pretrained': pretrained, 'peak_flops': {'per_process': peak_flops, 'how': peak_how},
+        'resumed_from': f"{ckpt_path} at iteration {iter_num}" if resuming else None,
+        'dataset': {**dataset_id, 'tokenizer': data_meta['tokenizer']['kind'], 'dir': data_dir,
+                    'split_rule': data_meta.get('split_rule', '')}})
 check(not any_rank(unwritable, device), unwritable)  # every rank stops here together
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 record({'kind': 'start', 'step': iter_num, 'time': time.time()})
@@ -402,7 +398,7 @@ if smoke_result:
 def save(names, rng):
     """Write names (best.pt before last.pt: a kill in between leaves last.pt older, never ahead of best.pt),
     then agree with the other ranks on how it went: a save that failed anywhere (a full disk) ends every rank
-    here, with every file on disk whole."""
+    here, with every file on disk whole. Logs and counts the seconds it took."""
     global last_saved, save_seconds
     start, failed = time.time(), None
     progress = dict(zip(checkpoint.PROGRESS, (iter_num, best_val_loss, best_acc_norm, best_iter,
@@ -422,8 +418,9 @@ def save(names, rng):
                         f"({failed or 'on another rank'}): the files on disk are whole; free space in "
                         f"{out_dir}, then run again with init_from=auto{held}")
     last_saved = iter_num if 'last.pt' in names else last_saved
-    save_seconds += time.time() - start
-    log(f"saved {' and '.join(names)} in {time.time() - start:.2f} s")
+    seconds = time.time() - start
+    save_seconds += seconds
+    log(f"saved {' and '.join(names)} in {seconds:.2f} s")
 
 
 sys.excepthook = runlog.explain_out_of_memory(lambda: (iter_num + 1, (
@@ -436,7 +433,8 @@ runlog.catch_stop_signals()  # Ctrl-C or SIGTERM: save last.pt after the step un
 
 def log_step(loss, grad_norm, lr, skipped, scale, profiler):
     """The train line and record every log_interval, with the speed since the last and the time left; once,
-    the start-up estimate, the memory each rank holds and the profiled iteration's phases."""
+    the start-up estimate, the memory each rank holds and the profiled iteration's phases. Keeps the first
+    loss, for overfit_one_batch's last line."""
     global first_loss
     first_loss = loss if first_loss is None else first_loss
     if profiler:
@@ -446,7 +444,7 @@ def log_step(loss, grad_norm, lr, skipped, scale, profiler):
         record({'kind': 'memory', 'step': iter_num,
                 'ranks': gather(perf.memory_held(raw_model, optimizer, device))})
     seconds_per_iter, left = speed.startup_estimate(accum_steps), max_iters - iter_num
-    if seconds_per_iter:
+    if seconds_per_iter is not None:
         record({'kind': 'estimate', 'step': iter_num, 'seconds_per_iter': seconds_per_iter})
         log(f"a micro-batch after the first took {seconds_per_iter / accum_steps:.2f} s: about "
             f"{seconds_per_iter:.2f} s per iteration, {seconds_per_iter * left / 3600:.2f} h for the {left} "
@@ -541,16 +539,17 @@ while iter_num < max_iters:
                         f"or float16's range is too small for it; use dtype=bfloat16 or float32, or lower "
                         f"learning_rate, then resume")
 
-    # logging
-    log_step(loss, grad_norm, lr, skipped, scale, profiler)
-
-    # evaluation and saving
     evaluating = iter_num % eval_interval == 0 or iter_num == max_iters
     interval = checkpoint_interval and iter_num % checkpoint_interval == 0
     opt_step = scheduler.last_epoch  # optimizer steps taken; stable_end: wsd's decay begins
     stable_end = lr_schedule == 'wsd' and lr_factor(opt_step) < 1 == lr_factor(opt_step - 1)
-    # as right after the step, where a resume restores them; a collective, so only where a save may follow
+    # right after the step, where a resume restores them; a collective, so only where a save may follow
     rng = gather(checkpoint.rng_state(device)) if evaluating or interval or stops or stable_end else None
+
+    # logging
+    log_step(loss, grad_norm, lr, skipped, scale, profiler)
+
+    # evaluation and saving
     saves = evaluate_and_choose_saves() if evaluating else []
     stopping_early = evaluating and patience > 0 and evals_since_best >= patience
     if (iter_num == max_iters or stops or stopping_early or interval) and 'last.pt' not in saves:

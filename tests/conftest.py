@@ -129,7 +129,7 @@ def torchrun_script(script, *args, nproc=2, env_extra=None, torchrun_args=(), ti
                           *script, RUN_CONFIG, *args, env=env, new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
-    finally:  # on a timeout, torchrun's workers must not outlive the test
+    finally:  # on a timeout torchrun is stopped; its workers, in sessions of their own, run to their end
         if proc.poll() is None:
             proc.kill()  # the whole process group
             proc.wait()

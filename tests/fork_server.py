@@ -83,8 +83,12 @@ def serve(socket_path):
             requests += [(json.loads(line), None) for line in lines]
         if listener in ready:
             connection = listener.accept()[0]
-            with connection.makefile('rb') as f:  # the client writes one line and waits for the answer
-                requests.append((json.loads(f.readline()), connection))
+            connection.settimeout(10)  # the client writes one line at once, then waits for the answer
+            try:
+                with connection.makefile('rb') as f:
+                    requests.append((json.loads(f.readline()), connection))
+            except (OSError, ValueError):  # a client that stalled or died before its request was whole
+                connection.close()
         for request, connection in requests:
             pid = os.fork()
             if pid == 0:  # what the child must not inherit: the server's signal handling, pipes and socket
@@ -100,7 +104,10 @@ def serve(socket_path):
                 return request
             folders[pid] = request['folder']
             if connection:
-                connection.sendall(b'%d\n' % pid)
+                try:
+                    connection.sendall(b'%d\n' % pid)
+                except OSError:  # the client died waiting: nothing would watch or stop the run
+                    os.kill(pid, signal.SIGKILL)
                 connection.close()
             else:
                 os.write(1, b'%d\n' % pid)

@@ -31,7 +31,9 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER = os.path.join(REPO, 'tests', 'fork_server.py')
 IMPORT_TIME_ENV = ('OMP_', 'MKL_', 'KMP_', 'PYTHON', 'TORCH', 'LC_', 'LANG', 'TMP', 'TEMP')
-TORCHRUN_ENV = ('TORCHELASTIC_', 'TORCH_NCCL_ASYNC_ERROR_HANDLING')  # torchrun's for its workers, read later
+# read after the imports, not during them: what torchrun gives its workers, and the folder that inductor
+# writes into the environment when it first compiles (its default, which a fork would compute alike)
+READ_LATER_ENV = ('TORCHELASTIC_', 'TORCH_NCCL_ASYNC_ERROR_HANDLING', 'TORCHINDUCTOR_CACHE_DIR')
 SOCKET_ENV = 'HONESTGPT_FORK_SERVER'  # in a run: the server's socket, where it may ask for runs of its own
 FRESH = os.environ.get('HONESTGPT_TEST_FRESH') == '1'  # read when a run starts: a test may set it
 _server = _socket = None  # the fork server, started with the first run, and its socket's path
@@ -54,9 +56,8 @@ def server_socket():
 
 
 def import_time_env(env):
-    """The variables of env that a process reads as it imports torch (not those torchrun adds for its
-    workers, read later)."""
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and not k.startswith(TORCHRUN_ENV)}
+    """The variables of env that a process reads as it imports torch."""
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and not k.startswith(READ_LATER_ENV)}
 
 
 def _fork(request):
@@ -104,7 +105,7 @@ class Process:
         for path in self.paths * self.captured:  # there even if the child dies before it opens them
             open(path, 'w').close()
         if self.fresh:
-            with open(self.paths[0], 'w') as stdout, open(self.paths[1], 'w') as stderr:
+            with open(self.paths[0], 'a') as stdout, open(self.paths[1], 'a') as stderr:
                 self.process = subprocess.Popen(self.args, cwd=cwd, env=env, stdout=stdout, stderr=stderr,
                                                 start_new_session=new_session)
             self.pid = self.process.pid

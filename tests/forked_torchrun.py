@@ -3,8 +3,9 @@ test's own runs are (tests/forked.py), instead of fresh interpreters that each i
 CPU-s a worker, most of a torchrun test's time on 2 cores). torchrun's SubprocessHandler keeps its part (the
 environment, the process group, signals, exit codes, restarts); only the subprocess.Popen it makes becomes a
 forked.Process, asked of the server over the socket that HONESTGPT_FORK_SERVER names, with the worker's output
-going where the Popen's would: this torchrun's stdout and stderr, or the files torchrun redirects them to.
-Usage: HONESTGPT_FORK_SERVER=SOCKET tests/forked_torchrun.py TORCHRUN_ARGS"""
+going where the Popen's would: this torchrun's stdout and stderr (files, as a forked run's are), or the files
+torchrun redirects them to. Started by tests/conftest.py's torchrun_script as a forked run:
+HONESTGPT_FORK_SERVER=SOCKET tests/forked_torchrun.py TORCHRUN_ARGS"""
 import os
 import runpy
 import signal
@@ -13,6 +14,10 @@ import sys
 from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
 
 import forked
+
+# the variables the server imported torch with: this process's now, as forked.Process checked them at its
+# start, and before torchrun adds its own
+forked._server_env = forked.import_time_env(os.environ)
 
 
 def popen(self, args, env):

@@ -3,6 +3,7 @@ exits as a fresh interpreter does, and nothing is left behind; torchrun's worker
 supervises. The exit cases run in fresh interpreters too: what the harness must imitate."""
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -94,3 +95,15 @@ def test_torchrun_workers_are_forks_that_torchrun_supervises(tmp_path):
     assert 'exitcode  : 3' in result.stderr and '(SIGTERM)' in result.stderr, result.stderr
     if not forked.FRESH:  # forks of the server, which every other run of this test process comes from too
         assert {line.split()[3] for line in lines} == {str(forked._server.pid)}, lines
+
+
+def test_a_client_that_dies_before_its_request_leaves_the_server_serving(tmp_path):
+    if forked.FRESH:
+        pytest.skip('no server: every run is a fresh interpreter')
+    path = script(tmp_path, "print('served')\n")
+    assert forked.run(path).stdout == 'served\n'  # the server is up: its socket is there
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as half_a_request:
+        half_a_request.connect(forked.server_socket())
+        half_a_request.sendall(b'{"args": [')
+    result = forked.run(path)
+    assert result.returncode == 0 and result.stdout == 'served\n', result

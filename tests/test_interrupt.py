@@ -127,7 +127,10 @@ def test_two_ranks_stop_together_on_sigterm_and_resume_bitwise(tmp_path, data_di
     wait_for_step(stopped, 60, proc)
     proc.send_signal(signal.SIGTERM)  # to torchrun, as a cluster does: it passes SIGTERM on to every rank
     stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode != 0
+    # torchrun reports the signal with a traceback of its own; the ranks end without one, rank 0 saying how
+    # to resume
+    assert proc.returncode != 0 and 'train.py", line' not in stderr and 'runlog.py", line' not in stderr, stderr
+    assert 'stopped by SIGTERM at iteration' in stdout, stdout
     stop = read_metrics(stopped, 'stop')
     assert len(stop) == 1, stdout + stderr
     assert torch.load(os.path.join(stopped, 'last.pt'), weights_only=True)['iter_num'] == stop[0]['step']
