@@ -57,7 +57,8 @@ def server_socket():
 
 def import_time_env(env):
     """The variables of env that a process reads as it imports torch."""
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and not k.startswith(READ_LATER_ENV)}
+    return {k: v for k, v in env.items()
+            if k.startswith(IMPORT_TIME_ENV) and not k.startswith(READ_LATER_ENV)}
 
 
 def _fork(request):

@@ -74,6 +74,11 @@ def test_leftover_runs_are_stopped_and_import_time_settings_refused(tmp_path):
     if not forked.FRESH:  # a fresh interpreter reads them itself
         with pytest.raises(ValueError, match='start it with subprocess'):
             forked.Process('x.py', env={**os.environ, 'OMP_NUM_THREADS': '7'})
+        # what is read after the imports may differ: inductor's cache folder, torchrun's worker settings
+        path = script(tmp_path, "import os\nprint(os.environ['TORCHINDUCTOR_CACHE_DIR'])\n")
+        result = forked.run(path, env={**os.environ, 'TORCHINDUCTOR_CACHE_DIR': str(tmp_path),
+                                       'TORCHELASTIC_RESTART_COUNT': '0'})
+        assert result.returncode == 0 and result.stdout == f'{tmp_path}\n', result
 
 
 @pytest.mark.slow

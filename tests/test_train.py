@@ -185,6 +185,7 @@ def test_nanogpt_config_runs_unchanged(tmp_path, data_dir):
     (['--device=mps'], "error: device='mps' is not supported: use device=cpu, cuda, cuda:N or auto"),
     (['--device=cuda'], "error: device='cuda' but CUDA is not available here: use device=cpu"),
     (['--checkpoint_interval=-1'], "error: checkpoint_interval=-1 must be at least 0"),
+    (['--lr_schedule=linear'], "error: lr_schedule='linear': use 'cosine' or 'wsd'"),
 ])
 def test_mistakes_are_one_line_exit_2_nothing_written(tmp_path, data_dir, args, message):
     if args == ['--device=cuda'] and torch.cuda.is_available():

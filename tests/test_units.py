@@ -1,6 +1,7 @@
 """Unit tests: the model's contract, the samplers' coverage and sharding, the configurator's errors."""
 import itertools
 import math
+import re
 import tracemalloc
 
 import numpy as np
@@ -185,6 +186,21 @@ def test_configure_file_then_overrides(tmp_path):
 def test_configure_errors(argv, message):
     with pytest.raises(ConfigError, match=message.replace('.', r'\.')):
         configure(DEFAULTS, argv)
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--device=tpu'], "device='tpu': use 'auto', 'cpu' or 'cuda'"),
+    (['--out_dir=x'], "out_dir='x': use 'out'"),  # one allowed value: no 'or'
+    (['--batch_size=0'], "batch_size=0 must be at least 1"),
+])
+def test_configure_checks_allowed_and_least_values_after_every_source(tmp_path, argv, message):
+    limits = {'choices': {'device': ('auto', 'cpu', 'cuda'), 'out_dir': ('out',)},
+              'minimums': {'batch_size': 1}}
+    cfg = tmp_path / 'c.py'
+    cfg.write_text("batch_size = 0\n")  # a config file's value a later override fixes is fine
+    assert configure(DEFAULTS, [str(cfg), '--batch_size=2'], **limits)[0]['batch_size'] == 2
+    with pytest.raises(ConfigError, match=f'^{re.escape(message)}$'):
+        configure(DEFAULTS, argv, **limits)
 
 
 def test_configure_file_unknown_key(tmp_path):
