@@ -34,8 +34,9 @@ import hf
 import perf
 import sample
 import tokenizer as tokenizers  # 'tokenizer' is a config key below
-from configurator import ConfigError, configure, fail
+from configurator import ConfigError, configure
 from model import GPT, GPTConfig
+from runlog import check
 
 # -----------------------------------------------------------------------------
 out_dir = 'out'  # evaluates out_dir/best.pt
@@ -245,11 +246,6 @@ def describe(name, result):
 
 # -----------------------------------------------------------------------------
 # the command
-
-
-def check(ok, message):
-    if not ok:
-        fail(message)
 
 
 def load_pretrained(source, tokenizer_spec, device):

@@ -334,9 +334,10 @@ class Speedometer:
     estimate from the second micro-batch (the first holds one-time work: compilation); then the mean time per
     iteration over the last 10 intervals (the session's first, with its one-time work, left out)."""
 
-    def __init__(self, iter_num, max_iters, tokens_per_iter, flops_per_token, peak_flops):
-        """peak_flops: of all the processes together."""
-        self.first_iter, self.max_iters, self.tokens_per_iter = iter_num, max_iters, tokens_per_iter
+    def __init__(self, iter_num, max_iters, accum_steps, tokens_per_iter, flops_per_token, peak_flops):
+        """accum_steps: micro-batches per iteration on a rank; peak_flops: of all the processes together."""
+        self.first_iter, self.max_iters, self.accum_steps = iter_num, max_iters, accum_steps
+        self.tokens_per_iter = tokens_per_iter
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.clock = []  # the synced end times of the session's first two micro-batches (train.py's step)
         self.estimate = None  # seconds per iteration, once the clock has two times
@@ -347,11 +348,11 @@ class Speedometer:
         """The next interval starts now: evaluation and save time is not training throughput."""
         self.since, self.since_iter = time.time(), iter_num
 
-    def startup_estimate(self, accum_steps):
+    def startup_estimate(self):
         """Seconds per iteration from the second micro-batch, once it has run; None before and after."""
         if self.estimate is not None or len(self.clock) < 2:
             return None
-        self.estimate = (self.clock[1] - self.clock[0]) * accum_steps
+        self.estimate = (self.clock[1] - self.clock[0]) * self.accum_steps
         return self.estimate
 
     def interval(self, iter_num):

@@ -4,7 +4,7 @@ A run's records in out_dir, written by rank 0 alone: train.log (every line the r
 value and where it came from), meta.json (command, git SHA, seed, versions, hardware, data), and TensorBoard
 event files and Weights & Biases when asked. log() prints a line and keeps it; record() keeps a metrics record
 everywhere it goes; check() refuses a mistake in the settings, abort() ends a run that cannot go on, and
-a stop signal or running out of memory ends it in one line. Until start() nothing is kept: a run that stops
+a stop signal ends it with a whole last.pt. Until start() nothing is kept: a run that stops
 at a mistake writes nothing.
 """
 import glob
@@ -156,19 +156,6 @@ def exit_on_signal(step, world_size):
             f"with: {resume}")
     finish()
     sys.exit(128 + signum)
-
-
-def explain_out_of_memory(where):
-    """A sys.excepthook: an out-of-memory error becomes an abort record and one line, where() giving (step,
-    the rest of the line: when it happened and the fix), instead of a traceback; the exit code stays 1. No
-    report: plotting needs memory this process may not get (python report.py OUT_DIR writes it later)."""
-    def hook(exc_type, exc, tb):
-        if not (issubclass(exc_type, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)):
-            return sys.__excepthook__(exc_type, exc, tb)
-        step, message = where()
-        record({'kind': 'abort', 'step': step, 'message': 'out of memory'})
-        log(f"error: out of memory {message}", sys.stderr)
-    return hook
 
 
 def write_meta(out_dir, run):

@@ -14,7 +14,6 @@ import os
 import re
 import sys
 import warnings
-from contextlib import nullcontext
 
 import torch
 
@@ -140,8 +139,7 @@ if __name__ == '__main__':
         fail(e)
     if dtype == 'auto':  # train.py's rule, for this model's shape on this device
         dtype = perf.auto_dtype(device, {**saved['model_args'], 'dropout': 0.0}, 1)[0]
-    autocast = (nullcontext() if dtype == 'float32'
-                else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype)))
+    autocast = perf.autocast(device_type, dtype)
     start = start or tok.start
     print(f"sampling {ckpt_path} (iteration {saved.get('iter_num', '?')}) on {device} {dtype}",
           file=sys.stderr)

@@ -400,6 +400,7 @@ def save(names, rng):
     then agree with the other ranks on how it went: a save that failed anywhere (a full disk) ends every rank
     here, with every file on disk whole. Logs and counts the seconds it took."""
     global last_saved, save_seconds
+    assert rng is not None, "an iteration that saves gathers the RNG states: add its reason to the rng line"
     start, failed = time.time(), None
     progress = dict(zip(checkpoint.PROGRESS, (iter_num, best_val_loss, best_acc_norm, best_iter,
                                               evals_since_best, skipped_steps, consecutive_skips,
@@ -423,11 +424,19 @@ def save(names, rng):
     log(f"saved {' and '.join(names)} in {seconds:.2f} s")
 
 
-sys.excepthook = runlog.explain_out_of_memory(lambda: (iter_num + 1, (
-    f"at iteration {iter_num + 1} with batch_size={batch_size}, block_size={block_size} "
-    f"({perf.peak_memory_mb(device):,.0f} MB at peak): lower batch_size and raise "
-    f"gradient_accumulation_steps by the same factor (the tokens per iteration stay)"
-    f"{', or use dtype=bfloat16' * (dtype == 'float32')}; the checkpoints are intact")))
+def explain_out_of_memory(exc_type, exc, tb):
+    """One clear line instead of a traceback; the exit code stays 1. No report: plotting needs memory this
+    process may not get (python report.py OUT_DIR writes it later)."""
+    if not (issubclass(exc_type, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)):
+        return sys.__excepthook__(exc_type, exc, tb)
+    record({'kind': 'abort', 'step': iter_num + 1, 'message': 'out of memory'})
+    log(f"error: out of memory at iteration {iter_num + 1} with batch_size={batch_size}, block_size="
+        f"{block_size} ({perf.peak_memory_mb(device):,.0f} MB at peak): lower batch_size and raise "
+        f"gradient_accumulation_steps by the same factor (the tokens per iteration stay)"
+        f"{', or use dtype=bfloat16' if dtype == 'float32' else ''}; the checkpoints are intact", sys.stderr)
+
+
+sys.excepthook = explain_out_of_memory
 runlog.catch_stop_signals()  # Ctrl-C or SIGTERM: save last.pt after the step under way, then exit
 
 
@@ -443,7 +452,7 @@ def log_step(loss, grad_norm, lr, skipped, scale, profiler):
     if iter_num == start_iter + 1:  # what each rank holds: every rank gets here
         record({'kind': 'memory', 'step': iter_num,
                 'ranks': gather(perf.memory_held(raw_model, optimizer, device))})
-    seconds_per_iter, left = speed.startup_estimate(accum_steps), max_iters - iter_num
+    seconds_per_iter, left = speed.startup_estimate(), max_iters - iter_num
     if seconds_per_iter is not None:
         record({'kind': 'estimate', 'step': iter_num, 'seconds_per_iter': seconds_per_iter})
         log(f"a micro-batch after the first took {seconds_per_iter / accum_steps:.2f} s: about "
@@ -515,7 +524,7 @@ def agree_or_abort(loss_sum, grad_norm, starts, lr):
 # training loop
 batches = data.TrainBatches(splits['train'], train_sampler, num_workers, seed + rank, device_type == 'cuda')
 micro_batches = iter(lambda batch=next(batches): batch, None) if overfit_one_batch else batches
-speed = perf.Speedometer(iter_num, max_iters, tokens_per_iter, raw_model.flops_per_token(),
+speed = perf.Speedometer(iter_num, max_iters, accum_steps, tokens_per_iter, raw_model.flops_per_token(),
                          peak_flops * world_size)
 t_start, first_loss, save_seconds = time.time(), None, 0.0
 while iter_num < max_iters:
