@@ -147,6 +147,8 @@ def become(args, cwd, env, new_session, folder, output=None):
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    # torch took its thread count from the server's environment: this run's, as a fresh interpreter would
+    sys.modules['torch'].set_num_threads(int(env['OMP_NUM_THREADS']))
     if new_session:  # as subprocess's start_new_session: a process group of its own, for killpg
         os.setsid()
     if args[0] == '-m':  # sys.path[0] is the working directory; run_module puts the module's file in argv[0]

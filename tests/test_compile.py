@@ -1,6 +1,7 @@
 """compile=True on CPU (inductor, which builds C++ kernels with gcc): a compiled run computes what an eager
 one does, and with deterministic=True it is repeatable and resumes bitwise, on more than one thread and on 2
 ranks. Each test compiles (20-40 s of CPU the first time, seconds from inductor's cache after)."""
+import json
 import os
 
 import pytest
@@ -35,7 +36,6 @@ def test_compiled_losses_track_eager(tmp_path, data_dir):
     assert len(evals[0]) == 2 and evals[1] == pytest.approx(evals[0], rel=RTOL)
 
 
-@pytest.mark.fresh  # two threads per process: a forked run keeps the server's one
 @pytest.mark.parametrize('ranks', [1, 2])
 def test_deterministic_compiled_run_on_two_threads_resumes_bitwise(tmp_path, data_dir, ranks):
     # Without deterministic=True, inductor's embedding backward adds rows with atomic adds from both threads,
@@ -56,3 +56,5 @@ def test_deterministic_compiled_run_on_two_threads_resumes_bitwise(tmp_path, dat
     run(split, '--max_iters=14')
     run(split, '--init_from=resume')
     assert trajectory(split) == trajectory(straight)
+    with open(os.path.join(split, 'meta.json')) as f:
+        assert json.load(f)['hardware']['torch_threads'] == 2  # the runs had the threads to race on
