@@ -188,8 +188,8 @@ except (data.DataError, prepare.PrepareError) as e:  # a node's own data may dif
 check(gather(dataset_id).count(dataset_id) == world_size, f"the ranks see different data in {data_dir}/"
       f"{dataset}: every node needs the same prepared dataset (shared storage, or the same files on each)")
 try:  # a bad task file is found now, before anything is written
-    encode = tokenizer.load(data_meta['tokenizer']).encode
-    tasks = evaluate.read_tasks(eval_tasks, encode, block_size, eval_tasks_examples) if eval_tasks else {}
+    tok = tokenizer.load(data_meta['tokenizer'])  # the one that encoded the data: tasks and the sample use it
+    tasks = evaluate.read_tasks(eval_tasks, tok.encode, block_size, eval_tasks_examples) if eval_tasks else {}
 except (evaluate.TaskError, tokenizer.TokenizerError) as e:
     check(False, e)
 if 'test' not in splits and test_eval:
@@ -237,7 +237,8 @@ elif dtype == 'auto':  # rank 0 decides (by measuring, on some CPUs) and every r
     dtype, dtype_how = gather(choice)[0]
     check(dtype in perf.DTYPES, f"HONESTGPT_AUTO_DTYPE={dtype}: use float32, bfloat16 or float16")
 if dtype == 'float16' and device_type == 'cpu':
-    log(perf.float16_warning(device, n_embd, batch_size * block_size), sys.stderr)
+    if warning := perf.float16_warning(device, n_embd, batch_size * block_size):  # '' where float16 is fast
+        log(warning, sys.stderr)
 autocast = perf.autocast(device_type, dtype)
 
 log(f"building the model: {n_layer} layers, {n_head} heads, {n_embd} wide, block {block_size}, "
@@ -424,19 +425,9 @@ def save(names, rng):
     log(f"saved {' and '.join(names)} in {seconds:.2f} s")
 
 
-def explain_out_of_memory(exc_type, exc, tb):
-    """One clear line instead of a traceback; the exit code stays 1. No report: plotting needs memory this
-    process may not get (python report.py OUT_DIR writes it later)."""
-    if not (issubclass(exc_type, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)):
-        return sys.__excepthook__(exc_type, exc, tb)
-    record({'kind': 'abort', 'step': iter_num + 1, 'message': 'out of memory'})
-    log(f"error: out of memory at iteration {iter_num + 1} with batch_size={batch_size}, block_size="
-        f"{block_size} ({perf.peak_memory_mb(device):,.0f} MB at peak): lower batch_size and raise "
-        f"gradient_accumulation_steps by the same factor (the tokens per iteration stay)"
-        f"{', or use dtype=bfloat16' if dtype == 'float32' else ''}; the checkpoints are intact", sys.stderr)
-
-
-sys.excepthook = explain_out_of_memory
+# out of memory anywhere: one line that says what to change instead of a traceback (the exit code stays 1)
+sys.excepthook = lambda *exc: runlog.explain_out_of_memory(exc, iter_num + 1, batch_size, block_size, dtype,
+                                                           device)
 runlog.catch_stop_signals()  # Ctrl-C or SIGTERM: save last.pt after the step under way, then exit
 
 
@@ -598,12 +589,7 @@ tested = f", test loss {test_loss:.4f} ({test_loss / math.log(2):.3f} bits/token
 log(f"done: {sessions} (checkpoint saves {save_seconds / session_seconds:.1%} of this session), best val "
     f"loss {best_val_loss:.4f} at iteration {best_iter}{tested}; checkpoints in {out_dir}")
 if sample_tokens and (master or sharded):  # a sharded model's forward needs every rank
-    try:
-        tok = tokenizer.load(data_meta['tokenizer'])
-    except tokenizer.TokenizerError as e:
-        log(f"no sample: {e}")
-    else:
-        with autocast:
-            text = sample.sample_text(raw_model, tok, tok.start, sample_tokens, 0.8, 200, seed, device)
-        log(f"a sample from the best weights:\n{text}")
+    with autocast:
+        text = sample.sample_text(raw_model, tok, tok.start, sample_tokens, 0.8, 200, seed, device)
+    log(f"a sample from the best weights:\n{text}")
 runlog.finish()
