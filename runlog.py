@@ -64,15 +64,17 @@ def log_bytes():
     return {name: f.tell() for name, f in files.items()}
 
 
-def start(out_dir, keep_bytes, config, sources, resolved, run):
+def start(out_dir, resumed, config, sources, resolved, run):
     """Create out_dir, open the logs for appending, write config.json (with what 'auto' settings resolved to)
     and meta.json (run: seed, dtype, device, data, ...), and start TensorBoard and wandb where config asks.
-    Returns None, or the line that says out_dir cannot be written. keep_bytes: what the checkpoint a run
-    resumes from had logged; what came after is cut, since those steps are redone (None keeps all: a first
-    session, or a resume from another folder; {} cuts all: a new run where one stopped before its first
-    checkpoint). Temp files a killed save left are dropped: never read, safe to remove."""
+    Returns None, or the line that says out_dir cannot be written. resumed: the checkpoint the run resumes
+    from, or None. The logs keep what it had logged and lose what came after, since those steps are redone; a
+    resume from another folder keeps this one's logs whole, and a new run cuts them all (one stopped here before
+    its first checkpoint). Temp files a killed save left are dropped: never read, safe to remove."""
     global run_dir, with_report, tensorboard, wandb
     run_dir, with_report = out_dir, config['write_report']
+    elsewhere = resumed and os.path.realpath(resumed['out_dir']) != os.path.realpath(out_dir)
+    keep_bytes = None if elsewhere else resumed['log_bytes'] if resumed else {}
     try:
         os.makedirs(out_dir, exist_ok=True)
         for name in LOGS:

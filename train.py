@@ -367,10 +367,8 @@ run_record = {'config': config, 'model_args': dataclasses.asdict(model_config), 
               'pretrained': pretrained, 'dtype': dtype, 'seed': seed, 'out_dir': out_dir}
 unwritable = None
 if master:
-    same_run = resuming and os.path.realpath(ckpt['out_dir']) == os.path.realpath(out_dir)
-    keep_bytes = ckpt['log_bytes'] if same_run else None if resuming else {}
     resolved = {'device': device, 'dtype': dtype}  # what 'auto' settings became
-    unwritable = runlog.start(out_dir, keep_bytes, config, config_sources, resolved, {
+    unwritable = runlog.start(out_dir, ckpt, config, config_sources, resolved, {
         'seed': seed, 'dtype': dtype, 'dtype_choice': dtype_how, 'device': device, 'world_size': world_size,
         'pretrained': pretrained, 'peak_flops': {'per_process': peak_flops, 'how': peak_how},
         'resumed_from': f"{ckpt_path} at iteration {iter_num}" if resuming else None,
