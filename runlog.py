@@ -69,8 +69,8 @@ def start(out_dir, resumed, config, sources, resolved, run):
     and meta.json (run: seed, dtype, device, data, ...), and start TensorBoard and wandb where config asks.
     Returns None, or the line that says out_dir cannot be written. resumed: the checkpoint the run resumes
     from, or None. The logs keep what it had logged and lose what came after, since those steps are redone; a
-    resume from another folder keeps this one's logs whole, and a new run cuts them all (one stopped here before
-    its first checkpoint). Temp files a killed save left are dropped: never read, safe to remove."""
+    resume from another folder keeps this one's logs whole, and a new run cuts them all (one stopped here
+    before its first checkpoint). Temp files a killed save left are dropped: never read, safe to remove."""
     global run_dir, with_report, tensorboard, wandb
     run_dir, with_report = out_dir, config['write_report']
     elsewhere = resumed and os.path.realpath(resumed['out_dir']) != os.path.realpath(out_dir)

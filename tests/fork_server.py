@@ -19,6 +19,7 @@ forks.
 """
 import atexit
 import builtins
+import glob
 import importlib
 import io
 import json
@@ -128,6 +129,15 @@ def reap(folders):
         os.replace(path + '.part', path)
 
 
+def fresh_thread_count(env):
+    """torch's thread count in a fresh interpreter started with env. torch runs on OpenMP with MKL here, and
+    takes MKL's count: MKL_NUM_THREADS, else OMP_NUM_THREADS, at most the physical cores (MKL_DYNAMIC's
+    default). test_forked compares it with fresh interpreters."""
+    cores = {(open(f'{cpu}/topology/physical_package_id').read(), open(f'{cpu}/topology/core_id').read())
+             for cpu in glob.glob('/sys/devices/system/cpu/cpu[0-9]*')}
+    return min(int(env.get('MKL_NUM_THREADS') or env['OMP_NUM_THREADS']), len(cores) or os.cpu_count())
+
+
 def become(args, cwd, env, new_session, folder, output=None):
     """In the child: what the interpreter does to run `python [-u] SCRIPT ARGS` or `python [-u] -m MODULE
     ARGS`."""
@@ -147,8 +157,7 @@ def become(args, cwd, env, new_session, folder, output=None):
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    # torch took its thread count from the server's environment: this run's, as a fresh interpreter would
-    sys.modules['torch'].set_num_threads(int(env['OMP_NUM_THREADS']))
+    sys.modules['torch'].set_num_threads(fresh_thread_count(env))  # torch took the server's at its import
     if new_session:  # as subprocess's start_new_session: a process group of its own, for killpg
         os.setsid()
     if args[0] == '-m':  # sys.path[0] is the working directory; run_module puts the module's file in argv[0]

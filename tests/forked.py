@@ -12,7 +12,7 @@ and weights bit for bit. torchrun runs forked too, and its workers are forks of 
 
 What the server fixed at its start stays: environment variables read at import (IMPORT_TIME_ENV: a run that
 sets them differently is refused; torch's thread count is the exception, set in the child from the run's
-OMP_NUM_THREADS), warnings printed while importing, the string hash seed. So the tests of
+OMP_NUM_THREADS, a number), warnings printed while importing, the string hash seed. So the tests of
 exact stderr and of signals start fresh interpreters in every session (pytest's `fresh` marker sets FRESH for
 a test, see conftest.py), and HONESTGPT_TEST_FRESH=1 starts every run fresh, to check the whole suite either
 way (docs/benchmarks.md has both times).
@@ -33,9 +33,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER = os.path.join(REPO, 'tests', 'fork_server.py')
 IMPORT_TIME_ENV = ('OMP_', 'MKL_', 'KMP_', 'PYTHON', 'TORCH', 'LC_', 'LANG', 'TMP', 'TEMP')
 # read after the imports, not during them: what torchrun gives its workers, the folder that inductor writes
-# into the environment when it first compiles (its default, which a fork would compute alike), and torch's
-# thread count, which the child sets from OMP_NUM_THREADS as a fresh interpreter would (fork_server.py)
-READ_LATER_ENV = ('TORCHELASTIC_', 'TORCH_NCCL_ASYNC_ERROR_HANDLING', 'TORCHINDUCTOR_CACHE_DIR', 'OMP_NUM_THREADS')
+# into the environment when it first compiles (its default, which a fork would compute alike), and the thread
+# count, which the child gives torch as a fresh interpreter would take it (fork_server.fresh_thread_count)
+READ_LATER_ENV = ('TORCHELASTIC_', 'TORCH_NCCL_ASYNC_ERROR_HANDLING', 'TORCHINDUCTOR_CACHE_DIR',
+                  'OMP_NUM_THREADS')
 SOCKET_ENV = 'HONESTGPT_FORK_SERVER'  # in a run: the server's socket, where it may ask for runs of its own
 FRESH = os.environ.get('HONESTGPT_TEST_FRESH') == '1'  # read when a run starts: a test may set it
 _server = _socket = None  # the fork server, started with the first run, and its socket's path
@@ -98,7 +99,7 @@ class Process:
             _server_env = import_time_env(os.environ)
         env = dict(os.environ if env is None else env)
         import_time = import_time_env(env)
-        if (import_time != _server_env or 'OMP_NUM_THREADS' not in env) and not self.fresh:
+        if (import_time != _server_env or not env.get('OMP_NUM_THREADS', '').isdigit()) and not self.fresh:
             raise ValueError(f"the fork server imported torch with {_server_env}, this run asks for "
                              f"{import_time} and OMP_NUM_THREADS={env.get('OMP_NUM_THREADS')}: start it "
                              f"with subprocess")

@@ -72,20 +72,22 @@ def test_leftover_runs_are_stopped_and_import_time_settings_refused(tmp_path):
     forked.stop_all()  # what the session does at its end for runs a failed test left going
     assert proc.returncode == -signal.SIGKILL and not os.path.exists(proc.folder)
     if not forked.FRESH:  # a fresh interpreter reads them itself
-        for env in ({**os.environ, 'MKL_NUM_THREADS': '7'},
+        for env in ({**os.environ, 'MKL_NUM_THREADS': '7'}, {**os.environ, 'OMP_NUM_THREADS': '2,1'},
                     {k: v for k, v in os.environ.items() if k != 'OMP_NUM_THREADS'}):
             with pytest.raises(ValueError, match='start it with subprocess'):
                 forked.Process('x.py', env=env)
         # what is read after the imports may differ: inductor's cache folder, torchrun's worker settings, and
-        # the thread count, which the run gets as a fresh interpreter does (2: test_compile's; a fresh one caps
-        # the count at this machine's cores)
+        # the thread count, which the run gets as a fresh interpreter does: test_compile's 2, and more than
+        # this machine's cores (a fresh interpreter takes at most those)
         path = script(tmp_path, "import os, torch\n"
                                 "print(os.environ['TORCHINDUCTOR_CACHE_DIR'], torch.get_num_threads())\n")
-        env = {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': str(tmp_path), 'TORCHELASTIC_RESTART_COUNT': '0',
-               'OMP_NUM_THREADS': '2'}
-        result = forked.run(path, env=env)
-        fresh = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True)
-        assert result.returncode == 0 and result.stdout == fresh.stdout == f'{tmp_path} 2\n', (result, fresh)
+        for threads in ('2', str(os.cpu_count() + 1)):
+            env = {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': str(tmp_path), 'TORCHELASTIC_RESTART_COUNT': '0',
+                   'OMP_NUM_THREADS': threads}
+            result = forked.run(path, env=env)
+            fresh = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True)
+            assert result.returncode == 0 and result.stdout == fresh.stdout, (result, fresh)
+            assert result.stdout.startswith(f'{tmp_path} '), result
 
 
 @pytest.mark.slow

@@ -107,7 +107,7 @@ def test_out_of_memory_is_one_clear_message(tmp_path, data_dir):
            '--batch_size=1000', '--n_embd=128',
            '--dtype=float32']  # the limit is sized for float32 activations
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, preexec_fn=cap_memory, timeout=300)
-    assert result.returncode != 0 and 'Traceback' not in result.stderr, result.stderr
+    assert result.returncode == 1 and 'Traceback' not in result.stderr, result.stderr
     error = [line for line in result.stderr.splitlines() if line.startswith('error:')]
     assert (len(error) == 1 and 'out of memory at iteration' in error[0]
             and 'batch_size=1000' in error[0]), result.stderr
