@@ -67,14 +67,15 @@ def log_bytes():
 def start(out_dir, resumed, config, sources, resolved, run):
     """Create out_dir, open the logs for appending, write config.json (with what 'auto' settings resolved to)
     and meta.json (run: seed, dtype, device, data, ...), and start TensorBoard and wandb where config asks.
-    Returns None, or the line that says out_dir cannot be written. resumed: the checkpoint the run resumes
-    from, or None. The logs keep what it had logged and lose what came after, since those steps are redone; a
-    resume from another folder keeps this one's logs whole, and a new run cuts them all (one stopped here
-    before its first checkpoint). Temp files a killed save left are dropped: never read, safe to remove."""
+    Returns None, or the line that says out_dir cannot be written. resumed: (path, checkpoint) of the one the
+    run resumes from, or None. From one in out_dir (wherever the folder was when it was written: it may have
+    been moved) the logs keep what it had logged and lose what came after, since those steps are redone; from
+    one in another folder they stay whole; a new run cuts them all (one stopped here before its first
+    checkpoint). Temp files a killed save left are dropped: never read, safe to remove."""
     global run_dir, with_report, tensorboard, wandb
     run_dir, with_report = out_dir, config['write_report']
-    elsewhere = resumed and os.path.realpath(resumed['out_dir']) != os.path.realpath(out_dir)
-    keep_bytes = None if elsewhere else resumed['log_bytes'] if resumed else {}
+    here = resumed and os.path.realpath(os.path.dirname(resumed[0])) == os.path.realpath(out_dir)
+    keep_bytes = resumed[1]['log_bytes'] if here else None if resumed else {}
     try:
         os.makedirs(out_dir, exist_ok=True)
         for name in LOGS:

@@ -368,7 +368,8 @@ run_record = {'config': config, 'model_args': dataclasses.asdict(model_config), 
 unwritable = None
 if master:
     resolved = {'device': device, 'dtype': dtype}  # what 'auto' settings became
-    unwritable = runlog.start(out_dir, ckpt, config, config_sources, resolved, {
+    resumed = (ckpt_path, ckpt) if resuming else None
+    unwritable = runlog.start(out_dir, resumed, config, config_sources, resolved, {
         'seed': seed, 'dtype': dtype, 'dtype_choice': dtype_how, 'device': device, 'world_size': world_size,
         'pretrained': pretrained, 'peak_flops': {'per_process': peak_flops, 'how': peak_how},
         'resumed_from': f"{ckpt_path} at iteration {iter_num}" if resuming else None,

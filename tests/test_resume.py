@@ -103,9 +103,30 @@ def test_sigkill_at_random_moments_and_mid_write_then_auto_resume(tmp_path, data
     assert trajectory(killed) == trajectory(straight)  # every step once, same numbers
     # a killed write's temp file (its own PID) was removed
     assert not glob.glob(os.path.join(killed, '*.tmp'))
-    log_steps = [int(line.split()[1].split('/')[0]) for line in open(os.path.join(killed, 'train.log'))
-                 if line.startswith('iter ')]
-    assert log_steps == list(range(1, 101))
+    assert logged_steps(killed) == list(range(1, 101))
+
+
+def logged_steps(out_dir):
+    return [int(line.split()[1].split('/')[0]) for line in open(os.path.join(out_dir, 'train.log'))
+            if line.startswith('iter ')]
+
+
+@pytest.mark.slow
+def test_a_run_folder_moved_after_a_kill_resumes_with_each_step_logged_once(tmp_path, data_dir):
+    # killed holding its second write of last.pt (iteration 6): the logs run past last.pt (iteration 3); the
+    # folder is then moved, as to another disk, and resumed there: the steps after iteration 3 are redone and
+    # logged once
+    args = ['--max_iters=12', '--lr_decay_iters=12', '--eval_interval=3']
+    killed, moved = str(tmp_path / 'killed'), str(tmp_path / 'moved')
+    proc = start_train(killed, data_dir, *args, hold_save=2)
+    wait_for_stderr(proc, 'probe: holding the write of')
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert logged_steps(killed) == list(range(1, 7))
+    shutil.move(killed, moved)
+    run_train(moved, data_dir, *args, '--init_from=resume')
+    assert logged_steps(moved) == list(range(1, 13))
+    assert [r['step'] for r in read_metrics(moved, 'train')] == list(range(1, 13))
 
 
 def test_refuses_mismatched_or_corrupt_checkpoints(tmp_path, data_dir):
