@@ -299,9 +299,11 @@ def main(config):
         tasks = read_tasks(config['tasks'], encode, model.config.block_size, config['max_examples'])
     except TaskError as e:
         check(False, e)
-    dtype = config['dtype']
-    if dtype == 'auto':  # train.py's rule, for this model's shape on this device
-        dtype = perf.auto_dtype(device, {**vars(model.config), 'dropout': 0.0}, config['batch_size'])[0]
+    try:  # train.py's rule, for this model's shape on this device
+        dtype = perf.resolve_dtype(config['dtype'], device, {**vars(model.config), 'dropout': 0.0},
+                                   config['batch_size'])[0]
+    except ValueError as e:
+        check(False, e)
     autocast = perf.autocast(device_type, dtype)
     print(f"evaluating {source} on {device} {dtype}", file=sys.stderr)
     for path, examples in tasks.items():

@@ -114,6 +114,23 @@ def init_process_group(device_type, backend):
     atexit.register(lambda: time.sleep(0.1) or dist.destroy_process_group())
 
 
+def setup(device, local_rank, deterministic, backend):
+    """This process's (device, device type), made ready: resolve_device's choice, the current CUDA device
+    (with TF32 tensor cores for what autocast leaves in float32), deterministic kernels when asked, and under
+    torchrun (local_rank not None) the process group joined. ValueError: a device this code cannot use."""
+    device, device_type = resolve_device(device, local_rank)
+    if device_type == 'cuda':
+        torch.cuda.set_device(device)
+        torch.set_float32_matmul_precision('high')
+    if deterministic:
+        os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')  # before cuBLAS starts
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    if local_rank is not None:
+        init_process_group(device_type, backend)
+    return device, device_type
+
+
 def all_ranks(values):
     """values, a tensor on this process's device, summed over the ranks in place (alone: as they are). Every
     rank calls it at the same points."""
@@ -216,6 +233,22 @@ def step_seconds(model_args, batch_size, device, dtypes, rounds=3):
     return best
 
 
+def resolve_dtype(dtype, device, model_args, batch_size, resumed=None):
+    """(dtype name, how it was chosen: a dict for meta.json) a script runs in, the same on every rank. 'auto'
+    keeps the dtype of the run a resume continues (resumed: (checkpoint path, its dtype)), whatever is
+    measured now; otherwise rank 0 chooses (auto_dtype) for every rank. ValueError: HONESTGPT_AUTO_DTYPE
+    names no dtype."""
+    if dtype != 'auto':
+        return dtype, {'rule': 'set in the config'}
+    if resumed:
+        return resumed[1], {'rule': f"dtype='auto' as resolved by the run in {resumed[0]}"}
+    first_rank = not dist.is_initialized() or dist.get_rank() == 0
+    dtype, how = gather(auto_dtype(device, model_args, batch_size) if first_rank else None)[0]
+    if dtype not in DTYPES:
+        raise ValueError(f"HONESTGPT_AUTO_DTYPE={dtype}: use float32, bfloat16 or float16")
+    return dtype, how
+
+
 def auto_dtype(device, model_args, batch_size):
     """(dtype name, how it was chosen: a dict for meta.json) for dtype='auto'. CUDA: bfloat16 where supported,
     else float16. CPU: float32 unless the CPU has bfloat16 matmul units; with them, whichever of the two
@@ -246,8 +279,10 @@ def auto_dtype(device, model_args, batch_size):
 
 
 def float16_warning(device, n_embd, tokens):
-    """A warning line when float16 is emulated on this CPU ('' when it is not): CPUs have no float16 matmul
-    units. Measured on a (tokens, C) x (C, 4C) product, an MLP's, in float16 and float32."""
+    """A warning line when float16 is emulated on this CPU ('' when it is not, and on a GPU): CPUs have no
+    float16 matmul units. Measured on a (tokens, C) x (C, 4C) product, an MLP's, in float16 and float32."""
+    if torch.device(device).type != 'cpu':
+        return ''
     a16 = torch.full((tokens, n_embd), 0.5, dtype=torch.float16)
     b16 = torch.full((n_embd, 4 * n_embd), 0.25, dtype=torch.float16)
     slow, fast = best_seconds(a16, b16, 0.05), best_seconds(a16.float(), b16.float(), 0.05)

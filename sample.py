@@ -137,8 +137,10 @@ if __name__ == '__main__':
         tok = tokenizer.load(saved['dataset']['tokenizer'])
     except tokenizer.TokenizerError as e:
         fail(e)
-    if dtype == 'auto':  # train.py's rule, for this model's shape on this device
-        dtype = perf.auto_dtype(device, {**saved['model_args'], 'dropout': 0.0}, 1)[0]
+    try:  # train.py's rule, for this model's shape on this device
+        dtype = perf.resolve_dtype(dtype, device, {**saved['model_args'], 'dropout': 0.0}, 1)[0]
+    except ValueError as e:
+        fail(e)
     autocast = perf.autocast(device_type, dtype)
     start = start or tok.start
     print(f"sampling {ckpt_path} (iteration {saved.get('iter_num', '?')}) on {device} {dtype}",

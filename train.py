@@ -157,20 +157,11 @@ for key, package in (('tensorboard_log', 'tensorboard'), ('wandb_log', 'wandb'))
 
 # -----------------------------------------------------------------------------
 # processes and devices
-try:
-    device, device_type = perf.resolve_device(device, local_rank if ddp else None)
+try:  # the device, deterministic kernels when asked, and under torchrun the process group
+    device, device_type = perf.setup(device, local_rank if ddp else None, deterministic, backend)
 except ValueError as e:  # may differ between nodes: every rank that fails says so
     fail(f"rank {rank}: {e}" if ddp else e)
 accum_steps = gradient_accumulation_steps // world_size  # micro-batches per optimizer step on this rank
-if device_type == 'cuda':
-    torch.cuda.set_device(device)
-    torch.set_float32_matmul_precision('high')  # TF32 tensor cores for what autocast leaves in float32
-if deterministic:
-    os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')  # before cuBLAS starts
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-if ddp:
-    perf.init_process_group(device_type, backend)
 
 # -----------------------------------------------------------------------------
 # data
@@ -228,17 +219,15 @@ if resuming:
 
 # -----------------------------------------------------------------------------
 # precision, model, optimizer, schedule
-dtype_how = {'rule': 'set in the config'}
-if dtype == 'auto' and resuming:  # a resume continues in the dtype the run chose, whatever is measured now
-    dtype, dtype_how = ckpt['dtype'], {'rule': f"dtype='auto' as resolved by the run in {ckpt_path}"}
-elif dtype == 'auto':  # rank 0 decides (by measuring, on some CPUs) and every rank trains in its choice
+if dtype == 'auto' and not resuming:
     log("choosing the dtype for dtype='auto'")
-    choice = perf.auto_dtype(device, dataclasses.asdict(model_config), batch_size) if master else None
-    dtype, dtype_how = gather(choice)[0]
-    check(dtype in perf.DTYPES, f"HONESTGPT_AUTO_DTYPE={dtype}: use float32, bfloat16 or float16")
-if dtype == 'float16' and device_type == 'cpu':
-    if warning := perf.float16_warning(device, n_embd, batch_size * block_size):  # '' where float16 is fast
-        log(warning, sys.stderr)
+try:  # 'auto': the resumed run's choice, or rank 0's (measured, on some CPUs) for every rank
+    dtype, dtype_how = perf.resolve_dtype(dtype, device, dataclasses.asdict(model_config), batch_size,
+                                          (ckpt_path, ckpt['dtype']) if resuming else None)
+except ValueError as e:
+    check(False, e)
+if dtype == 'float16' and (warning := perf.float16_warning(device, n_embd, batch_size * block_size)):
+    log(warning, sys.stderr)
 autocast = perf.autocast(device_type, dtype)
 
 log(f"building the model: {n_layer} layers, {n_head} heads, {n_embd} wide, block {block_size}, "
@@ -365,16 +354,13 @@ log("measuring this machine's peak FLOP/s for MFU (once per machine and dtype: c
 peak_flops, peak_how = perf.peak_flops(device, perf.DTYPES[dtype]) if master else (float('nan'), '')
 run_record = {'config': config, 'model_args': dataclasses.asdict(model_config), 'dataset': dataset_id,
               'pretrained': pretrained, 'dtype': dtype, 'seed': seed, 'out_dir': out_dir}
-unwritable = None
-if master:
-    resolved = {'device': device, 'dtype': dtype}  # what 'auto' settings became
-    resumed = (ckpt_path, ckpt) if resuming else None
-    unwritable = runlog.start(out_dir, resumed, config, config_sources, resolved, {
-        'seed': seed, 'dtype': dtype, 'dtype_choice': dtype_how, 'device': device, 'world_size': world_size,
-        'pretrained': pretrained, 'peak_flops': {'per_process': peak_flops, 'how': peak_how},
-        'resumed_from': f"{ckpt_path} at iteration {iter_num}" if resuming else None,
-        'dataset': {**dataset_id, 'tokenizer': data_meta['tokenizer']['kind'], 'dir': data_dir,
-                    'split_rule': data_meta.get('split_rule', '')}})
+resumed = (ckpt_path, ckpt) if resuming else None
+unwritable = runlog.start(out_dir, resumed, config, config_sources, {'device': device, 'dtype': dtype}, {
+    'seed': seed, 'dtype': dtype, 'dtype_choice': dtype_how, 'device': device, 'world_size': world_size,
+    'pretrained': pretrained, 'peak_flops': {'per_process': peak_flops, 'how': peak_how},
+    'resumed_from': f"{ckpt_path} at iteration {iter_num}" if resuming else None,
+    'dataset': {**dataset_id, 'tokenizer': data_meta['tokenizer']['kind'], 'dir': data_dir,
+                'split_rule': data_meta.get('split_rule', '')}}) if master else None
 check(not any_rank(unwritable, device), unwritable)  # every rank stops here together
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 record({'kind': 'start', 'step': iter_num, 'time': time.time()})

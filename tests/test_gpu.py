@@ -34,6 +34,21 @@ def test_a_device_this_code_cannot_use_is_refused(device, local_rank, gpus, mess
         perf.resolve_device(device, local_rank, cuda_count=gpus)
 
 
+def test_setup_makes_each_rank_s_own_gpu_current_before_it_joins_the_group(monkeypatch):
+    """Under torchrun on a host with 4 GPUs, local rank 2 makes cuda:2 current (by index: 'cuda' alone raises
+    in set_device), allows TF32, then joins the group on CUDA; a CPU process touches no CUDA call."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 4)
+    monkeypatch.setattr(torch.cuda, 'set_device', lambda device: calls.append(('set_device', device)))
+    monkeypatch.setattr(torch, 'set_float32_matmul_precision', lambda p: calls.append(('matmul', p)))
+    monkeypatch.setattr(perf, 'init_process_group', lambda *args: calls.append(('group', *args)))
+    assert perf.setup('auto', 2, False, 'auto') == ('cuda:2', 'cuda')
+    assert calls == [('set_device', 'cuda:2'), ('matmul', 'high'), ('group', 'cuda', 'auto')]
+    calls.clear()
+    assert perf.setup('cpu', None, False, 'auto') == ('cpu', 'cpu') and calls == []
+
+
 def test_rng_state_holds_and_restores_only_this_process_s_gpu(monkeypatch):
     """A process draws dropout from its own device's generator; get_rng_state_all() would save one per visible
     GPU and fail to restore where another number is visible (here: 8 GPUs, the process on cuda:5)."""

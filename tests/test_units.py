@@ -226,3 +226,17 @@ def test_auto_dtype_is_timed_once_per_model_py(tmp_path, monkeypatch):
     monkeypatch.setattr(perf.inspect, 'getsourcefile', lambda obj: str(edited))
     perf.auto_dtype('cpu', args, 4)
     assert len(timed) == 2  # an edited model is timed again
+
+
+def test_resolve_dtype_keeps_a_resumed_choice_and_refuses_a_forced_nonsense(monkeypatch):
+    import perf
+    args = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=50, dropout=0.0, bias=False)
+    monkeypatch.setattr(perf, 'auto_dtype', lambda *a: ('bfloat16', {'rule': 'measured'}))
+    assert perf.resolve_dtype('float16', 'cpu', args, 4) == ('float16', {'rule': 'set in the config'})
+    assert perf.resolve_dtype('auto', 'cpu', args, 4) == ('bfloat16', {'rule': 'measured'})
+    # a resume continues in the run's dtype even where a measurement now would choose another
+    dtype, how = perf.resolve_dtype('auto', 'cpu', args, 4, ('out/last.pt', 'float32'))
+    assert dtype == 'float32' and 'out/last.pt' in how['rule']
+    monkeypatch.setattr(perf, 'auto_dtype', lambda *a: ('fp8', {'rule': 'forced by HONESTGPT_AUTO_DTYPE'}))
+    with pytest.raises(ValueError, match='HONESTGPT_AUTO_DTYPE=fp8: use float32, bfloat16 or float16'):
+        perf.resolve_dtype('auto', 'cpu', args, 4)
