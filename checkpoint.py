@@ -102,7 +102,8 @@ def save_file(obj, path):
     atomic_write(path, write)
 
 
-def load(path):
+def load(path, resumable=False):
+    """A checkpoint file's dict; resumable: it must hold a run's whole state, not only weights."""
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except FileNotFoundError:
@@ -113,6 +114,9 @@ def load(path):
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupt: {first_line}): "
                               f"resume from another file with resume_from=PATH, or start a new out_dir")
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(f"{path} holds a {type(ckpt).__name__}, not a checkpoint: pass the best.pt or "
+                              f"last.pt of a run")
     if ckpt.get('format', 1) > FORMAT:
         raise CheckpointError(f"checkpoint {path} has format {ckpt['format']}, newer than this code's "
                               f"{FORMAT}: update honestgpt (git pull) to resume it")
@@ -120,6 +124,9 @@ def load(path):
         raise CheckpointError(f"checkpoint {path} has format {ckpt.get('format', 1)}, written before the "
                               f"vocabulary was padded (format {FORMAT}): finish that run with the honestgpt "
                               f"commit that started it, or start a new out_dir")
+    if resumable and 'scheduler' not in ckpt:
+        raise CheckpointError(f"checkpoint {path} holds weights only (sample.py --export writes those), no "
+                              f"training state to resume: resume from a run's last.pt, best.pt or stable.pt")
     return ckpt
 
 

@@ -31,6 +31,7 @@ import zlib
 import numpy as np
 
 import tokenizer
+from configurator import fail
 
 SHAKESPEARE_URL = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt'
 KNOWN_DATASETS = ('pystdlib_char', 'shakespeare_char', 'shakespeare')
@@ -368,9 +369,9 @@ def given_tokenizer(spec):
     if spec == 'char':
         return None, 0
     if spec.startswith('bpe:'):
-        if not spec[4:].isdigit() or int(spec[4:]) < 257:
+        if not spec[4:].isdigit() or not 257 <= int(spec[4:]) < 2 ** 32:
             raise PrepareError(f'tokenizer {spec!r}: the vocabulary size after bpe: must be a whole number '
-                               f'of at least 257 (256 bytes and end-of-text), e.g. bpe:8192')
+                               f'from 257 (256 bytes and end-of-text) to 2**32 - 1 (uint32 ids), e.g. bpe:8192')
         return None, int(spec[4:])
     if spec == 'gpt2':
         return tokenizer.gpt2(), 0
@@ -577,13 +578,13 @@ def main(argv=None):
                                                            '.parquet records')
     parser.add_argument('--num_proc', type=int, default=os.cpu_count(), help='tokenizer processes')
     parser.add_argument('--shard_size', type=int, default=100_000_000, help='tokens per shard file')
+    parser.error = lambda message: fail(f"{message} (python prepare.py --help lists the arguments)")
     args = parser.parse_args(argv)
     try:
         out_dir = prepare(args.name, args.data_dir, args.input_path, args.tokenizer, args.seed, args.text_key,
                           args.num_proc, args.shard_size)
     except (PrepareError, tokenizer.TokenizerError) as e:
-        print(f'error: {e}', file=sys.stderr)
-        sys.exit(2)
+        fail(e)
     with open(os.path.join(out_dir, 'meta.json'), encoding='utf-8') as f:
         meta = json.load(f)
     trained = meta['tokenizer'].get('trained')

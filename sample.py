@@ -65,7 +65,7 @@ def load_model(path, device):
                                for k, v in saved['model'].items()})
         # every use needs the dataset's tokenizer: missing, the file is not ours
         saved['dataset']['tokenizer']['kind']
-    except (KeyError, TypeError, RuntimeError) as e:
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:  # ValueError: GPTConfig's checks
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise checkpoint.CheckpointError(f"{path} is not a train.py checkpoint ({first_line}): "
                                          f"pass the best.pt or last.pt of a run")
@@ -95,6 +95,10 @@ if __name__ == '__main__':
         fail(e)
     if temperature <= 0:
         fail(f"temperature={temperature} must be positive: for greedy decoding use top_k=1")
+    if export and os.path.exists(export):
+        fail(f"export={export} exists: name a new file (an export never overwrites one)")
+    if export and not os.path.isdir(os.path.dirname(os.path.abspath(export))):
+        fail(f"export={export}: its folder does not exist: create it, or name a file in an existing folder")
     try:
         device, device_type = perf.resolve_device(device)
     except ValueError as e:

@@ -128,9 +128,11 @@ try:
         'dtype': ('auto', *perf.DTYPES), 'backend': ('auto', 'nccl', 'gloo'), 'parallel': ('ddp', 'fsdp'),
         'optimizer': OPTIMIZERS, 'lr_schedule': ('cosine', 'wsd'), 'best_by': ('val_loss', 'acc_norm')},
         minimums={**dict.fromkeys(('eval_interval', 'log_interval', 'gradient_accumulation_steps',
-                                   'batch_size', 'max_iters'), 1),
+                                   'batch_size', 'max_iters', 'max_consecutive_skips', 'init_scale'), 1),
                   **dict.fromkeys(('checkpoint_interval', 'profile_iter', 'eval_iters', 'patience',
-                                   'eval_tasks_examples'), 0)})  # 0: off, or all
+                                   'eval_tasks_examples', 'sample_tokens', 'num_workers', 'seed', 'grad_clip',
+                                   'learning_rate', 'muon_lr', 'min_lr', 'weight_decay', 'warmup_iters',
+                                   'lr_decay_iters', 'cost_per_hour'), 0)})  # 0: off, or all
     model_config = GPTConfig(**{f.name: config[f.name] for f in dataclasses.fields(GPTConfig)
                                 if f.name in config})
 except (ConfigError, ValueError) as e:  # the model's shape too, checked before anything is written
@@ -143,6 +145,8 @@ check(best_by == 'val_loss' or eval_tasks, "best_by='acc_norm' needs eval_tasks:
 check(not decay_lr or lr_decay_iters > warmup_iters,
       f"lr_decay_iters={lr_decay_iters} must exceed warmup_iters={warmup_iters}")
 check(0 < wsd_decay_frac <= 1, f"wsd_decay_frac={wsd_decay_frac} must be in (0, 1]")
+check(all(0 <= b < 1 for b in (beta1, beta2, muon_momentum)),
+      f"beta1={beta1}, beta2={beta2} and muon_momentum={muon_momentum} must each be in [0, 1)")
 check(gradient_accumulation_steps % world_size == 0,
       f"gradient_accumulation_steps={gradient_accumulation_steps} is not divisible by the {world_size} "
       f"processes: make it a multiple of {world_size} so the global batch stays the same")
@@ -194,7 +198,7 @@ resuming = init_from == 'resume' or (init_from == 'auto' and os.path.exists(ckpt
 ckpt = pretrained_state = pretrained = None
 try:
     if resuming:
-        ckpt = checkpoint.load(ckpt_path)
+        ckpt = checkpoint.load(ckpt_path, resumable=True)
         pretrained = ckpt['pretrained']  # {'init_from', 'weights', 'sha256'} of a GPT-2 start, or None
     elif init_from not in ('scratch', 'auto'):
         pretrained_args, pretrained_state, pretrained = hf.load_gpt2(init_from, block_size,

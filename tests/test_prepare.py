@@ -200,6 +200,8 @@ def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
     (['x', '--input', 'latin1.jsonl'], r'latin1.jsonl:1 is not UTF-8 \(invalid byte at offset 13\).*iconv'),
     (['x', '--input', 'truncated.jsonl.gz'], 'truncated.jsonl.gz is not a readable gzip file'),
     (['x', '--input', 'corrupt.jsonl.gz'], 'corrupt.jsonl.gz is not a readable gzip file'),
+    (['x', '--input', 'good.txt', '--seed', 'abc'], r"invalid int value: 'abc' \(python prepare.py --help"),
+    ([], 'the following arguments are required: name'),
 ])
 def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
     (tmp_path / 'empty.txt').write_bytes(b'')

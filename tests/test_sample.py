@@ -60,6 +60,27 @@ def test_missing_checkpoint_is_a_one_line_error(tmp_path):
     assert result.stderr.startswith('error: checkpoint') and result.stderr.count('\n') == 1, result.stderr
 
 
+def test_export_writes_only_a_new_file_which_sample_reads_and_train_refuses_to_resume(run_dir, data_dir,
+                                                                                      tmp_path):
+    def refused(result, words):
+        return result.returncode == 2 and words in result.stderr and result.stderr.count('\n') == 1
+
+    best = os.path.join(run_dir, 'best.pt')
+    before = open(best, 'rb').read()
+    assert refused(run_sample(f'--out_dir={run_dir}', f'--export={best}'), 'exists: name a new file')
+    assert refused(run_sample(f'--out_dir={run_dir}', f"--export={tmp_path / 'no' / 'w.pt'}"),
+                   'its folder does not exist')
+    assert open(best, 'rb').read() == before and not (tmp_path / 'no').exists()
+    exported = str(tmp_path / 'w.pt')
+    assert run_sample(f'--out_dir={run_dir}', f'--export={exported}').returncode == 0
+    assert run_sample(f'--ckpt={exported}', '--num_samples=1', '--max_new_tokens=5').returncode == 0
+    result = run_train(str(tmp_path / 'next'), data_dir, '--init_from=resume', f'--resume_from={exported}',
+                       check=False)
+    assert refused(result, 'holds weights only') and not (tmp_path / 'next').exists()
+    torch.save([1, 2], tmp_path / 'list.pt')
+    assert refused(run_sample(f"--ckpt={tmp_path / 'list.pt'}"), 'holds a list, not a checkpoint')
+
+
 def test_prefixed_checkpoint_loads(run_dir, tmp_path):
     best = os.path.join(run_dir, 'best.pt')
     ckpt = torch.load(best, weights_only=True)

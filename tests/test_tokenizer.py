@@ -118,9 +118,9 @@ def test_bad_bpe_sizes_are_one_line_errors(tmp_path):
     (tmp_path / 'good.txt').write_text('some good text\n' * 20)
     result = run_cli('x', '--input', 'good.txt', '--tokenizer', 'bpe:256', cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.count('\n') == 1
-    assert 'must be a whole number of at least 257' in result.stderr and not (tmp_path / 'data').exists()
-    for spec in ('bpe:', 'bpe:1e4', 'bpe:-300'):
-        with pytest.raises(prepare.PrepareError, match='must be a whole number of at least 257'):
+    assert 'must be a whole number from 257' in result.stderr and not (tmp_path / 'data').exists()
+    for spec in ('bpe:', 'bpe:1e4', 'bpe:-300', f'bpe:{2 ** 32}'):
+        with pytest.raises(prepare.PrepareError, match='must be a whole number from 257'):
             prepare.given_tokenizer(spec)
 
 
