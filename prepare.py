@@ -371,7 +371,8 @@ def given_tokenizer(spec):
     if spec.startswith('bpe:'):
         if not spec[4:].isdigit() or not 257 <= int(spec[4:]) < 2 ** 32:
             raise PrepareError(f'tokenizer {spec!r}: the vocabulary size after bpe: must be a whole number '
-                               f'from 257 (256 bytes and end-of-text) to 2**32 - 1 (uint32 ids), e.g. bpe:8192')
+                               f'from 257 (256 bytes and end-of-text) to 2**32 - 1 (uint32 ids), e.g. '
+                               f'bpe:8192')
         return None, int(spec[4:])
     if spec == 'gpt2':
         return tokenizer.gpt2(), 0
