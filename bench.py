@@ -93,7 +93,13 @@ train_args = [a for a in sys.argv[1:] if not is_bench_key(a)]
 if (loader or sample) and train_args:  # they rebuild what the run used, from its out_dir
     stop(f"{'loader' if loader else 'sample'} reads a run's out_dir and takes no train.py arguments: drop "
          f"{shlex.join(train_args)}")
-settings = {'A': train_args} | ({'B': train_args + shlex.split(compare)} if compare else {})
+for key, path in (('json', json), ('trace', trace)):  # known before the runs, not after them
+    if path and (os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path)))):
+        stop(f"{key}={path} is a folder, or in one that does not exist: name a file in an existing folder")
+try:
+    settings = {'A': train_args} | ({'B': train_args + shlex.split(compare)} if compare else {})
+except ValueError as e:  # an unclosed quote
+    stop(f"compare={compare!r} cannot be split into arguments ({e}): quote it as a shell would")
 names = list(settings) + (['reference'] if reference else [])
 folder = tempfile.mkdtemp(prefix='bench-')
 json = json or os.path.join(folder, 'bench.json')
