@@ -154,8 +154,8 @@ def test_bench_mistakes_fail_in_one_line(tmp_path):
                           (['--sample=out', '--loader=out'], "loader and sample are both set"),
                           (['--sample=out', '--new_tokens=0'], "new_tokens=0 must be at least 1"),
                           (['--sample=out'], "sample reads a run's out_dir and takes no train.py arguments"),
-                          ([f"--json={tmp_path / 'no' / 'b.json'}"], f"json={tmp_path / 'no' / 'b.json'} is a "
-                                                                      f"folder, or in one that does not exist"),
+                          ([f"--json={tmp_path}/no/b.json"],
+                           f"json={tmp_path}/no/b.json is a folder, or in one that does not exist"),
                           ([f'--trace={tmp_path}'], f"trace={tmp_path} is a folder"),
                           (["--compare='"], "compare=\"'\" cannot be split into arguments")):
         result = subprocess.run([sys.executable, 'bench.py', RUN_CONFIG, *args], cwd=REPO,
