@@ -73,11 +73,11 @@ def read_shard_header(path):
 
 
 def fingerprints(paths):
-    """{shard file name: sha256 of its whole content}. Hashing reads every byte, so each folder keeps its
-    shards' hashes in FINGERPRINTS with the size and modification time of the file hashed, and a shard is
-    hashed again only when either has changed (every time where the folder cannot be written). Any write or
-    copy of a file moves its modification time; an edit that keeps size and time both (touch -d) goes
-    unseen."""
+    """{shard file name: [sha256 of its whole content, its largest token id (-1: none)]}. Both read every
+    byte, so each folder keeps them in FINGERPRINTS with the size and modification time of the file read, and
+    a shard is read again only when either has changed (every time where the folder cannot be written). Any
+    write or copy of a file moves its modification time; an edit that keeps size and time both (touch -d)
+    goes unseen."""
     result = {}
     for folder in sorted({os.path.dirname(p) for p in paths}):
         cache = os.path.join(folder, FINGERPRINTS)
@@ -89,11 +89,14 @@ def fingerprints(paths):
         changed = False
         for path in (p for p in paths if os.path.dirname(p) == folder):
             stat, name = os.stat(path), os.path.basename(path)
-            if known.get(name, [None, None])[:2] != [stat.st_size, stat.st_mtime_ns]:
+            entry = known.get(name, [])
+            if entry[:2] != [stat.st_size, stat.st_mtime_ns] or len(entry) != 4:
                 with open(path, 'rb') as f:
                     digest = hashlib.file_digest(f, 'sha256').hexdigest()
-                known[name], changed = [stat.st_size, stat.st_mtime_ns, digest], True
-            result[name] = known[name][2]
+                dtype, n = read_shard_header(path)
+                largest = int(np.memmap(path, dtype, 'r', HEADER_BYTES, (n,)).max()) if n else -1
+                known[name], changed = [stat.st_size, stat.st_mtime_ns, digest, largest], True
+            result[name] = known[name][2:]
         if changed:
             with contextlib.suppress(OSError):  # a read-only dataset: hashed again next time
                 checkpoint.write_json(cache, known)
@@ -182,6 +185,11 @@ def open_splits(data_dir, dataset, block_size, first_on_node=True):
         torch.distributed.barrier()
     meta, shard_paths = open_dataset(data_dir, dataset)
     splits = {s: TokenWindows(paths, block_size) for s, paths in shard_paths.items()}
+    for windows in splits.values():  # an id past the vocabulary would fail in the model, or on a GPU assert
+        for path, largest in zip(windows.paths, windows.largest_ids):
+            if largest >= meta['vocab_size']:
+                raise DataError(f"{path} holds token id {largest} but the dataset's meta.json has vocab_size "
+                                f"{meta['vocab_size']}: set it to the tokenizer's vocabulary size")
     identity = {'name': meta['name'], 'source_sha256': meta.get('source_sha256'),
                 'vocab_size': meta['vocab_size'], 'tokenizer': meta['tokenizer'],
                 'shards': [shard for s in splits.values() for shard in s.shards]}
@@ -213,9 +221,10 @@ class TokenWindows(Dataset):
             raise DataError(f"the shards of {os.path.dirname(self.paths[0])} mix uint16 and uint32 tokens: "
                             f"prepare them again")
         self.dtype = headers[0][0]
-        hashes = fingerprints(self.paths)
-        self.shards = [[os.path.basename(p), n, hashes[os.path.basename(p)]]
-                       for p, (_, n) in zip(self.paths, headers)]
+        facts = fingerprints(self.paths)  # {name: [sha256, largest token id]}
+        names = [os.path.basename(p) for p in self.paths]
+        self.shards = [[name, n, facts[name][0]] for name, (_, n) in zip(names, headers)]
+        self.largest_ids = [facts[name][1] for name in names]
         self.offsets = np.cumsum([0] + [n for _, n in headers])
         self.num_tokens = int(self.offsets[-1])
         # what every read checks: a shard truncated or rewritten under a running job fails the read, not the

@@ -84,6 +84,21 @@ def test_llmc_shards_with_a_written_meta_are_a_dataset(tmp_path):
         data.open_dataset(str(tmp_path), 'fineweb10B/fineweb_train_*.bin')
 
 
+def test_a_token_id_past_meta_json_s_vocab_size_is_refused_when_the_data_opens(tmp_path):
+    """A hand-written meta.json with too small a vocab_size would fail in the model's embedding (on a GPU, a
+    device-side assert); the largest id of each shard is kept with its hash, and open_splits names it."""
+    folder = tmp_path / 'hand'
+    folder.mkdir()
+    llmc_shard(folder / 'd_val_000000.bin', list(range(40)))
+    llmc_shard(folder / 'd_train_000000.bin', list(range(60)) * 2)
+    (folder / 'meta.json').write_text('{"vocab_size": 50, "tokenizer": "gpt2"}')
+    with pytest.raises(data.DataError,
+                       match="d_train_000000.bin holds token id 59 but the dataset's meta.json has vocab_size 50"):
+        data.open_splits(str(tmp_path), 'hand', 8)
+    (folder / 'meta.json').write_text('{"vocab_size": 60, "tokenizer": "gpt2"}')  # the id, from the cache
+    assert data.open_splits(str(tmp_path), 'hand', 8)[1]['train'].largest_ids == [59]
+
+
 def test_dataset_mistakes_are_one_line(tmp_path):
     def error(dataset):
         with pytest.raises(data.DataError) as e:
