@@ -113,7 +113,7 @@ def load(path, resumable=False):
     except Exception as e:
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupt: {first_line}): "
-                              f"resume from another file with resume_from=PATH, or start a new out_dir")
+                              f"use another file (train.py: resume_from=PATH), or start a new out_dir")
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"{path} holds a {type(ckpt).__name__}, not a checkpoint: pass the best.pt or "
                               f"last.pt of a run")

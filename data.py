@@ -107,7 +107,11 @@ def prepare_once(data_dir, name):
     """Prepare a built-in dataset (prepare.py, offline) where it is missing. Under torchrun the first process
     of each node calls this, since nodes need not share storage; those that do take turns on a lock file and
     find it prepared by the first."""
-    os.makedirs(data_dir, exist_ok=True)
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+    except OSError as e:  # a file in the way
+        raise DataError(f"data_dir '{data_dir}' cannot hold datasets ({e.strerror}): set data_dir to a "
+                        f"folder")
     with open(os.path.join(data_dir, f'.{name}.lock'), 'w') as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(os.path.join(data_dir, name, f'{name}_train_000000.bin')):
@@ -140,10 +144,13 @@ def open_dataset(data_dir, dataset):
             meta = json.load(f)
     except ValueError as e:
         raise DataError(f"{meta_path} is not valid JSON ({e}): fix it") from None
-    missing = [k for k in ('vocab_size', 'tokenizer') if k not in meta]
+    missing = [k for k in ('vocab_size', 'tokenizer') if not isinstance(meta, dict) or k not in meta]
     if missing:
         raise DataError(f"{meta_path} lacks {' and '.join(missing)}: add them, e.g. {{\"vocab_size\": 50257, "
                         f"\"tokenizer\": \"gpt2\"}}")
+    if type(meta['vocab_size']) is not int or meta['vocab_size'] < 1:
+        raise DataError(f"{meta_path} has vocab_size {meta['vocab_size']!r}: write the tokenizer's "
+                        f"vocabulary size as a whole number, e.g. 50257")
     entry = meta['tokenizer']
     if entry == 'char' or isinstance(entry, dict) and entry.get('kind') == 'char' and 'chars' not in entry:
         raise DataError(f"{meta_path} names a char tokenizer without its characters, which only prepare.py "

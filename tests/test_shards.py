@@ -92,8 +92,8 @@ def test_a_token_id_past_meta_json_s_vocab_size_is_refused_when_the_data_opens(t
     llmc_shard(folder / 'd_val_000000.bin', list(range(40)))
     llmc_shard(folder / 'd_train_000000.bin', list(range(60)) * 2)
     (folder / 'meta.json').write_text('{"vocab_size": 50, "tokenizer": "gpt2"}')
-    with pytest.raises(data.DataError,
-                       match="d_train_000000.bin holds token id 59 but the dataset's meta.json has vocab_size 50"):
+    too_small = "d_train_000000.bin holds token id 59 but the dataset's meta.json has vocab_size 50"
+    with pytest.raises(data.DataError, match=too_small):
         data.open_splits(str(tmp_path), 'hand', 8)
     (folder / 'meta.json').write_text('{"vocab_size": 60, "tokenizer": "gpt2"}')  # the id, from the cache
     assert data.open_splits(str(tmp_path), 'hand', 8)[1]['train'].largest_ids == [59]
@@ -145,6 +145,13 @@ def test_dataset_mistakes_are_one_line(tmp_path):
     (tmp_path / 'nometa').mkdir()
     assert 'has no' in error('nometa') and '"vocab_size": 50257' in error('nometa')
     assert 'no files match' in error('nometa/*.bin')
+    for meta, message in (('5', 'lacks vocab_size and tokenizer'),
+                          ('{"vocab_size": "223", "tokenizer": "gpt2"}', "has vocab_size '223': write"),
+                          ('{"vocab_size": 0, "tokenizer": "gpt2"}', 'has vocab_size 0: write')):
+        (tmp_path / 'old' / 'meta.json').write_text(meta)
+        assert message in error('old')
+    with pytest.raises(data.DataError, match="data_dir '.*' cannot hold datasets .*: set data_dir to a"):
+        data.prepare_once(str(tmp_path / 'old' / 'meta.json'), 'pystdlib_char')
 
 
 def test_data_change_names_the_shards():
