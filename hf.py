@@ -243,7 +243,10 @@ def export_gpt2(model, folder, eot_id=None, tokenizer_files=None):
         'eos_token_id': eot_id, 'dtype': 'float32',
     }
     parent = os.path.dirname(os.path.abspath(folder))
-    os.makedirs(parent, exist_ok=True)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:  # a file in the way
+        raise HFError(f"cannot make {parent} for the export ({e.strerror}): pick another path") from None
     work = tempfile.mkdtemp(prefix=f'.{os.path.basename(os.path.abspath(folder))}.', dir=parent)
     try:
         save_file({'transformer.' + k: v for k, v in tensors.items()},

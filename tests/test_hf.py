@@ -122,6 +122,7 @@ def test_export_refuses_what_gpt2_cannot_hold_and_a_used_folder(tiny_gpt2, tmp_p
     (used / 'keep.txt').write_text('mine')
     assert 'not an empty folder' in refusal(load_ours(tiny_gpt2)[0], str(used))
     assert os.listdir(used) == ['keep.txt']
+    assert 'cannot make' in refusal(load_ours(tiny_gpt2)[0], str(used / 'keep.txt' / 'sub' / 'export'))
     config = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=20)
     forked = GPT(config)  # a fork that adds a parameter GPT-2 has no place for
     forked.blocks[0].attn.gain = torch.nn.Parameter(torch.ones(16))
