@@ -98,8 +98,17 @@ def resolve_device(device, local_rank=None, cuda_count=None):
     return f'cuda:{index}', 'cuda'
 
 
-def init_process_group(device_type, backend):
-    """Join torchrun's group: nccl on CUDA and gloo on a CPU for backend='auto'. torchrun keeps its store
+def group_backend(device, backend):
+    """(backend, device_id) for init_process_group: nccl on CUDA and gloo on a CPU for backend='auto'. An nccl
+    group is bound to this rank's GPU: unbound, its first collective (data.py's barrier) runs on GPU
+    rank % GPUs per node, one another process owns on a node that runs fewer processes than it has GPUs."""
+    if backend == 'auto':
+        backend = 'nccl' if torch.device(device).type == 'cuda' else 'gloo'
+    return backend, torch.device(device) if backend == 'nccl' else None
+
+
+def init_process_group(device, backend):
+    """Join torchrun's group on group_backend's backend, bound to device under nccl. torchrun keeps its store
     across --max-restarts, so each attempt's addresses get a prefix a restarted group cannot confuse with the
     dead one's. The timeout is 30 minutes (gloo's default): NCCL's 10 would end ranks waiting for rank 0's
     save of a large model. At exit, on every path, a pause comes before the group is destroyed: gloo's threads
@@ -107,9 +116,8 @@ def init_process_group(device_type, backend):
     shutdown aborts the process."""
     store, _, _ = next(dist.rendezvous('env://'))
     store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    dist.init_process_group(backend=(('nccl' if device_type == 'cuda' else 'gloo') if backend == 'auto'
-                                     else backend),
-                            store=store, rank=int(os.environ['RANK']),
+    backend, device_id = group_backend(device, backend)
+    dist.init_process_group(backend=backend, store=store, rank=int(os.environ['RANK']), device_id=device_id,
                             world_size=int(os.environ['WORLD_SIZE']), timeout=datetime.timedelta(minutes=30))
     atexit.register(lambda: time.sleep(0.1) or dist.destroy_process_group())
 
@@ -127,7 +135,7 @@ def setup(device, local_rank, deterministic, backend):
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     if local_rank is not None:
-        init_process_group(device_type, backend)
+        init_process_group(device, backend)
     return device, device_type
 
 
@@ -428,16 +436,24 @@ def stop_profiler(profiler, device_type, trace_path):
 
 def phase_times(events, device_type):
     """{phase: ms} of a profiled iteration from torch.profiler's events, by train.py's labelled ranges. On a
-    CPU, the wall time of each range; on CUDA, where kernels run after their launch, the device time of the
-    kernels launched inside each range (FunctionEvent.device_time_total of the CPU-side range: its kernels and
-    its children's). 'other': the rest of the iteration's wall time (CPU) or of its kernels' time (CUDA)."""
+    CPU, the wall time of each range. On CUDA, where kernels run after their launch, the device time of the
+    kernels launched while each range was open, on any thread: backward's ops run on the autograd engine's
+    own thread there, outside the caller's range, so each op's kernels (its self device time: each kernel
+    once) go to the range its start falls in. 'other': the rest of the iteration's wall time (CPU) or of its
+    kernels' time (CUDA)."""
     cpu_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-    cuda = device_type == 'cuda'
+    phases = [e for e in cpu_events if e.name in PHASES]  # the calling thread's labelled ranges
     ms = dict.fromkeys(PHASES, 0.0)
+    if device_type != 'cuda':
+        for phase in phases:
+            ms[phase.name] += phase.cpu_time_total / 1e3
+        wall = max(e.time_range.end for e in cpu_events) - min(e.time_range.start for e in cpu_events)
+        return ms | {'other': max(0.0, wall / 1e3 - sum(ms.values()))}
+    other = 0.0
     for event in cpu_events:
-        if event.name in ms:
-            ms[event.name] += (event.device_time_total if cuda else event.cpu_time_total) / 1e3
-    # each kernel counts once, in the self time of the op that launched it
-    total = sum(e.self_device_time_total for e in cpu_events) if cuda else (
-        max(e.time_range.end for e in cpu_events) - min(e.time_range.start for e in cpu_events))
-    return ms | {'other': max(0.0, total / 1e3 - sum(ms.values()))}
+        within = [p.name for p in phases if p.time_range.start <= event.time_range.start < p.time_range.end]
+        if within:
+            ms[within[0]] += event.self_device_time_total / 1e3
+        else:
+            other += event.self_device_time_total / 1e3
+    return ms | {'other': other}

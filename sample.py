@@ -115,7 +115,8 @@ if __name__ == '__main__':
     if not os.path.isfile(ckpt_path):
         fail(f"checkpoint {ckpt_path} does not exist: set out_dir to a run's folder, or ckpt to a .pt file")
     try:
-        model, saved = load_model(ckpt_path, device)
+        # an export stays on the CPU: its tensors must load anywhere; a large run's shards may not fit a GPU
+        model, saved = load_model(ckpt_path, 'cpu' if export or export_hf else device)
     except checkpoint.CheckpointError as e:
         fail(e)
     if export:

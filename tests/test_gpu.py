@@ -44,9 +44,18 @@ def test_setup_makes_each_rank_s_own_gpu_current_before_it_joins_the_group(monke
     monkeypatch.setattr(torch, 'set_float32_matmul_precision', lambda p: calls.append(('matmul', p)))
     monkeypatch.setattr(perf, 'init_process_group', lambda *args: calls.append(('group', *args)))
     assert perf.setup('auto', 2, False, 'auto') == ('cuda:2', 'cuda')
-    assert calls == [('set_device', 'cuda:2'), ('matmul', 'high'), ('group', 'cuda', 'auto')]
+    assert calls == [('set_device', 'cuda:2'), ('matmul', 'high'), ('group', 'cuda:2', 'auto')]
     calls.clear()
     assert perf.setup('cpu', None, False, 'auto') == ('cpu', 'cpu') and calls == []
+
+
+@pytest.mark.parametrize('device, backend, expected', [
+    ('cuda:3', 'auto', ('nccl', torch.device('cuda:3'))),
+    ('cuda:3', 'nccl', ('nccl', torch.device('cuda:3'))),
+    ('cuda:3', 'gloo', ('gloo', None)), ('cpu', 'auto', ('gloo', None)),
+])
+def test_an_nccl_group_is_bound_to_the_rank_s_own_gpu(device, backend, expected):
+    assert perf.group_backend(device, backend) == expected
 
 
 def test_rng_state_holds_and_restores_only_this_process_s_gpu(monkeypatch):
@@ -157,3 +166,22 @@ def test_the_loss_compiled_with_the_model_equals_eager():
     assert torch.allclose(losses[0], losses[1], rtol=1e-5, atol=0)
     grads = [dict(m.named_parameters()) for m in (eager, twin)]
     assert all(torch.allclose(grads[0][k].grad, grads[1][k].grad, rtol=1e-4, atol=1e-6) for k in grads[0])
+
+
+def test_phase_times_on_cuda_count_backward_kernels_launched_from_the_autograd_thread():
+    """On CUDA the autograd engine runs backward's ops on its own device thread, so the caller's 'backward'
+    range has no children with kernels; each op's kernels go to the range open when it started, on any
+    thread. Times in microseconds, as torch.profiler's events give them."""
+    from types import SimpleNamespace
+
+    def event(name, start, end, self_device_us=0.0, thread=1):
+        return SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CPU, thread=thread,
+                               time_range=SimpleNamespace(start=start, end=end),
+                               self_device_time_total=self_device_us, device_time_total=self_device_us)
+    events = [event('data', 0, 10), event('forward', 10, 100), event('aten::mm', 20, 30, 3000),
+              event('backward', 100, 200, 100),  # the loss scaling it launches itself
+              event('aten::mm', 120, 130, 5000, thread=2), event('aten::add_', 150, 151, 500, thread=2),
+              event('optimizer', 200, 300), event('aten::_fused_adamw_', 210, 220, 2000),
+              event('aten::zero_', 305, 306, 700)]  # outside every range
+    expected = {'data': 0.0, 'forward': 3.0, 'backward': 5.6, 'optimizer': 2.0, 'other': 0.7}
+    assert perf.phase_times(events, 'cuda') == pytest.approx(expected)
