@@ -17,8 +17,8 @@ PROBE_LOGGERS=FILE   stands in for wandb and TensorBoard (the tensorboard packag
 PROBE_SLEEP=A-B:S    sleeps S seconds in training micro-batches A to B (as compilation or a busy machine
                      would)
 PROBE_DATA=R:N:HOW:PATH  at rank R's N-th micro-batch, truncates the file PATH to half its size (HOW=truncate)
-                     or rewrites its second half with other bytes, keeping its size (HOW=rewrite), as a job
-                     re-preparing the data under the run would
+                     or rotates the tokens of its second half by 4 bytes, keeping its size and every id in the
+                     vocabulary (HOW=rewrite), as a job re-preparing the data under the run would
 PROBE_FSIZE=BYTES    no file this process writes may grow past BYTES (RLIMIT_FSIZE): writes fail with EFBIG,
                      as on a full disk where no small filesystem can be mounted
 Always: the GIL changes hands at most once a second unless its holder releases it (sys.setswitchinterval), so
@@ -161,11 +161,12 @@ def probed_cross_entropy(*args, **kwargs):
             if how == 'truncate':
                 os.truncate(path, os.path.getsize(path) // 2)
             else:
+                half = 1024 + (os.path.getsize(path) // 2 - 1024) // 4 * 4  # after the header, at a token
                 with open(path, 'r+b') as f:
-                    f.seek(os.path.getsize(path) // 2)
+                    f.seek(half)
                     rest = f.read()
-                    f.seek(os.path.getsize(path) // 2)
-                    f.write(bytes(255 - b for b in rest))
+                    f.seek(half)
+                    f.write(rest[4:] + rest[:4])
         span, _, seconds = os.environ.get('PROBE_SLEEP', '0-0:0').partition(':')
         if int(span.split('-')[0]) <= micro_batches <= int(span.split('-')[1]):
             time.sleep(float(seconds))
