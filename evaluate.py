@@ -224,6 +224,28 @@ def score(model, examples, batch_size, device, autocast, rank=0, world_size=1):
             'chance': sum(1 / len(e.rows) for e in examples) / len(examples)}
 
 
+def score_tasks(model, tasks, batch_size, device, autocast, rank=0, world_size=1):
+    """score() of each task ({path: examples}, as read_tasks gives them), named by its file without folder or
+    extension, and the mean acc_norm over the tasks (0.0 without any): what train.py records at every
+    evaluation, and what best_by='acc_norm' compares."""
+    accuracy = {os.path.splitext(os.path.basename(path))[0]:
+                score(model, examples, batch_size, device, autocast, rank, world_size)
+                for path, examples in tasks.items()}
+    return accuracy, sum(a['acc_norm'] for a in accuracy.values()) / len(accuracy) if accuracy else 0.0
+
+
+def task_fields(accuracy):
+    """score_tasks' accuracy as metrics fields: TASK/acc, TASK/acc_norm, TASK/chance, TASK/examples."""
+    return {f'{task}/{k}': a[k] for task, a in accuracy.items()
+            for k in ('acc', 'acc_norm', 'chance', 'examples')}
+
+
+def tasks_line(accuracy):
+    """score_tasks' accuracy for the eval line: ', TASK acc_norm A (chance C)' per task; '' without tasks."""
+    return ''.join(f", {task} acc_norm {a['acc_norm']:.4f} (chance {a['chance']:.2f})"
+                   for task, a in accuracy.items())
+
+
 def wilson_interval(correct, n, z=Z_95):
     """The Wilson score interval of a proportion correct / n: unlike the normal approximation
     (p +- z sqrt(p(1-p)/n)), it stays within [0, 1] and keeps its coverage at small n and at accuracies near 0

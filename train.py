@@ -458,24 +458,18 @@ def evaluate_and_choose_saves():
     global best_val_loss, best_acc_norm, best_iter, evals_since_best
     train_loss, val_loss = (evaluate.loss(eval_model, eval_loaders[split], device, autocast)
                             for split in ('train', 'val'))
-    accuracy = {os.path.splitext(os.path.basename(path))[0]:
-                evaluate.score(eval_model, examples, batch_size, device, autocast, rank, world_size)
-                for path, examples in tasks.items()}
-    acc_norm = sum(a['acc_norm'] for a in accuracy.values()) / len(accuracy) if accuracy else 0.0
+    accuracy, acc_norm = evaluate.score_tasks(eval_model, tasks, batch_size, device, autocast, rank,
+                                              world_size)
     improved = val_loss < best_val_loss if best_by == 'val_loss' else acc_norm > best_acc_norm
     if improved:
         best_val_loss, best_acc_norm, best_iter = val_loss, acc_norm, iter_num
     evals_since_best = 0 if improved else evals_since_best + 1
     record({'kind': 'eval', 'step': iter_num, 'train_loss': train_loss, 'val_loss': val_loss,
             'best_val_loss': best_val_loss, 'val_bits_per_token': val_loss / math.log(2),
-            **{f'{task}/{k}': a[k] for task, a in accuracy.items()
-               for k in ('acc', 'acc_norm', 'chance', 'examples')}})
-    tasks_line = ''.join(f", {task} acc_norm {a['acc_norm']:.4f} (chance {a['chance']:.2f})"
-                         for task, a in accuracy.items())
+            **evaluate.task_fields(accuracy)})
     best = best_val_loss if best_by == 'val_loss' else best_acc_norm
     log(f"eval {iter_num}: train {train_loss:.4f}, val {val_loss:.4f} (gap {val_loss - train_loss:+.4f})"
-        f"{tasks_line}, best {best:.4f} at {best_iter}"
-        f"{' *saved best.pt' if improved else ''}")
+        f"{evaluate.tasks_line(accuracy)}, best {best:.4f} at {best_iter}{' *saved best.pt' * improved}")
     return ['best.pt'] * improved + ['last.pt'] * (always_save_checkpoint or improved)
 
 
