@@ -197,28 +197,41 @@ def save(names, out_dir, build, model, optimizer, sharded, iter_num, master):
     """Write each of names (best.pt, last.pt) into out_dir, atomically; build(shards) gives the state. Every
     rank calls it: in fsdp mode each first writes its shards to shards-ITER/, and only then does rank 0 write
     the files that point there, so a shards folder counts only once complete; folders no file points to are
-    removed."""
-    shards = None
-    if sharded:
-        import torch.distributed.checkpoint as dcp
-        shards = f'shards-{iter_num}'
-        dcp.save(sharded_state(model, optimizer), checkpoint_id=os.path.join(out_dir, shards))
-    if not master:
-        return
-    last = os.path.join(out_dir, 'last.pt')
-    if os.path.exists(last) and shutil.disk_usage(out_dir).free < 2 * len(names) * os.path.getsize(last):
-        print(f"warning: {out_dir} has {shutil.disk_usage(out_dir).free / 2**20:,.0f} MB free and a "
-              f"checkpoint takes {os.path.getsize(last) / 2**20:,.0f} MB: free space before a save "
-              f"fails", file=sys.stderr)
-    ckpt = build(shards)
-    for name in names:
-        save_file(ckpt, os.path.join(out_dir, name))
-    if sharded:
-        in_use = {load(os.path.join(out_dir, n))['shards'] for n in ('best.pt', 'last.pt')
-                  if os.path.exists(os.path.join(out_dir, n))}
-        for folder in os.listdir(out_dir):
-            if folder.startswith('shards-') and folder not in in_use:
-                shutil.rmtree(os.path.join(out_dir, folder))
+    removed. Returns None, or why this rank's part failed (a full disk: the OSError's reason), for the ranks
+    to agree on before any goes on: a failed write leaves every file on disk whole."""
+    try:
+        shards = None
+        if sharded:
+            import torch.distributed.checkpoint as dcp
+            shards = f'shards-{iter_num}'
+            dcp.save(sharded_state(model, optimizer), checkpoint_id=os.path.join(out_dir, shards))
+        if not master:
+            return None
+        last = os.path.join(out_dir, 'last.pt')
+        if os.path.exists(last) and shutil.disk_usage(out_dir).free < 2 * len(names) * os.path.getsize(last):
+            print(f"warning: {out_dir} has {shutil.disk_usage(out_dir).free / 2**20:,.0f} MB free and a "
+                  f"checkpoint takes {os.path.getsize(last) / 2**20:,.0f} MB: free space before a save "
+                  f"fails", file=sys.stderr)
+        ckpt = build(shards)
+        for name in names:
+            save_file(ckpt, os.path.join(out_dir, name))
+        if sharded:
+            in_use = {load(os.path.join(out_dir, n))['shards'] for n in ('best.pt', 'last.pt')
+                      if os.path.exists(os.path.join(out_dir, n))}
+            for folder in os.listdir(out_dir):
+                if folder.startswith('shards-') and folder not in in_use:
+                    shutil.rmtree(os.path.join(out_dir, folder))
+    except (OSError, CheckpointError) as e:
+        return e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+
+
+def save_failure(names, iter_num, failed, out_dir, last_saved):
+    """The line a failed save ends every rank's run with: failed is this rank's reason (save's), None where
+    another rank failed; last_saved is the iteration out_dir/last.pt holds, if it exists."""
+    has_last = os.path.exists(os.path.join(out_dir, 'last.pt'))
+    held = f" (last.pt holds iteration {last_saved})" if has_last else ''
+    return (f"saving {' and '.join(names)} at iteration {iter_num} failed ({failed or 'on another rank'}): "
+            f"the files on disk are whole; free space in {out_dir}, then run again with init_from=auto{held}")
 
 
 # -----------------------------------------------------------------------------

@@ -391,23 +391,16 @@ def save(names, rng):
     here, with every file on disk whole. Logs and counts the seconds it took."""
     global last_saved, save_seconds
     assert rng is not None, "an iteration that saves gathers the RNG states: add its reason to the rng line"
-    start, failed = time.time(), None
+    start = time.time()
     progress = dict(zip(checkpoint.PROGRESS, (iter_num, best_val_loss, best_acc_norm, best_iter,
                                               evals_since_best, skipped_steps, consecutive_skips,
                                               seconds_before + time.time() - t_start)))
-    try:
-        run = run_record | {'log_bytes': runlog.log_bytes()}
-        build = lambda shards: checkpoint.state(raw_model, optimizer, scheduler, scaler, train_sampler, rng,
-                                                progress, run, shards)
-        checkpoint.save(names, out_dir, build, model, optimizer, sharded, iter_num, master)
-    except (OSError, checkpoint.CheckpointError) as e:
-        failed = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    run = run_record | {'log_bytes': runlog.log_bytes()}
+    build = lambda shards: checkpoint.state(raw_model, optimizer, scheduler, scaler, train_sampler, rng,
+                                            progress, run, shards)
+    failed = checkpoint.save(names, out_dir, build, model, optimizer, sharded, iter_num, master)
     if any_rank(failed, device):
-        has_last = os.path.exists(os.path.join(out_dir, 'last.pt'))
-        held = f" (last.pt holds iteration {last_saved})" if has_last else ''
-        abort(iter_num, f"saving {' and '.join(names)} at iteration {iter_num} failed "
-                        f"({failed or 'on another rank'}): the files on disk are whole; free space in "
-                        f"{out_dir}, then run again with init_from=auto{held}")
+        abort(iter_num, checkpoint.save_failure(names, iter_num, failed, out_dir, last_saved))
     last_saved = iter_num if 'last.pt' in names else last_saved
     seconds = time.time() - start
     save_seconds += seconds
