@@ -10,6 +10,7 @@ at a mistake writes nothing.
 import glob
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import signal
@@ -98,6 +99,22 @@ def start(out_dir, resumed, config, sources, resolved, run):
         wandb = wandb_module
         wandb.init(project=config['wandb_project'], name=config['wandb_run_name'], config=config,
                    resume='allow')
+
+
+def done(test, first_iter):
+    """The end of a run that completed: the 'test' record (step, best_iter, best_val_loss, test_loss or None,
+    wall_seconds and save_seconds of this session, total_seconds of every session), and the line that sums it
+    up. first_iter: the iteration this session started from (0 unless it resumed)."""
+    record(test)
+    step, seconds, test_loss = test['step'], test['wall_seconds'], test['test_loss']
+    sessions = f"{step} iterations in {seconds:.0f} s" if not first_iter else (
+        f"iterations {first_iter + 1}-{step} in {seconds:.0f} s, all {step} iterations in "
+        f"{test['total_seconds']:.0f} s over every session")
+    tested = '' if test_loss is None else \
+        f", test loss {test_loss:.4f} ({test_loss / math.log(2):.3f} bits/token) with the best weights"
+    log(f"done: {sessions} (checkpoint saves {test['save_seconds'] / seconds:.1%} of this session), best "
+        f"val loss {test['best_val_loss']:.4f} at iteration {test['best_iter']}{tested}; checkpoints in "
+        f"{run_dir}")
 
 
 def finish():

@@ -553,17 +553,9 @@ best = os.path.join(out_dir, 'best.pt')
 if best_iter > 0 and (test_eval or sample_tokens):  # last.pt holds the trained weights: now load the best
     checkpoint.load_weights(checkpoint.load(best), best, raw_model)
 test_loss = evaluate.loss(eval_model, eval_loaders['test'], device, autocast) if test_eval else None
-total_seconds = seconds_before + session_seconds
-record({'kind': 'test', 'step': iter_num, 'best_iter': best_iter, 'best_val_loss': best_val_loss,
-        'test_loss': test_loss, 'wall_seconds': session_seconds, 'save_seconds': save_seconds,
-        'total_seconds': total_seconds})
-sessions = f"{iter_num} iterations in {session_seconds:.0f} s" if not start_iter else (
-    f"iterations {start_iter + 1}-{iter_num} in {session_seconds:.0f} s, all {iter_num} iterations in "
-    f"{total_seconds:.0f} s over every session")
-tested = f", test loss {test_loss:.4f} ({test_loss / math.log(2):.3f} bits/token) with the best weights" \
-    if test_eval else ''
-log(f"done: {sessions} (checkpoint saves {save_seconds / session_seconds:.1%} of this session), best val "
-    f"loss {best_val_loss:.4f} at iteration {best_iter}{tested}; checkpoints in {out_dir}")
+runlog.done({'kind': 'test', 'step': iter_num, 'best_iter': best_iter, 'best_val_loss': best_val_loss,
+             'test_loss': test_loss, 'wall_seconds': session_seconds, 'save_seconds': save_seconds,
+             'total_seconds': seconds_before + session_seconds}, start_iter)
 if sample_tokens and (master or sharded):  # a sharded model's forward needs every rank
     with autocast:
         text = sample.sample_text(raw_model, tok, tok.start, sample_tokens, 0.8, 200, seed, device)
