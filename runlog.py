@@ -65,9 +65,10 @@ def log_bytes():
     return {name: f.tell() for name, f in files.items()}
 
 
-def start(out_dir, resumed, config, sources, resolved, run):
-    """Create out_dir, open the logs for appending, write config.json (with what 'auto' settings resolved to)
-    and meta.json (run: seed, dtype, device, data, ...), and start TensorBoard and wandb where config asks.
+def start(out_dir, resumed, config, sources, session):
+    """Create out_dir, open the logs for appending, write config.json (with the device and dtype 'auto'
+    resolved to) and meta.json (session: seed, dtype, device, data, ...), and start TensorBoard and wandb
+    where config asks.
     Returns None, or the line that says out_dir cannot be written. resumed: (path, checkpoint) of the one the
     run resumes from, or None. From one in out_dir (wherever the folder was when it was written: it may have
     been moved) the logs keep what it had logged and lose what came after, since those steps are redone; from
@@ -87,8 +88,9 @@ def start(out_dir, resumed, config, sources, resolved, run):
         for path in glob.glob(os.path.join(glob.escape(out_dir), '*.tmp')):
             os.remove(path)
         settings = {k: {'value': config[k], 'source': sources[k]} for k in config}
+        resolved = {'device': session['device'], 'dtype': session['dtype']}
         checkpoint.write_json(os.path.join(out_dir, 'config.json'), settings | {'resolved': resolved})
-        write_meta(out_dir, run)
+        write_meta(out_dir, session)
         if config['tensorboard_log']:
             from torch.utils.tensorboard import SummaryWriter
             tensorboard = SummaryWriter(os.path.join(out_dir, 'tensorboard'))
@@ -99,6 +101,21 @@ def start(out_dir, resumed, config, sources, resolved, run):
         wandb = wandb_module
         wandb.init(project=config['wandb_project'], name=config['wandb_run_name'], config=config,
                    resume='allow')
+
+
+def announce(session, config, step, num_params):
+    """The 'start' record, and the lines that say what this session is (session: meta.json's): where it starts
+    from, the model's size, the device, dtype and processes, the tokens per iteration, and the peak FLOP/s
+    that MFU is measured against."""
+    record({'kind': 'start', 'step': step, 'time': time.time()})
+    pretrained, peak = session['pretrained'], session['peak_flops']
+    start_point = f"resuming from {session['resumed_from']}" if session['resumed_from'] else \
+        f"starting from {pretrained['weights'] if pretrained else 'scratch'}"
+    accum, batch, block = (config[k] for k in ('gradient_accumulation_steps', 'batch_size', 'block_size'))
+    log(f"{start_point}: {num_params / 1e6:.2f}M parameters, {session['device']} {session['dtype']}, "
+        f"{session['world_size']} process(es), {accum * batch * block:,} tokens per iteration ({accum} x "
+        f"{batch} x {block})")
+    log(f"MFU is measured against {peak['per_process'] / 1e9:,.1f} GFLOP/s per process ({peak['how']})")
 
 
 def record_estimate(step, seconds_per_iter, micro_batches, left):

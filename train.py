@@ -358,22 +358,17 @@ log("measuring this machine's peak FLOP/s for MFU (once per machine and dtype: c
 peak_flops, peak_how = perf.peak_flops(device, perf.DTYPES[dtype]) if master else (float('nan'), '')
 run_record = {'config': config, 'model_args': dataclasses.asdict(model_config), 'dataset': dataset_id,
               'pretrained': pretrained, 'dtype': dtype, 'seed': seed, 'out_dir': out_dir}
-resumed = (ckpt_path, ckpt) if resuming else None
-unwritable = runlog.start(out_dir, resumed, config, config_sources, {'device': device, 'dtype': dtype}, {
+session = {  # what this session is, for meta.json (beside the code, software and machine) and its first lines
     'seed': seed, 'dtype': dtype, 'dtype_choice': dtype_how, 'device': device, 'world_size': world_size,
     'pretrained': pretrained, 'peak_flops': {'per_process': peak_flops, 'how': peak_how},
     'resumed_from': f"{ckpt_path} at iteration {iter_num}" if resuming else None,
     'dataset': {**dataset_id, 'tokenizer': data_meta['tokenizer']['kind'], 'dir': data_dir,
-                'split_rule': data_meta.get('split_rule', '')}}) if master else None
+                'split_rule': data_meta.get('split_rule', '')}}
+resumed = (ckpt_path, ckpt) if resuming else None
+unwritable = runlog.start(out_dir, resumed, config, config_sources, session) if master else None
 check(not any_rank(unwritable, device), unwritable)  # every rank stops here together
+runlog.announce(session, config, iter_num, raw_model.num_params())
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
-record({'kind': 'start', 'step': iter_num, 'time': time.time()})
-start_point = f"resuming from {ckpt_path} at iteration {iter_num}" if resuming else \
-    f"starting from {pretrained['weights'] if pretrained else 'scratch'}"
-log(f"{start_point}: "
-    f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, {world_size} process(es), "
-    f"{tokens_per_iter:,} tokens per iteration ({gradient_accumulation_steps} x {batch_size} x {block_size})")
-log(f"MFU is measured against {peak_flops / 1e9:,.1f} GFLOP/s per process ({peak_how})")
 if resuming and len(ckpt['rng']) != world_size:
     log(f"the checkpoint was written by {len(ckpt['rng'])} process(es): the data continues where it stopped, "
         f"but dropout draws new random streams, so this is not bitwise the run that would have continued")
