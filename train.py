@@ -368,7 +368,6 @@ resumed = (ckpt_path, ckpt) if resuming else None
 unwritable = runlog.start(out_dir, resumed, config, config_sources, session) if master else None
 check(not any_rank(unwritable, device), unwritable)  # every rank stops here together
 runlog.announce(session, config, iter_num, raw_model.num_params())
-tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 if resuming and len(ckpt['rng']) != world_size:
     log(f"the checkpoint was written by {len(ckpt['rng'])} process(es): the data continues where it stopped, "
         f"but dropout draws new random streams, so this is not bitwise the run that would have continued")
@@ -478,6 +477,7 @@ def agree_or_abort(loss_sum, grad_norm, starts, lr):
 # training loop
 batches = data.TrainBatches(splits['train'], train_sampler, num_workers, seed + rank, device_type == 'cuda')
 micro_batches = iter(lambda batch=next(batches): batch, None) if overfit_one_batch else batches
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 speed = perf.Speedometer(iter_num, max_iters, accum_steps, tokens_per_iter, raw_model.flops_per_token(),
                          peak_flops * world_size)
 t_start, first_loss, save_seconds = time.time(), None, 0.0
