@@ -301,14 +301,6 @@ def float16_warning(device, n_embd, tokens):
             f"slower): use dtype=bfloat16 or float32")
 
 
-def overflow_streak(skips, iter_num, scale):
-    """The line a run ends with when float16's loss scaler skipped skips optimizer steps in a row, up to
-    iter_num, its scale now scale: no loss scale keeps these gradients within float16's range."""
-    return (f"float16 gradients overflowed {skips} optimizer steps in a row (up to iteration {iter_num}, "
-            f"loss scale now {scale:g}): the model diverged or float16's range is too small for it; use "
-            f"dtype=bfloat16 or float32, or lower learning_rate, then resume")
-
-
 # -----------------------------------------------------------------------------
 # peak FLOP/s, for MFU
 

@@ -497,7 +497,10 @@ while iter_num < max_iters:
     iter_num += 1
     skipped_steps, consecutive_skips = skipped_steps + skipped, (consecutive_skips + 1) * skipped
     if consecutive_skips >= max_consecutive_skips:
-        abort(iter_num, perf.overflow_streak(consecutive_skips, iter_num, scaler.get_scale()))
+        abort(iter_num, f"float16 gradients overflowed {consecutive_skips} optimizer steps in a row (up to "
+                        f"iteration {iter_num}, loss scale now {scaler.get_scale():g}): the model diverged "
+                        f"or float16's range is too small for it; use dtype=bfloat16 or float32, or lower "
+                        f"learning_rate, then resume")
 
     evaluating = iter_num % eval_interval == 0 or iter_num == max_iters
     interval = checkpoint_interval and iter_num % checkpoint_interval == 0
