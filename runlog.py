@@ -118,28 +118,6 @@ def announce(session, config, step, num_params):
     log(f"MFU is measured against {peak['per_process'] / 1e9:,.1f} GFLOP/s per process ({peak['how']})")
 
 
-def record_estimate(step, seconds_per_iter, micro_batches, left):
-    """Once a session's second micro-batch has run (seconds_per_iter: perf.Speedometer.startup_estimate, None
-    before and after): the 'estimate' record, and the line with the time an iteration of micro_batches takes
-    and the hours the left iterations will."""
-    if seconds_per_iter is None:
-        return
-    record({'kind': 'estimate', 'step': step, 'seconds_per_iter': seconds_per_iter})
-    log(f"a micro-batch after the first took {seconds_per_iter / micro_batches:.2f} s: about "
-        f"{seconds_per_iter:.2f} s per iteration, {seconds_per_iter * left / 3600:.2f} h for the {left} left")
-
-
-def record_train(entry, max_iters):
-    """A 'train' record (loss, lr, grad_norm, tokens_per_sec, mfu, peak_mem_mb, eta_seconds, skipped, ...),
-    and its line."""
-    record(entry)
-    eta = entry['eta_seconds']
-    log(f"iter {entry['step']}/{max_iters}: loss {entry['loss']:.4f}, lr {entry['lr']:.3e}, grad norm "
-        f"{entry['grad_norm']:.3f}, {entry['tokens_per_sec']:,.0f} tok/s, MFU {entry['mfu']:.1%}, mem "
-        f"{entry['peak_mem_mb']:,.0f} MB, ETA {'?' if eta is None else f'{eta / 60:.1f} min'}"
-        f"{', step skipped (float16 overflow)' * entry['skipped']}")
-
-
 def done(test, first_iter):
     """The end of a run that completed: the 'test' record (step, best_iter, best_val_loss, test_loss or None,
     wall_seconds and save_seconds of this session, total_seconds of every session), and the line that sums it

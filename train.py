@@ -419,15 +419,23 @@ def log_step(loss, grad_norm, lr, skipped, scale, profiler):
     if iter_num == start_iter + 1:  # what each rank holds: every rank gets here
         record({'kind': 'memory', 'step': iter_num,
                 'ranks': gather(perf.memory_held(raw_model, optimizer, device))})
-    runlog.record_estimate(iter_num, speed.startup_estimate(), accum_steps, max_iters - iter_num)
+    seconds_per_iter, left = speed.startup_estimate(), max_iters - iter_num
+    if seconds_per_iter is not None:
+        record({'kind': 'estimate', 'step': iter_num, 'seconds_per_iter': seconds_per_iter})
+        log(f"a micro-batch after the first took {seconds_per_iter / accum_steps:.2f} s: about "
+            f"{seconds_per_iter:.2f} s per iteration, {seconds_per_iter * left / 3600:.2f} h for the {left} "
+            f"left")
     if iter_num % log_interval and iter_num != max_iters:
         return
     tokens_per_sec, mfu, eta = speed.interval(iter_num)
-    runlog.record_train({'kind': 'train', 'step': iter_num, 'time': time.time(), 'loss': loss, 'lr': lr,
-                         'grad_norm': grad_norm, 'tokens_per_sec': tokens_per_sec, 'mfu': mfu,
-                         'peak_mem_mb': perf.peak_memory_mb(device), 'eta_seconds': eta, 'skipped': skipped,
-                         'skipped_total': skipped_steps, 'scale': scale, 'epoch': train_sampler.epoch},
-                        max_iters)
+    memory = perf.peak_memory_mb(device)
+    record({'kind': 'train', 'step': iter_num, 'time': time.time(), 'loss': loss, 'lr': lr,
+            'grad_norm': grad_norm, 'tokens_per_sec': tokens_per_sec, 'mfu': mfu, 'peak_mem_mb': memory,
+            'eta_seconds': eta, 'skipped': skipped, 'skipped_total': skipped_steps, 'scale': scale,
+            'epoch': train_sampler.epoch})
+    log(f"iter {iter_num}/{max_iters}: loss {loss:.4f}, lr {lr:.3e}, grad norm {grad_norm:.3f}, "
+        f"{tokens_per_sec:,.0f} tok/s, MFU {mfu:.1%}, mem {memory:,.0f} MB, "
+        f"ETA {'?' if eta is None else f'{eta / 60:.1f} min'}{', step skipped (float16 overflow)' * skipped}")
 
 
 def evaluate_and_choose_saves():
