@@ -286,11 +286,13 @@ def auto_dtype(device, model_args, batch_size):
                            'seconds)', **seconds}
 
 
-def float16_warning(device, n_embd, tokens):
+def float16_warning(device, model_config, batch_size):
     """A warning line when float16 is emulated on this CPU ('' when it is not, and on a GPU): CPUs have no
-    float16 matmul units. Measured on a (tokens, C) x (C, 4C) product, an MLP's, in float16 and float32."""
+    float16 matmul units. Measured on a (tokens, C) x (C, 4C) product, the MLP's of a micro-batch, in float16
+    and float32."""
     if torch.device(device).type != 'cpu':
         return ''
+    n_embd, tokens = model_config.n_embd, batch_size * model_config.block_size
     a16 = torch.full((tokens, n_embd), 0.5, dtype=torch.float16)
     b16 = torch.full((n_embd, 4 * n_embd), 0.25, dtype=torch.float16)
     slow, fast = best_seconds(a16, b16, 0.05), best_seconds(a16.float(), b16.float(), 0.05)
@@ -347,6 +349,13 @@ def peak_flops(device, dtype):
     entry = cached(f"peak {machine(device)} {dtype}",
                    lambda: dict(zip(('flops', 'how'), measure_flops(device, dtype))))
     return entry['flops'], entry['how'] + (f" (cached in {entry['cached']})" if entry['cached'] else '')
+
+
+def reset_peak_memory(device):
+    """The CUDA allocator's peak counts from here: start-up's allocations (the peak FLOP/s measurement, the
+    smoke test's copy of the weights) are not training's. A CPU process's resident peak cannot be reset."""
+    if torch.device(device).type == 'cuda':
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def peak_memory_mb(device):

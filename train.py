@@ -151,7 +151,6 @@ check(gradient_accumulation_steps % world_size == 0,
       f"gradient_accumulation_steps={gradient_accumulation_steps} is not divisible by the {world_size} "
       f"processes: make it a multiple of {world_size} so the global batch stays the same")
 sharded = ddp and parallel == 'fsdp'
-check(not (sharded and dtype == 'float16'), "parallel='fsdp' trains in float32 or bfloat16: use bfloat16")
 # torch 2.13's Muon steps FSDP2's sharded matrices without an error, but not to the update of the whole matrix
 check(not (sharded and optimizer == 'muon'), "optimizer='muon' does not work with parallel='fsdp' (Muon "
       "orthogonalizes whole matrices, FSDP shards them): use parallel='ddp' or optimizer='adamw'")
@@ -230,12 +229,14 @@ try:  # 'auto': the resumed run's choice, or rank 0's (measured, on some CPUs) f
                                           (ckpt_path, ckpt['dtype']) if resuming else None)
 except ValueError as e:
     check(False, e)
-if dtype == 'float16' and (warning := perf.float16_warning(device, n_embd, batch_size * block_size)):
+check(not (sharded and dtype == 'float16'), "parallel='fsdp' trains in float32 or bfloat16, not float16 "
+      "(dtype='auto' picks it below compute capability 8.0): use dtype=bfloat16, or float32 on such a GPU")
+if dtype == 'float16' and (warning := perf.float16_warning(device, model_config, batch_size)):
     log(warning, sys.stderr)
 autocast = perf.autocast(device_type, dtype)
 
-log(f"building the model: {n_layer} layers, {n_head} heads, {n_embd} wide, block {block_size}, "
-    f"vocab {model_config.vocab_size}")
+log(f"building the model: {model_config.n_layer} layers, {model_config.n_head} heads, {model_config.n_embd} "
+    f"wide, block {block_size}, vocab {model_config.vocab_size}")  # the shape GPT-2's weights may have set
 torch.manual_seed(seed)  # the same initial weights on every rank
 model = GPT(model_config)
 if pretrained_state is not None:
@@ -488,6 +489,7 @@ micro_batches = iter(lambda batch=next(batches): batch, None) if overfit_one_bat
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 speed = perf.Speedometer(iter_num, max_iters, accum_steps, tokens_per_iter, raw_model.flops_per_token(),
                          peak_flops * world_size)
+perf.reset_peak_memory(device)  # the loop's peak, not the FLOP/s measurement's or the smoke test's
 t_start, first_loss, save_seconds = time.time(), None, 0.0
 while iter_num < max_iters:
     # the step

@@ -88,12 +88,14 @@ def test_activation_checkpointing_recomputes_every_block_and_changes_no_loss(tmp
 
 
 def test_fsdp_refuses_float16_and_muon_before_writing_anything(tmp_path, data_dir):
-    for args, message in ((['--dtype=float16'],
-                           "error: parallel='fsdp' trains in float32 or bfloat16: use bfloat16"),
+    # float16 asked, or chosen by dtype='auto' (as on a GPU before compute capability 8.0)
+    for args, message in ((['--dtype=auto'],
+                           "error: parallel='fsdp' trains in float32 or bfloat16, not float16"),
                           (['--optimizer=muon'],
                            "error: optimizer='muon' does not work with parallel='fsdp'")):
         result = torchrun(str(tmp_path / 'never'), data_dir, '--parallel=fsdp',
-                          '--gradient_accumulation_steps=2', *args, timeout=120)
+                          '--gradient_accumulation_steps=2', *args, timeout=120,
+                          env_extra={'HONESTGPT_AUTO_DTYPE': 'float16'})
         assert result.returncode != 0 and message in result.stderr, result.stderr
         assert result.stderr.count(message) == 1  # said once, not once per rank
         assert not (tmp_path / 'never').exists()

@@ -185,3 +185,11 @@ def test_phase_times_on_cuda_count_backward_kernels_launched_from_the_autograd_t
               event('aten::zero_', 305, 306, 700)]  # outside every range
     expected = {'data': 0.0, 'forward': 3.0, 'backward': 5.6, 'optimizer': 2.0, 'other': 0.7}
     assert perf.phase_times(events, 'cuda') == pytest.approx(expected)
+
+
+def test_the_peak_memory_of_training_starts_after_start_up(monkeypatch):
+    reset = []
+    monkeypatch.setattr(torch.cuda, 'reset_peak_memory_stats', lambda device: reset.append(device))
+    perf.reset_peak_memory('cpu')
+    perf.reset_peak_memory('cuda:1')
+    assert reset == ['cuda:1']

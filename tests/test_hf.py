@@ -181,7 +181,8 @@ def test_gpt2_by_name_from_the_cache_finetunes_and_resumes_exactly(root, bpe_dat
     args = ['--init_from=gpt2', '--dataset=shakespeare', '--dropout=0.1', '--block_size=32', '--max_iters=6',
             '--lr_decay_iters=6', '--eval_interval=3']
     straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
-    run_train(straight, bpe_data, *args, env=env)
+    started = run_train(straight, bpe_data, *args, env=env)
+    assert 'building the model: 2 layers, 4 heads, 64 wide' in started.stdout  # the weights' shape, not 32
     run_train(split, bpe_data, *args, '--max_iters=3', env=env)
     # resume as a user does: init_from changes, the shape keys stay unset (the config still says n_embd=32)
     run_train(split, bpe_data, *[a for a in args if not a.startswith('--init_from')], '--init_from=resume',
