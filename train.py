@@ -241,10 +241,11 @@ torch.manual_seed(seed)  # the same initial weights on every rank
 model = GPT(model_config)
 if pretrained_state is not None:
     model.load_state_dict(pretrained_state)
-model = model.to(device)
 model.activation_checkpointing = activation_checkpointing
-if sharded:
+if sharded:  # FSDP moves each block to the device as it shards it: no rank holds the whole model there
     model.fully_shard(perf.DTYPES[dtype], device_type)
+else:
+    model = model.to(device)
 optimizer_args = (learning_rate, (beta1, beta2), config['optimizer'], muon_lr, muon_momentum)
 optimizer = model.configure_optimizers(weight_decay, *optimizer_args)
 min_lr_factor = min_lr / learning_rate if learning_rate > 0 else 0.0
