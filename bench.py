@@ -59,13 +59,16 @@ sample = ''  # a run's out_dir: time generate() on its model, with the KV cache 
 new_tokens = 200  # sample: tokens each generate() call adds
 bench_keys = ['bench_iters', 'bench_warmup', 'rounds', 'compare', 'reference', 'reference_tokens_per_iter',
               'nproc', 'profile', 'trace', 'json', 'loader', 'sample', 'new_tokens']
+folder = None  # the runs' temporary folder, once made
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')
 ITER_LINE = re.compile(r'^iter (\d+): loss [^,]*, time ([\d.]+) ?ms', re.M)  # nanoGPT's log line
 
 
 def stop(message, code=2):
-    """A mistake in the arguments (exit code 2) or a run that failed (1): one line, or the run's last
-    lines."""
+    """A mistake in the arguments (exit code 2: nothing measured, so the runs' folder goes too) or a run that
+    failed (1: its log stays): one line, or the run's last lines."""
+    if code == 2 and folder:
+        shutil.rmtree(folder)
     print(f"error: {message}", file=sys.stderr)
     sys.exit(code)
 
@@ -122,9 +125,7 @@ def run(command, log_path, shell=False):
     seconds = time.perf_counter() - start
     with open(log_path, 'w') as f:
         f.write(result.stdout + result.stderr)
-    # nothing measured: no trace
     if result.returncode == 2 and not shell and result.stderr.startswith('error: '):
-        shutil.rmtree(folder)
         stop(result.stderr.strip().removeprefix('error: '))
     if result.returncode:
         last_lines = '\n'.join((result.stdout + result.stderr).strip().splitlines()[-5:])
@@ -180,12 +181,14 @@ def run_ours(name, round):
 
 def run_reference(round):
     """One run of the reference command: the times of its iterations after the warm-up, from its log lines."""
-    wall_seconds, stdout = run(reference, os.path.join(folder, f'reference{round}.log'), shell=True)
+    log_path = os.path.join(folder, f'reference{round}.log')
+    wall_seconds, stdout = run(reference, log_path, shell=True)
     ms = [float(t) for _, t in ITER_LINE.findall(stdout)]
-    if len(ms) <= bench_warmup:
-        stop(f"the reference printed {len(ms)} lines like 'iter N: loss X, time Y ms', and the first "
-             f"bench_warmup={bench_warmup} are dropped: run it with --log_interval=1 and enough iterations "
-             f"(nanoGPT: --max_iters={bench_warmup + bench_iters - 1})")
+    if len(ms) <= bench_warmup:  # exit code 1, so that its log stays
+        stop(f"the reference printed {len(ms)} lines like 'iter N: loss X, time Y ms' (its output: "
+             f"{log_path}), and the first bench_warmup={bench_warmup} are dropped: run it with "
+             f"--log_interval=1 and enough iterations (nanoGPT: "
+             f"--max_iters={bench_warmup + bench_iters - 1})", 1)
     return {'seconds': [t / 1e3 for t in ms[bench_warmup:]], 'first_seconds': ms[0] / 1e3,
             'wall_seconds': wall_seconds, 'iters': len(ms),
             'tokens_per_iter': reference_tokens_per_iter or runs['A'][-1]['tokens_per_iter']}  # A ran first

@@ -162,6 +162,11 @@ def test_bench_mistakes_fail_in_one_line(tmp_path):
                                 capture_output=True, text=True)
         assert result.returncode == 2 and 'round 1/' not in result.stdout, result.stdout + result.stderr
         assert result.stderr.startswith(f"error: {message}") and result.stderr.count('\n') == 1
+    # found after the runs' folder was made: it goes too
+    result = subprocess.run([sys.executable, 'bench.py', f"--loader={tmp_path / 'none'}"], cwd=REPO,
+                            env={**os.environ, 'TMPDIR': str(tmp_path)}, capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.count('\n') == 1, result.stderr
+    assert not list(tmp_path.glob('bench-*'))
 
 
 @pytest.mark.slow
