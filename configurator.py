@@ -6,9 +6,9 @@ assigns some of those names), then apply --key=value overrides:
     python train.py config/tiny.py --batch_size=8 --compile=False
 
 Every value is type-checked against its default, and unknown names fail with the closest known
-ones, so a typo never trains the wrong model silently; a script may also name each key's allowed values
-(choices) or its least value (minimums). Returns the resolved config and where each value came from
-('default', the config file's path, or 'command line').
+ones, so a typo never trains the wrong model silently. No number may be negative; a script may also
+name each key's allowed values (choices) or a least value above 0 (minimums). Returns the resolved
+config and where each value came from ('default', the config file's path, or 'command line').
 
 fail() is how every script reports a user's mistake: one line naming the problem and the fix, exit code 2.
 """
@@ -58,7 +58,8 @@ def _parse(key, text, default):
 
 def configure(defaults, argv, choices=None, minimums=None):
     """defaults: {name: value} of int/float/bool/str; argv: sys.argv[1:]; choices: {name: allowed values};
-    minimums: {name: least value}. Returns (config, sources), both dicts over the same keys."""
+    minimums: {name: least value} where it is above 0. Returns (config, sources), both dicts over the same
+    keys."""
     config, sources = dict(defaults), {k: 'default' for k in defaults}
     for arg in argv:
         if not arg.startswith('--'):
@@ -92,7 +93,10 @@ def configure(defaults, argv, choices=None, minimums=None):
         if config[key] not in allowed:
             *others, last = map(repr, allowed)
             raise ConfigError(f"{key}={config[key]!r}: use {', '.join(others)}{' or ' * bool(others)}{last}")
-    for key, least in (minimums or {}).items():
-        if config[key] < least:
-            raise ConfigError(f"{key}={config[key]} must be at least {least}")
+    assert set(minimums or {}) <= set(config), f"minimums names unknown keys: {set(minimums) - set(config)}"
+    for key, value in config.items():  # no setting is negative: minimums name those that must be more
+        if key in (minimums or {}) and value < minimums[key]:
+            raise ConfigError(f"{key}={value} must be at least {minimums[key]}")
+        if isinstance(value, (int, float)) and value < 0:
+            raise ConfigError(f"{key}={value} must not be negative")
     return config, sources

@@ -340,6 +340,6 @@ if __name__ == '__main__':
     try:
         main(configure({k: globals()[k] for k in config_keys}, sys.argv[1:],
                        choices={'dtype': ('auto', *perf.DTYPES)},
-                       minimums={'max_examples': 0, 'batch_size': 1})[0])
+                       minimums={'batch_size': 1})[0])
     except ConfigError as e:
         check(False, e)

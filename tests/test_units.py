@@ -192,6 +192,7 @@ def test_configure_errors(argv, message):
     (['--device=tpu'], "device='tpu': use 'auto', 'cpu' or 'cuda'"),
     (['--out_dir=x'], "out_dir='x': use 'out'"),  # one allowed value: no 'or'
     (['--batch_size=0'], "batch_size=0 must be at least 1"),
+    (['--learning_rate=-0.1'], "learning_rate=-0.1 must not be negative"),  # no number is, named or not
 ])
 def test_configure_checks_allowed_and_least_values_after_every_source(tmp_path, argv, message):
     limits = {'choices': {'device': ('auto', 'cpu', 'cuda'), 'out_dir': ('out',)},
