@@ -29,7 +29,7 @@ FORMAT = 4
 RESUMABLE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'max_iters', 'eval_interval', 'log_interval',
              'eval_iters', 'always_save_checkpoint', 'checkpoint_interval', 'patience', 'num_workers',
              'compile', 'device', 'backend', 'max_consecutive_skips', 'activation_checkpointing',
-             'smoke_test', 'profile_iter', 'tensorboard_log', 'wandb_log', 'wandb_project', 'wandb_run_name',
+             'profile_iter', 'tensorboard_log', 'wandb_log', 'wandb_project', 'wandb_run_name',
              'cost_per_hour', 'test_eval', 'sample_tokens', 'write_report', 'eval_tasks',
              'eval_tasks_examples', 'learning_rate', 'muon_lr', 'decay_lr', 'lr_schedule', 'wsd_decay_frac',
              'warmup_iters', 'lr_decay_iters', 'min_lr', 'grad_clip'}
@@ -140,30 +140,35 @@ def why_not_resume(ckpt, config, defaults):
 # -----------------------------------------------------------------------------
 # the state: built here, applied here
 
-def state(model, optimizer, scheduler, scaler, sampler, rng, progress, run, shards=None):
+# parts: the run's objects whose state_dicts a checkpoint holds, by name (torchtitan's and DCP's app state):
+# 'model' (the plain GPT, not its compiled or DDP wrapper), 'optimizer', 'scheduler', 'scaler', 'sampler'
+OTHER_PARTS = ('scheduler', 'scaler', 'sampler')
+
+
+def state(parts, rng, progress, run, shards=None):
     """The checkpoint: weights and optimizer state (in fsdp mode, the name of the shards folder that holds
     them), the schedule, the loss scale, the data position, every rank's RNG state (rng, in rank order), the
-    loop's counters (progress: PROGRESS) and what the run is (run: config, model_args, dataset, dtype, seed,
+    loop's counters (progress: PROGRESS) and what the run is (run: config, model_args, dataset, dtype,
     ...)."""
     weights = ({'shards': shards} if shards
-               else {'model': model.state_dict(), 'optimizer': optimizer.state_dict()})
-    return {'format': FORMAT, **run, **progress, **weights, 'scheduler': scheduler.state_dict(),
-            'scaler': scaler.state_dict(), 'sampler': sampler.state_dict(), 'rng': rng}
+               else {'model': parts['model'].state_dict(), 'optimizer': parts['optimizer'].state_dict()})
+    return {'format': FORMAT, **run, **progress, **weights,
+            **{name: parts[name].state_dict() for name in OTHER_PARTS}, 'rng': rng}
 
 
-def resume(ckpt, path, model, optimizer, scheduler, scaler, sampler, rank, world_size, device):
+def resume(ckpt, path, parts, rank, world_size, device):
     """Apply a checkpoint to a run built from the same config; returns the loop's counters (PROGRESS). The LR
     schedule is this config's: each group's base rate comes from the config, not the file, so a lowered
     learning_rate applies from here on. RNG states are restored only on the number of processes that wrote
     them."""
-    load_weights(ckpt, path, model, optimizer)
+    optimizer, scheduler = parts['optimizer'], parts['scheduler']
+    load_weights(ckpt, path, parts['model'], optimizer)
     configured = scheduler.base_lrs
-    scheduler.load_state_dict(ckpt['scheduler'])
+    for name in OTHER_PARTS:
+        parts[name].load_state_dict(ckpt[name])
     scheduler.base_lrs = configured
     for group, base_lr, factor in zip(optimizer.param_groups, configured, scheduler.lr_lambdas):
         group['lr'] = base_lr * factor(scheduler.last_epoch)
-    scaler.load_state_dict(ckpt['scaler'])
-    sampler.load_state_dict(ckpt['sampler'])
     if len(ckpt['rng']) == world_size:
         set_rng_state(ckpt['rng'][rank], device)
     return {k: ckpt[k] for k in PROGRESS}
@@ -193,18 +198,19 @@ def sharded_state(model, optimizer=None):
         {'optimizer': get_optimizer_state_dict(model, optimizer.optimizers)} if optimizer else {})
 
 
-def save(names, out_dir, build, model, optimizer, sharded, iter_num, master):
-    """Write each of names (best.pt, last.pt) into out_dir, atomically; build(shards) gives the state. Every
-    rank calls it: in fsdp mode each first writes its shards to shards-ITER/, and only then does rank 0 write
-    the files that point there, so a shards folder counts only once complete; folders no file points to are
-    removed. Returns None, or why this rank's part failed (a full disk: the OSError's reason), for the ranks
-    to agree on before any goes on: a failed write leaves every file on disk whole."""
+def save(names, out_dir, parts, rng, progress, run, sharded, master):
+    """Write each of names (best.pt, last.pt) into out_dir, atomically, holding state(). Every rank calls it:
+    in fsdp mode each first writes its shards to shards-ITER/, and only then does rank 0 write the files that
+    point there, so a shards folder counts only once complete; folders no file points to are removed. Returns
+    None, or why this rank's part failed (a full disk: the OSError's reason), for the ranks to agree on before
+    any goes on: a failed write leaves every file on disk whole."""
     try:
         shards = None
         if sharded:
             import torch.distributed.checkpoint as dcp
-            shards = f'shards-{iter_num}'
-            dcp.save(sharded_state(model, optimizer), checkpoint_id=os.path.join(out_dir, shards))
+            shards = f"shards-{progress['iter_num']}"
+            dcp.save(sharded_state(parts['model'], parts['optimizer']),
+                     checkpoint_id=os.path.join(out_dir, shards))
         if not master:
             return None
         last = os.path.join(out_dir, 'last.pt')
@@ -212,7 +218,7 @@ def save(names, out_dir, build, model, optimizer, sharded, iter_num, master):
             print(f"warning: {out_dir} has {shutil.disk_usage(out_dir).free / 2**20:,.0f} MB free and a "
                   f"checkpoint takes {os.path.getsize(last) / 2**20:,.0f} MB: free space before a save "
                   f"fails", file=sys.stderr)
-        ckpt = build(shards)
+        ckpt = state(parts, rng, progress, run, shards)
         for name in names:
             save_file(ckpt, os.path.join(out_dir, name))
         if sharded:
@@ -236,6 +242,13 @@ def save_failure(names, iter_num, failed, out_dir, last_saved):
 
 # -----------------------------------------------------------------------------
 # random number generators
+
+def seed_rngs(seed):
+    """Seed every RNG the run draws from: python's, numpy's and torch's on every device."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # CUDA's generators too
+
 
 def rng_state(device):
     """Every RNG this process draws from, as plain Python values: they pass through

@@ -352,8 +352,8 @@ def peak_flops(device, dtype):
 
 
 def reset_peak_memory(device):
-    """The CUDA allocator's peak counts from here: start-up's allocations (the peak FLOP/s measurement, the
-    smoke test's copy of the weights) are not training's. A CPU process's resident peak cannot be reset."""
+    """The CUDA allocator's peak counts from here: start-up's allocations (the peak FLOP/s measurement) are
+    not training's. A CPU process's resident peak cannot be reset."""
     if torch.device(device).type == 'cuda':
         torch.cuda.reset_peak_memory_stats(device)
 

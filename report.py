@@ -235,12 +235,8 @@ def write_report(out_dir):
     records, config, meta = read_run(out_dir)
     train, evals = [r for r in records if r['kind'] == 'train'], [r for r in records if r['kind'] == 'eval']
     test = next((r for r in reversed(records) if r['kind'] == 'test'), None)
-    smoke = next((r for r in reversed(records) if r['kind'] == 'smoke_test'), None)
     word, detail = status(records, config['max_iters']['value'])
     lines = [f"# {out_dir}", "", f"Status: **{word}**: {detail}", ""] + config_lines(config) + [""]
-    if smoke:
-        lines += [f"Smoke test passed: loss {smoke['first_loss']:.4f} -> {smoke['final_loss']:.4f} in "
-                  f"{smoke['steps']} steps", ""]
     lines += (loss_lines(evals, test, meta.get('dataset', {}).get('split_rule', '')) + [""]
               + throughput_lines(records, train, config, meta) + [""])
 

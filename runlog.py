@@ -9,6 +9,7 @@ at a mistake writes nothing.
 """
 import glob
 import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -65,15 +66,33 @@ def log_bytes():
     return {name: f.tell() for name, f in files.items()}
 
 
-def start(out_dir, resumed, config, sources, session):
-    """Create out_dir, open the logs for appending, write config.json (with the device and dtype 'auto'
-    resolved to) and meta.json (session: seed, dtype, device, data, ...), and start TensorBoard and wandb
-    where config asks.
-    Returns None, or the line that says out_dir cannot be written. resumed: (path, checkpoint) of the one the
-    run resumes from, or None. From one in out_dir (wherever the folder was when it was written: it may have
-    been moved) the logs keep what it had logged and lose what came after, since those steps are redone; from
-    one in another folder they stay whole; a new run cuts them all (one stopped here before its first
-    checkpoint). Temp files a killed save left are dropped: never read, safe to remove."""
+def missing_package(config):
+    """The line that says a logger config asks for (tensorboard_log, wandb_log) is not installed, or '':
+    train.py asks before start() writes anything."""
+    for key, package in (('tensorboard_log', 'tensorboard'), ('wandb_log', 'wandb')):
+        if config[key] and not importlib.util.find_spec(package):
+            return f"{key}=True needs the {package} package: pip install {package}, or set {key}=False"
+    return ''
+
+
+def start(out_dir, resumed, config, sources, session, num_params):
+    """Every rank calls it once the settings, data and checkpoint are known to be good. Rank 0 creates
+    out_dir, opens the logs for appending, writes config.json (with the device and dtype 'auto' resolved to)
+    and meta.json (session: seed, dtype, device, data, ...), and starts TensorBoard and wandb where config
+    asks; an out_dir that cannot be written stops every rank here together, in one line. Then the 'start'
+    record and the lines that say what this session is. resumed: (path, checkpoint) of the one the run
+    resumes from, or None."""
+    unwritable = open_run(out_dir, resumed, config, sources, session) if master else None
+    check(not perf.any_rank(unwritable, session['device']), unwritable)
+    announce(session, config, resumed, num_params)
+
+
+def open_run(out_dir, resumed, config, sources, session):
+    """Rank 0's part of start(): returns None, or the line that says out_dir cannot be written. Resumed from a
+    checkpoint in out_dir (wherever the folder was when it was written: it may have been moved), the logs keep
+    what it had logged and lose what came after, since those steps are redone; from one in another folder they
+    stay whole; a new run cuts them all (one stopped here before its first checkpoint). Temp files a killed
+    save left are dropped: never read, safe to remove."""
     global run_dir, with_report, tensorboard, wandb
     run_dir, with_report = out_dir, config['write_report']
     here = resumed and os.path.realpath(os.path.dirname(resumed[0])) == os.path.realpath(out_dir)
@@ -103,19 +122,24 @@ def start(out_dir, resumed, config, sources, session):
                    resume='allow')
 
 
-def announce(session, config, step, num_params):
+def announce(session, config, resumed, num_params):
     """The 'start' record, and the lines that say what this session is (session: meta.json's): where it starts
     from, the model's size, the device, dtype and processes, the tokens per iteration, and the peak FLOP/s
-    that MFU is measured against."""
+    that MFU is measured against; a resume on another number of processes says what it cannot restore."""
+    step = resumed[1]['iter_num'] if resumed else 0
     record({'kind': 'start', 'step': step, 'time': time.time()})
     pretrained, peak = session['pretrained'], session['peak_flops']
-    start_point = f"resuming from {session['resumed_from']}" if session['resumed_from'] else \
+    start_point = f"resuming from {session['resumed_from']}" if resumed else \
         f"starting from {pretrained['weights'] if pretrained else 'scratch'}"
     accum, batch, block = (config[k] for k in ('gradient_accumulation_steps', 'batch_size', 'block_size'))
     log(f"{start_point}: {num_params / 1e6:.2f}M parameters, {session['device']} {session['dtype']}, "
         f"{session['world_size']} process(es), {accum * batch * block:,} tokens per iteration ({accum} x "
         f"{batch} x {block})")
     log(f"MFU is measured against {peak['per_process'] / 1e9:,.1f} GFLOP/s per process ({peak['how']})")
+    if resumed and len(resumed[1]['rng']) != session['world_size']:
+        log(f"the checkpoint was written by {len(resumed[1]['rng'])} process(es): the data continues where "
+            f"it stopped, but dropout draws new random streams, so this is not bitwise the run that would "
+            f"have continued")
 
 
 def done(test, first_iter):
@@ -162,6 +186,22 @@ def abort(step, message):
     log(f"error: {message}", sys.stderr)
     finish()
     sys.exit(1)
+
+
+def non_finite(step, loss, grad_norm, lr, starts):
+    """The line a non-finite loss or gradient norm ends the run with: the values, and the batches' windows
+    (start positions in the train split) that produced them."""
+    what = 'loss' if not math.isfinite(loss) else 'gradient norm'
+    return (f"non-finite {what} at iteration {step}: loss {loss}, lr {lr:.3e}, grad norm {grad_norm}, batch "
+            f"windows (start positions in the train split) {starts[:16]}{' ...' * (len(starts) > 16)}; the "
+            f"last checkpoints are untouched: lower learning_rate or raise warmup_iters, then resume")
+
+
+def overflowed(skips, step, scale):
+    """The line a streak of float16 overflows (each a step the GradScaler skipped) ends the run with."""
+    return (f"float16 gradients overflowed {skips} optimizer steps in a row (up to iteration {step}, loss "
+            f"scale now {scale:g}): the model diverged or float16's range is too small for it; use "
+            f"dtype=bfloat16 or float32, or lower learning_rate, then resume")
 
 
 def explain_out_of_memory(exc, step, batch_size, block_size, dtype, device):

@@ -11,16 +11,12 @@ The defaults below keep nanoGPT's names and meanings; config files and --key=val
 (configurator.py). A run writes to out_dir: config.json, meta.json, train.log, metrics.jsonl, best.pt (lowest
 val loss), last.pt (the latest state, for resuming), report.md and curves.png.
 """
-import copy
 import dataclasses
-import importlib.util
 import math
 import os
-import random
 import sys
 import time
 
-import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
@@ -104,7 +100,6 @@ min_lr = 6e-5  # AdamW's floor; Muon's is muon_lr * min_lr / learning_rate
 # early stopping and checks
 patience = 0  # stop after this many evaluations without a new best val loss; 0 never stops early
 overfit_one_batch = False  # train on one fixed batch: the loss must approach zero if everything is wired
-smoke_test = False  # first overfit one batch for 30 steps, and refuse to start if the loss does not fall
 # system
 device = 'auto'  # 'auto' (cuda:LOCAL_RANK if there is a GPU, else cpu), 'cpu', 'cuda', 'cuda:1' (one process)
 dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 uses a GradScaler)
@@ -127,12 +122,8 @@ try:
     config, config_sources = configure(defaults, sys.argv[1:], choices={
         'dtype': ('auto', *perf.DTYPES), 'backend': ('auto', 'nccl', 'gloo'), 'parallel': ('ddp', 'fsdp'),
         'optimizer': OPTIMIZERS, 'lr_schedule': ('cosine', 'wsd'), 'best_by': ('val_loss', 'acc_norm')},
-        minimums={**dict.fromkeys(('eval_interval', 'log_interval', 'gradient_accumulation_steps',
-                                   'batch_size', 'max_iters', 'max_consecutive_skips', 'init_scale'), 1),
-                  **dict.fromkeys(('checkpoint_interval', 'profile_iter', 'eval_iters', 'patience',
-                                   'eval_tasks_examples', 'sample_tokens', 'num_workers', 'seed', 'grad_clip',
-                                   'learning_rate', 'muon_lr', 'min_lr', 'weight_decay', 'warmup_iters',
-                                   'lr_decay_iters', 'cost_per_hour'), 0)})  # 0: off, or all
+        minimums=dict.fromkeys(('eval_interval', 'log_interval', 'gradient_accumulation_steps', 'batch_size',
+                                'max_iters', 'max_consecutive_skips', 'init_scale'), 1))  # any other: >= 0
     model_config = GPTConfig(**{f.name: config[f.name] for f in dataclasses.fields(GPTConfig)
                                 if f.name in config})
 except (ConfigError, ValueError) as e:  # the model's shape too, checked before anything is written
@@ -154,20 +145,16 @@ sharded = ddp and parallel == 'fsdp'
 # torch 2.13's Muon steps FSDP2's sharded matrices without an error, but not to the update of the whole matrix
 check(not (sharded and optimizer == 'muon'), "optimizer='muon' does not work with parallel='fsdp' (Muon "
       "orthogonalizes whole matrices, FSDP shards them): use parallel='ddp' or optimizer='adamw'")
-for key, package in (('tensorboard_log', 'tensorboard'), ('wandb_log', 'wandb')):
-    check(not config[key] or importlib.util.find_spec(package),
-          f"{key}=True needs the {package} package: pip install {package}, or set {key}=False")
+missing = runlog.missing_package(config)  # tensorboard_log's or wandb_log's
+check(not missing, missing)
 
 # -----------------------------------------------------------------------------
-# processes and devices
+# processes, devices and data
 try:  # the device, deterministic kernels when asked, and under torchrun the process group
     device, device_type = perf.setup(device, local_rank if ddp else None, deterministic, backend)
 except ValueError as e:  # may differ between nodes: every rank that fails says so
     fail(f"rank {rank}: {e}" if ddp else e)
 accum_steps = gradient_accumulation_steps // world_size  # micro-batches per optimizer step on this rank
-
-# -----------------------------------------------------------------------------
-# data
 try:
     data_meta, splits, dataset_id = data.open_splits(data_dir, dataset, block_size, local_rank == 0)
     train_sampler = data.TrainSampler(splits['train'].num_tokens, block_size, batch_size,
@@ -191,7 +178,7 @@ if 'test' not in splits and test_eval:
     test_eval = False  # config.json keeps what was asked
 
 # -----------------------------------------------------------------------------
-# where the weights come from: a checkpoint, GPT-2's weights, or a random init
+# the model and optimizer: weights from a checkpoint, GPT-2's or a random init; precision; the schedule
 ckpt_path = resume_from or os.path.join(out_dir, 'last.pt')
 resuming = init_from == 'resume' or (init_from == 'auto' and os.path.exists(ckpt_path))
 ckpt = pretrained_state = pretrained = None
@@ -216,12 +203,8 @@ if pretrained:  # the shape comes from the weights, on resume too; config.json a
     lacking = hf.cannot_hold(model_config)
     check(not lacking, f"GPT-2's weights cannot have {', '.join(lacking)}: leave those keys at the defaults")
 if resuming:
-    why_not = checkpoint.why_not_resume(ckpt, config, defaults) or data.data_change(ckpt['dataset'],
-                                                                                     dataset_id)
-    check(not why_not, f"{ckpt_path} {why_not}: use the checkpoint's settings and data, or a new out_dir")
-
-# -----------------------------------------------------------------------------
-# precision, model, optimizer, schedule
+    why = checkpoint.why_not_resume(ckpt, config, defaults) or data.data_change(ckpt['dataset'], dataset_id)
+    check(not why, f"{ckpt_path} {why}: use the checkpoint's settings and data, or a new out_dir")
 if dtype == 'auto' and not resuming:
     log("choosing the dtype for dtype='auto'")
 try:  # 'auto': the resumed run's choice, or rank 0's (measured, on some CPUs) for every rank
@@ -246,11 +229,10 @@ if sharded:  # FSDP moves each block to the device as it shards it: no rank hold
     model.fully_shard(perf.DTYPES[dtype], device_type)
 else:
     model = model.to(device)
-optimizer_args = (learning_rate, (beta1, beta2), config['optimizer'], muon_lr, muon_momentum)
-optimizer = model.configure_optimizers(weight_decay, *optimizer_args)
+optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), config['optimizer'],
+                                       muon_lr, muon_momentum)
 min_lr_factor = min_lr / learning_rate if learning_rate > 0 else 0.0
 decay_start = lr_decay_iters - wsd_decay_frac * (lr_decay_iters - warmup_iters)  # wsd's
-
 
 def lr_factor(opt_step):
     """The schedule as a multiple of each group's base rate, a function of real optimizer steps only: linear
@@ -267,32 +249,62 @@ def lr_factor(opt_step):
     coeff = 0.5 * (1.0 + math.cos(math.pi * (opt_step - warmup_iters) / (lr_decay_iters - warmup_iters)))
     return min_lr_factor + coeff * (1.0 - min_lr_factor)
 
-
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)  # each group from its own base rate
 scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=dtype == 'float16')
-random.seed(seed + rank)  # every RNG in play: dropout masks differ per rank
-np.random.seed(seed + rank)
-torch.manual_seed(seed + rank)  # every device, CUDA included
+checkpoint.seed_rngs(seed + rank)  # python, numpy, torch on every device: dropout masks differ per rank
+# what a checkpoint holds the state of (checkpoint.state), and what a resume restores (checkpoint.resume)
+parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=train_sampler)
 
 # -----------------------------------------------------------------------------
-# resume: everything that decides the rest of the run comes from the checkpoint
+# resume (everything that decides the rest of the run comes from the checkpoint), the wrappers, the run folder
 progress = dict(zip(checkpoint.PROGRESS, (0, float('inf'), 0.0, 0, 0, 0, 0, 0.0)))
 if resuming:
-    progress = checkpoint.resume(ckpt, ckpt_path, model, optimizer, scheduler, scaler, train_sampler, rank,
-                                 world_size, device)
+    progress = checkpoint.resume(ckpt, ckpt_path, parts, rank, world_size, device)
     check(progress['iter_num'] < max_iters or init_from == 'auto',
           f"{ckpt_path} is at iteration {progress['iter_num']}: max_iters={max_iters} leaves nothing to do: "
           f"raise max_iters (README, Resume, says what the learning rate does then)")
 (iter_num, best_val_loss, best_acc_norm, best_iter, evals_since_best, skipped_steps, consecutive_skips,
  seconds_before) = progress.values()
 start_iter = last_saved = iter_num
+raw_model = model  # the plain GPT whose state_dict is saved: no '_orig_mod.' or 'module.' prefixes
+if compile:
+    model = torch.compile(model)
+eval_model = model  # evaluation needs no gradient sync: the compiled model without the DDP wrapper
+if ddp and not sharded:
+    # buffers (rope's tables) are synced once here, not in every forward, where DDP's default broadcast
+    # would be a collective on the micro-batches that must not sync; a buffer that changes would need it
+    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None, forward_sync_buffers=False)
+# the run folder: created only now that the config, data and checkpoint are known to be good
+log("measuring this machine's peak FLOP/s for MFU (once per machine and dtype: cached)")
+peak_flops, peak_how = perf.peak_flops(device, perf.DTYPES[dtype]) if master else (float('nan'), '')
+run_record = {'config': config, 'model_args': dataclasses.asdict(model_config), 'dataset': dataset_id,
+              'pretrained': pretrained, 'dtype': dtype}  # in every checkpoint, beside the state
+session = {  # what this session is, for meta.json (beside the code, software and machine) and its first lines
+    'seed': seed, 'dtype': dtype, 'dtype_choice': dtype_how, 'device': device, 'world_size': world_size,
+    'pretrained': pretrained, 'peak_flops': {'per_process': peak_flops, 'how': peak_how},
+    'resumed_from': f"{ckpt_path} at iteration {iter_num}" if resuming else None,
+    'dataset': {**dataset_id, 'tokenizer': data_meta['tokenizer']['kind'], 'dir': data_dir,
+                'split_rule': data_meta.get('split_rule', '')}}
+runlog.start(out_dir, (ckpt_path, ckpt) if resuming else None, config, config_sources, session,
+             raw_model.num_params())  # every rank: out_dir that cannot be written stops them all here
+# out of memory anywhere: one line that says what to change instead of a traceback (the exit code stays 1)
+sys.excepthook = lambda *exc: runlog.explain_out_of_memory(exc, iter_num + 1, batch_size, block_size, dtype,
+                                                           device)
+runlog.catch_stop_signals()  # Ctrl-C or SIGTERM: save last.pt after the step under way, then exit
 
+# -----------------------------------------------------------------------------
+# the training loop, in named parts: the step, logging, evaluation and saving, stopping
+batches = data.TrainBatches(splits['train'], train_sampler, num_workers, seed + rank, device_type == 'cuda')
+micro_batches = iter(lambda batch=next(batches): batch, None) if overfit_one_batch else batches
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
+speed = perf.Speedometer(iter_num, max_iters, accum_steps, tokens_per_iter, raw_model.flops_per_token(),
+                         peak_flops * world_size)
 
-def train_step(model, optimizer, scaler, micro_batches, clock=None):
+def train_step():
     """One optimizer step's gradients: zero_grad, then per micro-batch forward (autocast), loss / accum_steps
     and backward, synced across ranks on the last micro-batch only; then unscale and clip. Returns this rank's
-    loss summed over its micro-batches and the gradient norm, on device, and the batches' window starts. clock
-    gets the synced end times of the session's first two micro-batches: the second's time is the estimate."""
+    loss summed over its micro-batches and the gradient norm, on device, and the batches' window starts. The
+    speedometer's clock gets the synced end times of the session's first two micro-batches."""
     optimizer.zero_grad(set_to_none=True)
     loss_sum, starts = torch.zeros((), device=device), []
     for micro_step in range(accum_steps):
@@ -310,123 +322,43 @@ def train_step(model, optimizer, scaler, micro_batches, clock=None):
         with record_function('backward'):
             scaler.scale(loss / accum_steps).backward()
         loss_sum += loss.detach()
-        if clock is not None and len(clock) < 2:
+        if len(speed.clock) < 2:
             loss.item()  # waits for the device: the time is the micro-batch's, not its launch
-            clock.append(time.time())
+            speed.clock.append(time.time())
     scaler.unscale_(optimizer)  # clip true gradients, not scaled ones
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float('inf'))
     return loss_sum, grad_norm.full_tensor() if sharded else grad_norm, starts
 
-
-def run_smoke_test(steps=30):
-    """Overfit this rank's first train batch for a few steps with the training step itself (its own optimizer
-    and loss scaler), then put the weights and RNG back: a model, loss or optimizer that is not wired up fails
-    here in seconds instead of after hours."""
-    initial_weights, initial_rng = copy.deepcopy(model.state_dict()), checkpoint.rng_state(device)
-    first = train_sampler.epoch_starts(0)[:batch_size]
-    batch = torch.utils.data.default_collate([splits['train'][s] for s in first])
-    smoke_optimizer = model.configure_optimizers(0.0, *optimizer_args)
-    smoke_scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=scaler.is_enabled())
-    losses, skipped = [], 0
-    for _ in range(steps):
-        loss_sum, _, _ = train_step(model, smoke_optimizer, smoke_scaler, iter(lambda: batch, None))
-        losses.append(loss_sum / accum_steps)
-        scale = smoke_scaler.get_scale()
-        smoke_scaler.step(smoke_optimizer)
-        smoke_scaler.update()
-        skipped += smoke_scaler.get_scale() < scale  # float16 overflow: the scaler skipped the step
-    model.load_state_dict(initial_weights)
-    checkpoint.set_rng_state(initial_rng, device)
-    first, final = (all_ranks(torch.stack([losses[0], losses[-1]]).float()) / world_size).tolist()
-    check(final < 0.7 * first, f"smoke test failed: one batch overfit for {steps} steps only went from loss "
-                               f"{first:.4f} to {final:.4f}: check learning_rate, or the model and loss")
-    return {'kind': 'smoke_test', 'step': iter_num, 'steps': steps, 'skipped': skipped, 'first_loss': first,
-            'final_loss': final}
-
-
-smoke_result = run_smoke_test() if smoke_test and not resuming else None
-raw_model = model  # the plain GPT whose state_dict is saved: no '_orig_mod.' or 'module.' prefixes
-if compile:
-    model = torch.compile(model)
-eval_model = model  # evaluation needs no gradient sync: the compiled model without the DDP wrapper
-if ddp and not sharded:
-    # buffers (rope's tables) are synced once here, not in every forward, where DDP's default broadcast
-    # would be a collective on the micro-batches that must not sync; a buffer that changes would need it
-    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None, forward_sync_buffers=False)
-
-# -----------------------------------------------------------------------------
-# the run directory: created only now that the config, data and checkpoint are known to be good
-log("measuring this machine's peak FLOP/s for MFU (once per machine and dtype: cached)")
-peak_flops, peak_how = perf.peak_flops(device, perf.DTYPES[dtype]) if master else (float('nan'), '')
-run_record = {'config': config, 'model_args': dataclasses.asdict(model_config), 'dataset': dataset_id,
-              'pretrained': pretrained, 'dtype': dtype, 'seed': seed, 'out_dir': out_dir}
-session = {  # what this session is, for meta.json (beside the code, software and machine) and its first lines
-    'seed': seed, 'dtype': dtype, 'dtype_choice': dtype_how, 'device': device, 'world_size': world_size,
-    'pretrained': pretrained, 'peak_flops': {'per_process': peak_flops, 'how': peak_how},
-    'resumed_from': f"{ckpt_path} at iteration {iter_num}" if resuming else None,
-    'dataset': {**dataset_id, 'tokenizer': data_meta['tokenizer']['kind'], 'dir': data_dir,
-                'split_rule': data_meta.get('split_rule', '')}}
-resumed = (ckpt_path, ckpt) if resuming else None
-unwritable = runlog.start(out_dir, resumed, config, config_sources, session) if master else None
-check(not any_rank(unwritable, device), unwritable)  # every rank stops here together
-runlog.announce(session, config, iter_num, raw_model.num_params())
-if resuming and len(ckpt['rng']) != world_size:
-    log(f"the checkpoint was written by {len(ckpt['rng'])} process(es): the data continues where it stopped, "
-        f"but dropout draws new random streams, so this is not bitwise the run that would have continued")
-if smoke_result:
-    record(smoke_result)
-    log(f"smoke test passed: loss {smoke_result['first_loss']:.4f} -> {smoke_result['final_loss']:.4f}")
-
-# -----------------------------------------------------------------------------
-# evaluation, checkpoints, and the ways a run ends early
-
-
-def save(names, rng):
-    """Write names (best.pt before last.pt: a kill in between leaves last.pt older, never ahead of best.pt),
-    then agree with the other ranks on how it went: a save that failed anywhere (a full disk) ends every rank
-    here, with every file on disk whole. Logs and counts the seconds it took."""
-    global last_saved, save_seconds
-    assert rng is not None, "an iteration that saves gathers the RNG states: add its reason to the rng line"
-    start = time.time()
-    progress = dict(zip(checkpoint.PROGRESS, (iter_num, best_val_loss, best_acc_norm, best_iter,
-                                              evals_since_best, skipped_steps, consecutive_skips,
-                                              seconds_before + time.time() - t_start)))
-    run = run_record | {'log_bytes': runlog.log_bytes()}
-    build = lambda shards: checkpoint.state(raw_model, optimizer, scheduler, scaler, train_sampler, rng,
-                                            progress, run, shards)
-    failed = checkpoint.save(names, out_dir, build, model, optimizer, sharded, iter_num, master)
-    if any_rank(failed, device):
-        abort(iter_num, checkpoint.save_failure(names, iter_num, failed, out_dir, last_saved))
-    last_saved = iter_num if 'last.pt' in names else last_saved
-    seconds = time.time() - start
-    save_seconds += seconds
-    log(f"saved {' and '.join(names)} in {seconds:.2f} s")
-
-
-# out of memory anywhere: one line that says what to change instead of a traceback (the exit code stays 1)
-sys.excepthook = lambda *exc: runlog.explain_out_of_memory(exc, iter_num + 1, batch_size, block_size, dtype,
-                                                           device)
-runlog.catch_stop_signals()  # Ctrl-C or SIGTERM: save last.pt after the step under way, then exit
-
+def agree_or_abort(loss_sum, grad_norm, starts, lr):
+    """One all-reduce for the loss, a stop signal and a data fault on any rank, one host sync, and the checks
+    that end the run before the optimizer steps: changed data, a non-finite loss or gradient norm (float16's
+    are the scaler's to skip). Returns the mean loss, the gradient norm and whether a stop was asked."""
+    flags = torch.tensor([runlog.stop_signal is not None, batches.fault is not None], device=device).float()
+    loss_sum, stops, faults = all_ranks(torch.cat([loss_sum.view(1), flags]))
+    synced = torch.stack([loss_sum / gradient_accumulation_steps, grad_norm.float(), stops, faults])
+    loss, grad_norm, stops, faults = synced.tolist()
+    if faults:
+        fault = next(m for m in gather(batches.fault) if m)
+        abort(iter_num + 1, f"{fault}: restore the data and resume from last.pt (iteration {last_saved}), or "
+                            f"start a new out_dir")
+    if not math.isfinite(loss) or not (math.isfinite(grad_norm) or scaler.is_enabled()):
+        abort(iter_num + 1, runlog.non_finite(iter_num + 1, loss, grad_norm, lr, starts))
+    return loss, grad_norm, stops
 
 def log_step(loss, grad_norm, lr, skipped, scale, profiler):
     """The train line and record every log_interval, with the speed since the last and the time left; once,
-    the start-up estimate, the memory each rank holds and the profiled iteration's phases. Keeps the first
-    loss, for overfit_one_batch's last line."""
-    global first_loss
-    first_loss = loss if first_loss is None else first_loss
+    the start-up estimate, the memory each rank holds and the profiled iteration's phases."""
     if profiler:
         trace = os.path.join(out_dir, 'trace.json') if master else None
         record({'kind': 'profile', 'step': iter_num, 'ms': perf.stop_profiler(profiler, device_type, trace)})
     if iter_num == start_iter + 1:  # what each rank holds: every rank gets here
         record({'kind': 'memory', 'step': iter_num,
                 'ranks': gather(perf.memory_held(raw_model, optimizer, device))})
-    seconds_per_iter, left = speed.startup_estimate(), max_iters - iter_num
-    if seconds_per_iter is not None:
-        record({'kind': 'estimate', 'step': iter_num, 'seconds_per_iter': seconds_per_iter})
-        log(f"a micro-batch after the first took {seconds_per_iter / accum_steps:.2f} s: about "
-            f"{seconds_per_iter:.2f} s per iteration, {seconds_per_iter * left / 3600:.2f} h for the {left} "
-            f"left")
+    estimate, left = speed.startup_estimate(), max_iters - iter_num  # seconds per iteration, once
+    if estimate is not None:
+        record({'kind': 'estimate', 'step': iter_num, 'seconds_per_iter': estimate})
+        log(f"a micro-batch after the first took {estimate / accum_steps:.2f} s: about {estimate:.2f} s per "
+            f"iteration, {estimate * left / 3600:.2f} h for the {left} left")
     if iter_num % log_interval and iter_num != max_iters:
         return
     tokens_per_sec, mfu, eta = speed.interval(iter_num)
@@ -438,7 +370,6 @@ def log_step(loss, grad_norm, lr, skipped, scale, profiler):
     log(f"iter {iter_num}/{max_iters}: loss {loss:.4f}, lr {lr:.3e}, grad norm {grad_norm:.3f}, "
         f"{tokens_per_sec:,.0f} tok/s, MFU {mfu:.1%}, mem {memory:,.0f} MB, "
         f"ETA {'?' if eta is None else f'{eta / 60:.1f} min'}{', step skipped (float16 overflow)' * skipped}")
-
 
 def evaluate_and_choose_saves():
     """Train and val loss, each task's accuracy, the best so far (by best_by), and which files to write:
@@ -461,43 +392,34 @@ def evaluate_and_choose_saves():
         f"{evaluate.tasks_line(accuracy)}, best {best:.4f} at {best_iter}{' *saved best.pt' * improved}")
     return ['best.pt'] * improved + ['last.pt'] * (always_save_checkpoint or improved)
 
+def save(names, rng):
+    """Write names (best.pt before last.pt: a kill in between leaves last.pt older, never ahead of best.pt),
+    then agree with the other ranks on how it went: a save that failed anywhere (a full disk) ends every rank
+    here, with every file on disk whole. Logs and counts the seconds it took."""
+    global last_saved, save_seconds
+    assert rng is not None, "an iteration that saves gathers the RNG states: add its reason to the rng line"
+    start = time.time()
+    progress = dict(zip(checkpoint.PROGRESS, (iter_num, best_val_loss, best_acc_norm, best_iter,
+                                              evals_since_best, skipped_steps, consecutive_skips,
+                                              seconds_before + time.time() - t_start)))
+    run = run_record | {'log_bytes': runlog.log_bytes()}
+    failed = checkpoint.save(names, out_dir, parts, rng, progress, run, sharded, master)
+    if any_rank(failed, device):
+        abort(iter_num, checkpoint.save_failure(names, iter_num, failed, out_dir, last_saved))
+    last_saved = iter_num if 'last.pt' in names else last_saved
+    seconds = time.time() - start
+    save_seconds += seconds
+    log(f"saved {' and '.join(names)} in {seconds:.2f} s")
 
-def agree_or_abort(loss_sum, grad_norm, starts, lr):
-    """One all-reduce for the loss, a stop signal and a data fault on any rank, one host sync, and the checks
-    that end the run before the optimizer steps: changed data, a non-finite loss or gradient norm (float16's
-    are the scaler's to skip). Returns the mean loss, the gradient norm and whether a stop was asked."""
-    flags = torch.tensor([runlog.stop_signal is not None, batches.fault is not None], device=device).float()
-    loss_sum, stops, faults = all_ranks(torch.cat([loss_sum.view(1), flags]))
-    synced = torch.stack([loss_sum / gradient_accumulation_steps, grad_norm.float(), stops, faults])
-    loss, grad_norm, stops, faults = synced.tolist()
-    if faults:
-        fault = next(m for m in gather(batches.fault) if m)
-        abort(iter_num + 1, f"{fault}: restore the data and resume from last.pt (iteration {last_saved}), or "
-                            f"start a new out_dir")
-    if not math.isfinite(loss) or not (math.isfinite(grad_norm) or scaler.is_enabled()):
-        what = 'loss' if not math.isfinite(loss) else 'gradient norm'
-        abort(iter_num + 1, f"non-finite {what} at iteration {iter_num + 1}: loss {loss}, lr {lr:.3e}, grad "
-                            f"norm {grad_norm}, batch windows (start positions in the train split) "
-                            f"{starts[:16]}{' ...' * (len(starts) > 16)}; the last checkpoints are "
-                            f"untouched: lower learning_rate or raise warmup_iters, then resume")
-    return loss, grad_norm, stops
-
-
-# -----------------------------------------------------------------------------
-# training loop
-batches = data.TrainBatches(splits['train'], train_sampler, num_workers, seed + rank, device_type == 'cuda')
-micro_batches = iter(lambda batch=next(batches): batch, None) if overfit_one_batch else batches
-tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
-speed = perf.Speedometer(iter_num, max_iters, accum_steps, tokens_per_iter, raw_model.flops_per_token(),
-                         peak_flops * world_size)
-perf.reset_peak_memory(device)  # the loop's peak, not the FLOP/s measurement's or the smoke test's
-t_start, first_loss, save_seconds = time.time(), None, 0.0
+perf.reset_peak_memory(device)  # the loop's peak, not the FLOP/s measurement's
+t_start, save_seconds, first_loss = time.time(), 0.0, None
 while iter_num < max_iters:
     # the step
     lr = optimizer.param_groups[0]['lr']  # AdamW's, learning_rate's schedule
     profiler = perf.start_profiler(device_type) if iter_num + 1 == profile_iter else None
-    loss_sum, grad_norm, starts = train_step(model, optimizer, scaler, micro_batches, speed.clock)
+    loss_sum, grad_norm, starts = train_step()
     loss, grad_norm, stops = agree_or_abort(loss_sum, grad_norm, starts, lr)
+    first_loss = loss if first_loss is None else first_loss  # for overfit_one_batch's last line
     skipped = scaler.is_enabled() and not math.isfinite(grad_norm)  # float16 overflow: the scaler skips it
     scale = scaler.get_scale() if scaler.is_enabled() else 1.0
     with record_function('optimizer'):
@@ -507,11 +429,8 @@ while iter_num < max_iters:
         scheduler.step()  # the schedule counts optimizer steps that really happened
     iter_num += 1
     skipped_steps, consecutive_skips = skipped_steps + skipped, (consecutive_skips + 1) * skipped
-    if consecutive_skips >= max_consecutive_skips:
-        abort(iter_num, f"float16 gradients overflowed {consecutive_skips} optimizer steps in a row (up to "
-                        f"iteration {iter_num}, loss scale now {scaler.get_scale():g}): the model diverged "
-                        f"or float16's range is too small for it; use dtype=bfloat16 or float32, or lower "
-                        f"learning_rate, then resume")
+    if consecutive_skips >= max_consecutive_skips:  # the scaler cannot back off far enough: stop
+        abort(iter_num, runlog.overflowed(consecutive_skips, iter_num, scaler.get_scale()))
 
     evaluating = iter_num % eval_interval == 0 or iter_num == max_iters
     interval = checkpoint_interval and iter_num % checkpoint_interval == 0
@@ -545,7 +464,7 @@ while iter_num < max_iters:
 # -----------------------------------------------------------------------------
 # the end: the best weights on the test split, a sample, the report
 session_seconds = time.time() - t_start
-if overfit_one_batch:
+if overfit_one_batch and first_loss is not None:  # None: a finished run resumed, no step taken
     log(f"overfit one batch: loss {first_loss:.4f} -> {loss:.4f}")
 best = os.path.join(out_dir, 'best.pt')
 if best_iter > 0 and (test_eval or sample_tokens):  # last.pt holds the trained weights: now load the best

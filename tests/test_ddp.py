@@ -115,6 +115,7 @@ def test_resume_on_another_number_of_processes_continues_the_data(tmp_path, data
     one, mixed = str(tmp_path / 'one'), str(tmp_path / 'mixed')
     run_train(one, data_dir, *SAME)
     run_train(mixed, data_dir, *SAME, '--max_iters=10')
-    ok(torchrun(mixed, data_dir, *SAME, '--max_iters=20', '--init_from=resume'))
+    result = ok(torchrun(mixed, data_dir, *SAME, '--max_iters=20', '--init_from=resume'))
+    assert 'the checkpoint was written by 1 process(es)' in result.stdout  # new dropout streams: said
     run_train(mixed, data_dir, *SAME, '--init_from=resume')
     assert_same_run(one, mixed)

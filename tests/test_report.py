@@ -132,8 +132,7 @@ def test_diagnoses_from_made_up_metrics(tmp_path):
     records += [{'kind': 'eval', 'step': s, 'train_loss': t, 'val_loss': v, 'best_val_loss': 0,
                  'val_bits_per_token': 0}
                 for s, t, v in ((10, 2.0, 2.05), (20, 1.4, 1.5), (30, 1.2, 1.6), (40, 1.0, 1.7))]
-    records += [{'kind': 'smoke_test', 'steps': 40, 'first_loss': 3.0, 'final_loss': 1.9},
-                {'kind': 'test', 'step': 40, 'best_iter': 20, 'best_val_loss': 1.5, 'test_loss': 1.2}]
+    records += [{'kind': 'test', 'step': 40, 'best_iter': 20, 'best_val_loss': 1.5, 'test_loss': 1.2}]
     for name, content in (('config.json', json.dumps(config)), ('meta.json', json.dumps(meta)),
                           ('metrics.jsonl', ''.join(json.dumps(r) + '\n' for r in records))):
         with open(os.path.join(out, name), 'w') as f:
@@ -142,7 +141,6 @@ def test_diagnoses_from_made_up_metrics(tmp_path):
     text = read_report(out)
     assert 'Status: **early-stopped**: at iteration 40 of 100' in text
     assert 'overfitting from iteration 20' in text and 'leakage' not in text
-    assert 'Smoke test passed: loss 3.0000 -> 1.9000 in 40 steps' in text
     assert ('median MFU 25.0%' in text
             and "peak memory 123 MB by the last training log line: rank 0's peak resident set" in text)
     assert 'test loss sits well below val loss: with a single text, test is its first 5%' in text
