@@ -7,6 +7,7 @@ projections. forward returns the logits, or with targets the cross-entropy loss,
 that torch.compile fuses it with the output head instead of materializing float32 logits of B x T x vocab.
 """
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -91,12 +92,11 @@ def causal_attention(q, k, v, dropout_p):
     is_causal would let it see the first key only. One device quirk: on a CPU, bfloat16 attention runs in
     float32, because PyTorch's CPU flash-attention kernel was 3x slower in bfloat16 (its backward most) at
     head size 32 on an AVX512-BF16 CPU, where the matmuls around it gain 2x (docs/design.md)."""
-    is_causal = q.size(2) == k.size(2)
-    if q.device.type != 'cpu' or q.dtype != torch.bfloat16:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal)
-    with torch.autocast('cpu', enabled=False):  # autocast would cast them back to bfloat16
-        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), dropout_p=dropout_p,
-                                           is_causal=is_causal)
+    upcast = q.device.type == 'cpu' and q.dtype == torch.bfloat16  # the CPU quirk
+    dtype = torch.float32 if upcast else q.dtype
+    with torch.autocast('cpu', enabled=False) if upcast else nullcontext():  # autocast would cast them back
+        y = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), dropout_p=dropout_p,
+                                           is_causal=q.size(2) == k.size(2))
     return y.to(q.dtype)
 
 
