@@ -63,6 +63,17 @@ def test_overfit_one_batch(tmp_path, data_dir):
     assert 'overfit one batch: loss' in result.stdout
 
 
+@pytest.mark.slow
+def test_a_finished_overfit_run_started_again_ends_cleanly(tmp_path, data_dir):
+    # init_from=auto on a finished run takes no step: the overfit line has no losses to compare, and is left out
+    out = str(tmp_path / 'again')
+    args = ('--overfit_one_batch=True', '--max_iters=3', '--decay_lr=False', '--eval_interval=3',
+            '--init_from=auto')
+    assert 'overfit one batch: loss' in run_train(out, data_dir, *args).stdout
+    again = run_train(out, data_dir, *args)
+    assert 'overfit one batch' not in again.stdout and 'done: ' in again.stdout
+
+
 def sha(path):
     return hashlib.sha256(open(path, 'rb').read()).hexdigest()
 
