@@ -65,7 +65,7 @@ def test_overfit_one_batch(tmp_path, data_dir):
 
 @pytest.mark.slow
 def test_a_finished_overfit_run_started_again_ends_cleanly(tmp_path, data_dir):
-    # init_from=auto on a finished run takes no step: the overfit line has no losses to compare, and is left out
+    # init_from=auto on a finished run takes no step: no losses for the overfit line, which is left out
     out = str(tmp_path / 'again')
     args = ('--overfit_one_batch=True', '--max_iters=3', '--decay_lr=False', '--eval_interval=3',
             '--init_from=auto')
