@@ -22,6 +22,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 from model import GPT, GPTConfig
@@ -137,6 +138,16 @@ def setup(device, local_rank, deterministic, backend):
     if local_rank is not None:
         init_process_group(device, backend)
     return device, device_type
+
+
+def data_parallel(model, device_ids):
+    """model wrapped in DDP without the buffer broadcast DDP makes by default in every forward, where it would
+    be a collective in the micro-batches that must not sync. torch 2.11 to 2.15 (README) differ here, and
+    only here: the version is read, not DDP's signature, which a test's wrapper of DDP.__init__ hides."""
+    if torch.__version__ >= '2.13':  # 2.13 adds forward_sync_buffers and deprecates broadcast_buffers
+        return DDP(model, device_ids=device_ids, forward_sync_buffers=False)  # buffers synced once, here
+    # 2.11 and 2.12: buffers never synced, which holds for rope's tables: every rank computed the same ones
+    return DDP(model, device_ids=device_ids, broadcast_buffers=False)
 
 
 def all_ranks(values):

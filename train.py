@@ -270,10 +270,8 @@ raw_model = model  # the plain GPT whose state_dict is saved: no '_orig_mod.' or
 if compile:
     model = torch.compile(model)
 eval_model = model  # evaluation needs no gradient sync: the compiled model without the DDP wrapper
-if ddp and not sharded:
-    # buffers (rope's tables) are synced once here, not in every forward, where DDP's default broadcast
-    # would be a collective on the micro-batches that must not sync; a buffer that changes would need it
-    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None, forward_sync_buffers=False)
+if ddp and not sharded:  # buffers (rope's tables) are not broadcast in every forward: none changes
+    model = perf.data_parallel(model, [local_rank] if device_type == 'cuda' else None)
 # the run folder: created only now that the config, data and checkpoint are known to be good
 log("measuring this machine's peak FLOP/s for MFU (once per machine and dtype: cached)")
 peak_flops, peak_how = perf.peak_flops(device, perf.DTYPES[dtype]) if master else (float('nan'), '')
