@@ -168,9 +168,9 @@ except (data.DataError, prepare.PrepareError) as e:  # a node's own data may dif
     fail(f"rank {rank}: {e}" if ddp else e)
 check(gather(dataset_id).count(dataset_id) == world_size, f"the ranks see different data in {data_dir}/"
       f"{dataset}: every node needs the same prepared dataset (shared storage, or the same files on each)")
-try:  # a bad task file is found now, before anything is written
-    tok = tokenizer.load(data_meta['tokenizer'])  # the one that encoded the data: tasks and the sample use it
-    tasks = evaluate.read_tasks(eval_tasks, tok.encode, block_size, eval_tasks_examples) if eval_tasks else {}
+try:  # a bad task file, or a tokenizer that cannot encode it, is found now, before anything is written
+    tasks = evaluate.read_tasks(eval_tasks, tokenizer.load(data_meta['tokenizer']).encode, block_size,
+                                eval_tasks_examples) if eval_tasks else {}  # training itself needs none
 except (evaluate.TaskError, tokenizer.TokenizerError) as e:
     check(False, e)
 if 'test' not in splits and test_eval:
@@ -472,7 +472,16 @@ runlog.done({'kind': 'test', 'step': iter_num, 'best_iter': best_iter, 'best_val
              'test_loss': test_loss, 'wall_seconds': session_seconds, 'save_seconds': save_seconds,
              'total_seconds': seconds_before + session_seconds}, start_iter)
 if sample_tokens and (master or sharded):  # a sharded model's forward needs every rank
-    with autocast:
-        text = sample.sample_text(raw_model, tok, tok.start, sample_tokens, 0.8, 200, seed, device)
-    log(f"a sample from the best weights:\n{text}")
+    try:  # only now: GPT-2's tokenizer is a one-time download, which an offline GPU node may lack
+        tok, no_sample = tokenizer.load(data_meta['tokenizer']), ''
+    except tokenizer.TokenizerError as e:
+        tok, no_sample = None, f"no sample: {e}"
+    if sharded and any_rank(no_sample, device):  # every rank samples, or none
+        no_sample = no_sample or "no sample: another rank could not load the tokenizer"
+    if no_sample:
+        log(no_sample)
+    else:
+        with autocast:
+            text = sample.sample_text(raw_model, tok, tok.start, sample_tokens, 0.8, 200, seed, device)
+        log(f"a sample from the best weights:\n{text}")
 runlog.finish()

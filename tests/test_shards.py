@@ -13,7 +13,7 @@ import data
 import forked
 import prepare
 import tokenizer
-from conftest import epoch_batches, make_corpus, ok, run_train, run_trains, torchrun
+from conftest import epoch_batches, make_corpus, ok, read_metrics, run_train, run_trains, torchrun
 
 
 def llmc_shard(path, tokens, magic=20240520, version=1, dtype=np.uint16):
@@ -264,3 +264,29 @@ def test_bench_loader_mode_reads_windows(tmp_path, sharded_dir):
     assert report['batches'] == 50 and report['windows_per_sec'] > 0 and report['batch_size'] == 4
     assert report['train_shards'] == len(data.open_dataset(sharded_dir, 'toy')[1]['train']) > 1
     assert 'windows/s' in result.stdout
+
+
+@pytest.mark.slow
+def test_gpt2_vocabulary_shards_train_offline_without_the_tokenizer(tmp_path):
+    """FineWeb's shards name GPT-2's tokenizer, which tiktoken downloads once; an offline GPU node without its
+    cache still trains. Only the end-of-run sample needs it (skipped, in one line); eval_tasks, which must
+    encode text, is refused before anything is written."""
+    folder = tmp_path / 'data' / 'fineweb'
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    llmc_shard(folder / 'fineweb_val_000000.bin', rng.integers(0, 50257, 2000))
+    llmc_shard(folder / 'fineweb_train_000000.bin', rng.integers(0, 50257, 20000))
+    (folder / 'meta.json').write_text('{"vocab_size": 50257, "tokenizer": "gpt2"}')
+    (tmp_path / 'task.jsonl').write_text('{"context": "a", "choices": ["b", "c"], "answer": 0}\n')
+    proxy = 'http://127.0.0.1:9'  # nothing answers there: offline
+    offline = dict(os.environ, TIKTOKEN_CACHE_DIR=str(tmp_path / 'empty_cache'), HTTPS_PROXY=proxy,
+                   HTTP_PROXY=proxy, https_proxy=proxy, http_proxy=proxy)
+    out = str(tmp_path / 'run')
+    args = ['--dataset=fineweb', '--max_iters=4', '--eval_interval=2']
+    result = run_train(out, str(tmp_path / 'data'), *args, '--sample_tokens=8', env=offline)
+    assert [r['step'] for r in read_metrics(out, 'train')] == [1, 2, 3, 4]
+    assert "no sample: could not load the gpt2 tokenizer" in result.stdout
+    refused = run_train(str(tmp_path / 'tasks'), str(tmp_path / 'data'), *args,
+                        f"--eval_tasks={tmp_path / 'task.jsonl'}", env=offline, check=False)
+    assert refused.returncode == 2 and refused.stderr.startswith('error: could not load the gpt2 tokenizer')
+    assert not os.path.exists(tmp_path / 'tasks')
