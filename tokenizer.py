@@ -16,7 +16,6 @@ import json
 import os
 
 import numpy as np
-import rustbpe
 import tiktoken
 
 EOT = '<|endoftext|>'
@@ -190,6 +189,11 @@ def train_bpe(texts, vocab_size, path):
     rustbpe streams texts and counts the distinct pieces: its memory grows with their number, not with the
     text's size. Merges are the pairs of the highest count, a tie going to the lowest pair of ids: the same
     texts in any order give the same ranks; fewer than asked when the texts hold no more pairs."""
+    try:  # imported here: nothing else needs it, and GPU images often lack it
+        import rustbpe
+    except ImportError:
+        raise TokenizerError('training a BPE needs the rustbpe package: pip install -r requirements.txt, or '
+                             'use --tokenizer char or gpt2') from None
     trainer = rustbpe.Tokenizer()
     trainer.train_from_iterator(texts, vocab_size - 1, pattern=GPT2_PAT_STR)
     ranks = sorted(trainer.get_mergeable_ranks(), key=lambda token_rank: token_rank[1])
