@@ -7,6 +7,7 @@ everywhere it goes; check() refuses a mistake in the settings, abort() ends a ru
 a stop signal ends it with a whole last.pt. Until start() nothing is kept: a run that stops
 at a mistake writes nothing.
 """
+import atexit
 import glob
 import importlib.metadata
 import importlib.util
@@ -104,6 +105,7 @@ def open_run(out_dir, resumed, config, sources, session):
             if keep_bytes is not None and os.path.exists(path):
                 os.truncate(path, min(os.path.getsize(path), keep_bytes.get(name, 0)))
             files[name] = open(path, 'a')
+        atexit.register(close_logs)  # on every way out: a file left to the garbage collector warns
         for path in glob.glob(os.path.join(glob.escape(out_dir), '*.tmp')):
             os.remove(path)
         settings = {k: {'value': config[k], 'source': sources[k]} for k in config}
@@ -120,6 +122,12 @@ def open_run(out_dir, resumed, config, sources, session):
         wandb = wandb_module
         wandb.init(project=config['wandb_project'], name=config['wandb_run_name'], config=config,
                    resume='allow')
+
+
+def close_logs():
+    for f in files.values():
+        f.close()
+    files.clear()  # a line logged after this is printed only
 
 
 def announce(session, config, resumed, num_params):

@@ -123,9 +123,11 @@ def test_a_forked_run_is_the_run_of_a_fresh_interpreter(tmp_path, data_dir):
     args = ['--max_iters=20', '--lr_decay_iters=20', '--dropout=0.1', '--num_workers=1']
     forked_run, fresh = str(tmp_path / 'forked'), str(tmp_path / 'fresh')
     run_train(forked_run, data_dir, *args)
-    ok(subprocess.run([sys.executable, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={fresh}',
-                       *args],
-                      cwd=REPO, capture_output=True, text=True, timeout=300))
+    # warnings on, as a developer runs it: a log file left open to the garbage collector would say so
+    result = ok(subprocess.run([sys.executable, '-W', 'default', 'train.py', RUN_CONFIG,
+                                f'--data_dir={data_dir}', f'--out_dir={fresh}', *args],
+                               cwd=REPO, capture_output=True, text=True, timeout=300))
+    assert 'ResourceWarning' not in result.stderr, result.stderr
     for kind, keys in (('train', ('step', 'loss', 'lr', 'grad_norm')), ('eval', ('step', 'val_loss'))):
         records = [[[r[k] for k in keys] for r in read_metrics(run, kind)] for run in (forked_run, fresh)]
         assert records[0] == records[1] and len(records[0]) > 0, kind
