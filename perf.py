@@ -15,6 +15,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import resource
 import sys
 import time
@@ -141,12 +142,13 @@ def setup(device, local_rank, deterministic, backend):
 
 
 def data_parallel(model, device_ids):
-    """model wrapped in DDP without the buffer broadcast DDP makes by default in every forward, where it would
-    be a collective in the micro-batches that must not sync. torch 2.11 to 2.15 (README) differ here, and
-    only here: the version is read, not DDP's signature, which a test's wrapper of DDP.__init__ hides."""
-    if torch.__version__ >= '2.13':  # 2.13 adds forward_sync_buffers and deprecates broadcast_buffers
-        return DDP(model, device_ids=device_ids, forward_sync_buffers=False)  # buffers synced once, here
-    # 2.11 and 2.12: buffers never synced, which holds for rope's tables: every rank computed the same ones
+    """model wrapped in DDP without the buffer broadcast DDP makes in every forward, where it
+    would be a collective in the micro-batches that must not sync. torch 2.11 to 2.15 (README)
+    differ here, and only here: the version is read, not DDP's signature, which a wrapper of
+    DDP.__init__ (the tests' probe) hides."""
+    if torch.__version__ >= '2.13':  # adds forward_sync_buffers, deprecates broadcast_buffers
+        return DDP(model, device_ids=device_ids, forward_sync_buffers=False)  # synced once, here
+    # 2.11 and 2.12: never synced, which holds for rope's tables: every rank computed the same
     return DDP(model, device_ids=device_ids, broadcast_buffers=False)
 
 
@@ -190,6 +192,28 @@ def machine(device):
     if torch.device(device).type == 'cuda':
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
     return f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def nvidia_driver(version_file='/proc/driver/nvidia/version'):
+    """The NVIDIA driver's version ('580.159.04'), from its kernel module's file, or None."""
+    try:
+        with open(version_file) as f:
+            match = re.search(r'Kernel Module.*?\s(\d+\.\d+(?:\.\d+)?)\s', f.readline())
+    except OSError:
+        return None
+    return match.group(1) if match else None
+
+
+def gpu_info(device):
+    """What meta.json records of the GPU a process trains on (None on a CPU): its name, compute
+    capability and memory, the driver, and the CUDA, cuDNN and NCCL versions this torch runs on."""
+    if torch.device(device).type != 'cuda':
+        return None
+    props = torch.cuda.get_device_properties(device)
+    nccl = '.'.join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else None
+    return {'name': props.name, 'capability': f"{props.major}.{props.minor}",
+            'memory_mb': props.total_memory / 2**20, 'driver': nvidia_driver(),
+            'cuda': torch.version.cuda, 'cudnn': torch.backends.cudnn.version(), 'nccl': nccl}
 
 
 def read_cache(path):

@@ -269,7 +269,8 @@ def write_meta(out_dir, run):
         'hardware': {'platform': platform.platform(), 'cpu': perf.cpu_name(), 'cpu_count': os.cpu_count(),
                      'torch_threads': torch.get_num_threads(),
                      'cuda_devices': [torch.cuda.get_device_name(i)
-                                      for i in range(torch.cuda.device_count())]},
+                                      for i in range(torch.cuda.device_count())],
+                     'gpu': perf.gpu_info(run['device'])},
     })
 
 

@@ -192,8 +192,8 @@ def train_bpe(texts, vocab_size, path):
     try:  # imported here: nothing else needs it, and GPU images often lack it
         import rustbpe
     except ImportError:
-        raise TokenizerError('training a BPE needs the rustbpe package: pip install -r requirements.txt, or '
-                             'use --tokenizer char or gpt2') from None
+        raise TokenizerError('training a BPE needs the rustbpe package: pip install -r '
+                             'requirements.txt, or use --tokenizer char or gpt2') from None
     trainer = rustbpe.Tokenizer()
     trainer.train_from_iterator(texts, vocab_size - 1, pattern=GPT2_PAT_STR)
     ranks = sorted(trainer.get_mergeable_ranks(), key=lambda token_rank: token_rank[1])

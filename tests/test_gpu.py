@@ -193,3 +193,31 @@ def test_the_peak_memory_of_training_starts_after_start_up(monkeypatch):
     perf.reset_peak_memory('cpu')
     perf.reset_peak_memory('cuda:1')
     assert reset == ['cuda:1']
+
+
+@pytest.mark.parametrize('line, version', [
+    ('NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023',
+     '535.104.05'),
+    ('NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (dvs)',
+     '580.159.04'),
+    ('something else', None)])
+def test_the_driver_version_is_read_from_the_kernel_module_s_file(tmp_path, line, version):
+    (tmp_path / 'version').write_text(line + '\nGCC version:  gcc version 12.2.0\n')
+    assert perf.nvidia_driver(str(tmp_path / 'version')) == version
+    assert perf.nvidia_driver(str(tmp_path / 'missing')) is None
+
+
+def test_meta_json_s_gpu_record_names_the_card_driver_and_libraries(monkeypatch):
+    from types import SimpleNamespace
+    props = SimpleNamespace(name='NVIDIA H100 80GB HBM3', major=9, minor=0,
+                            total_memory=81559 * 2**20)
+    monkeypatch.setattr(torch.cuda, 'get_device_properties', lambda device: props)
+    monkeypatch.setattr(torch.cuda.nccl, 'version', lambda: (2, 27, 7))
+    monkeypatch.setattr(dist, 'is_nccl_available', lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, 'version', lambda: 91900)
+    monkeypatch.setattr(torch.version, 'cuda', '13.0')
+    monkeypatch.setattr(perf, 'nvidia_driver', lambda: '580.159.04')
+    assert perf.gpu_info('cuda:0') == {
+        'name': 'NVIDIA H100 80GB HBM3', 'capability': '9.0', 'memory_mb': 81559,
+        'driver': '580.159.04', 'cuda': '13.0', 'cudnn': 91900, 'nccl': '2.27.7'}
+    assert perf.gpu_info('cpu') is None
