@@ -168,9 +168,11 @@ except (data.DataError, prepare.PrepareError) as e:  # a node's own data may dif
     fail(f"rank {rank}: {e}" if ddp else e)
 check(gather(dataset_id).count(dataset_id) == world_size, f"the ranks see different data in {data_dir}/"
       f"{dataset}: every node needs the same prepared dataset (shared storage, or the same files on each)")
-try:  # a bad task file, or a tokenizer that cannot encode it, is found now, before anything is written
-    tasks = evaluate.read_tasks(eval_tasks, tokenizer.load(data_meta['tokenizer']).encode, block_size,
-                                eval_tasks_examples) if eval_tasks else {}  # training itself needs none
+tasks = {}
+try:  # a bad task file, or a tokenizer that cannot load, is found before anything is written
+    if eval_tasks:  # training needs no tokenizer: the tasks and the end-of-run sample do
+        tasks = evaluate.read_tasks(eval_tasks, tokenizer.load(data_meta['tokenizer']).encode,
+                                    block_size, eval_tasks_examples)
 except (evaluate.TaskError, tokenizer.TokenizerError) as e:
     check(False, e)
 if 'test' not in splits and test_eval:
@@ -279,6 +281,7 @@ run_record = {'config': config, 'model_args': dataclasses.asdict(model_config), 
               'pretrained': pretrained, 'dtype': dtype}  # in every checkpoint, beside the state
 session = {  # what this session is, for meta.json (beside the code, software and machine) and its first lines
     'seed': seed, 'dtype': dtype, 'dtype_choice': dtype_how, 'device': device, 'world_size': world_size,
+    'backend': torch.distributed.get_backend() if ddp else None,
     'pretrained': pretrained, 'peak_flops': {'per_process': peak_flops, 'how': peak_how},
     'resumed_from': f"{ckpt_path} at iteration {iter_num}" if resuming else None,
     'dataset': {**dataset_id, 'tokenizer': data_meta['tokenizer']['kind'], 'dir': data_dir,
@@ -482,6 +485,7 @@ if sample_tokens and (master or sharded):  # a sharded model's forward needs eve
         log(no_sample)
     else:
         with autocast:
-            text = sample.sample_text(raw_model, tok, tok.start, sample_tokens, 0.8, 200, seed, device)
+            text = sample.sample_text(raw_model, tok, tok.start, sample_tokens, 0.8, 200, seed,
+                                      device)
         log(f"a sample from the best weights:\n{text}")
 runlog.finish()
