@@ -9,6 +9,7 @@ import tempfile
 import time
 
 import pytest
+import torch
 
 import forked
 
@@ -22,6 +23,10 @@ os.environ.setdefault('HONESTGPT_CACHE', tempfile.mkdtemp(prefix='honestgpt-cach
 os.environ['OMP_NUM_THREADS'] = '1'
 sys.path.insert(0, REPO)
 RUN_CONFIG = os.path.join(REPO, 'tests', 'run_config.py')
+# the devices an end-to-end test whose meaning carries to a GPU runs on: the CPU, and CUDA where a
+# GPU is present; `pytest -m cuda` runs the GPU half alone (tests/gpu_check.sh does)
+DEVICES = ['cpu', pytest.param('cuda', marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason='no CUDA GPU here')])]
 PROBE = os.path.join(REPO, 'tests', 'probe.py')
 FORKED_TORCHRUN = os.path.join(REPO, 'tests', 'forked_torchrun.py')
 

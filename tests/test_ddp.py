@@ -1,4 +1,5 @@
 """Distributed data parallel on CPU (gloo, 2 processes): the same run as one process, and no hangs."""
+import json
 import os
 import socket
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 
 import forked
-from conftest import RUN_CONFIG, ok, read_metrics, run_train, torchrun
+import sample
+from conftest import DEVICES, RUN_CONFIG, ok, read_metrics, run_train, torchrun
 from test_recipe import RECIPE
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
@@ -34,8 +36,9 @@ def assert_same_run(one, two):
     evals1, evals2 = read_metrics(one, 'eval'), read_metrics(two, 'eval')
     assert [e['step'] for e in evals1] == [e['step'] for e in evals2]
     assert all(close(e1['val_loss'], e2['val_loss']) for e1, e2 in zip(evals1, evals2))
-    p1 = torch.load(os.path.join(one, 'last.pt'), weights_only=True)['model']
-    p2 = torch.load(os.path.join(two, 'last.pt'), weights_only=True)['model']
+    # an fsdp run's last.pt names its shards: sample.py's loader gathers them
+    p1, p2 = (sample.load_model(os.path.join(run, 'last.pt'), 'cpu')[0].state_dict()
+              for run in (one, two))
     assert all(torch.allclose(p1[k], p2[k], rtol=RTOL, atol=1e-6) for k in p1)
 
 
@@ -54,6 +57,23 @@ def test_two_ranks_equal_one_process_and_skip_sync_between_boundaries(tmp_path, 
     assert counts == [30, 30]
     # and no buffer broadcast in any forward: rope's tables are buffers, the same on every rank
     assert [open(tmp_path / f'buffers.{r}').read() for r in range(2)] == ['False', 'False']
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('parallel', ['ddp', 'fsdp'])
+def test_one_process_under_torchrun_is_the_run_without_it(tmp_path, data_dir, parallel, device):
+    """torchrun --nproc_per_node=1, as on a one-GPU machine: the group on nccl (a GPU) or gloo (a
+    CPU), the model in DDP's or FSDP's wrapper, and the same run as one process without torchrun."""
+    one, under = str(tmp_path / 'one'), str(tmp_path / 'torchrun')
+    # deterministic on a GPU: its kernels' atomic adds would make even two identical runs differ
+    args = [*SAME, f'--parallel={parallel}', f'--device={device}',
+            f'--deterministic={device == "cuda"}']
+    run_train(one, data_dir, *args)
+    ok(torchrun(under, data_dir, *args, nproc=1))
+    assert_same_run(one, under)
+    meta = json.load(open(os.path.join(under, 'meta.json')))
+    assert meta['world_size'] == 1 and meta['backend'] == ('nccl' if device == 'cuda' else 'gloo')
+    assert json.load(open(os.path.join(one, 'meta.json')))['backend'] is None
 
 
 def test_two_nodes_on_loopback(tmp_path, data_dir):

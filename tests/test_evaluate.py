@@ -16,7 +16,7 @@ import forked
 import hf
 import sample
 import tokenizer
-from conftest import ok, read_metrics, run_train, torchrun, write_ranks
+from conftest import DEVICES, ok, read_metrics, run_train, torchrun, write_ranks
 from model import GPT, GPTConfig
 
 MERGES = [b'th', b'he', b'the', b' t', b'in', b'an', b'en', b' the', b'ing', b'oo']
@@ -245,7 +245,9 @@ def test_one_two_and_three_ranks_give_the_same_counts(tiny_gpt2, bpe, task, tmp_
 
 
 @pytest.mark.slow
-def test_command_on_a_trained_run_and_a_hugging_face_folder(data_dir, tiny_gpt2, bpe, task, tmp_path):
+@pytest.mark.parametrize('device', DEVICES)
+def test_command_on_a_trained_run_and_a_hugging_face_folder(data_dir, tiny_gpt2, bpe, task,
+                                                            tmp_path, device):
     run = str(tmp_path / 'run')
     run_train(run, data_dir, '--max_iters=10', '--lr_decay_iters=10', '--eval_interval=10')
     rng = random.Random(1)
@@ -263,8 +265,8 @@ def test_command_on_a_trained_run_and_a_hugging_face_folder(data_dir, tiny_gpt2,
         examples = evaluate.read_task(path, encode, model.config.block_size)
         return evaluate.describe(path, evaluate.score(model, examples, 3, 'cpu', nullcontext())) + '\n'
 
-    def command(*args):
-        return forked.run('evaluate.py', *args, '--batch_size=3', timeout=120)
+    def command(*args):  # the same counts on a GPU as the CPU's here: the choices are far from ties
+        return forked.run('evaluate.py', *args, '--batch_size=3', f'--device={device}', timeout=120)
     result = command(f'--out_dir={run}', f'--tasks={generic},{hellaswag}', '--dtype=float32')
     assert result.returncode == 0 and result.stdout == expected(generic) + expected(hellaswag), result.stderr
     result = command(f'--ckpt={run}/last.pt', f'--tasks={generic}', '--max_examples=3')  # dtype 'auto'

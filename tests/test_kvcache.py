@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import DEVICES
 from model import GPT, GPTConfig
 
 BLOCK = 16
@@ -25,15 +26,17 @@ def sharp_gpt(**kw):
                          [dict(pos_emb='learned'), dict(pos_emb='rope', qk_norm=True, logit_softcap=15.0)],
                          ids=['learned', 'rope-qk_norm-softcap'])
 @pytest.mark.parametrize('prompt_len', [5, BLOCK + 4], ids=['prompt-in-block', 'prompt-past-block'])
-def test_cached_tokens_equal_uncached_greedy_and_sampled(kw, prompt_len):
+@pytest.mark.parametrize('device', DEVICES)
+def test_cached_tokens_equal_uncached_greedy_and_sampled(kw, prompt_len, device):
     # float32, 2 prompts, 30 new tokens: the short prompt decodes up to block_size and then slides past it
-    model = sharp_gpt(**kw)
+    model = sharp_gpt(**kw).to(device)
     # (2, prompt_len)
     prompts = torch.randint(0, 50, (2, prompt_len), generator=torch.Generator().manual_seed(1))
+    prompts = prompts.to(device)
     greedy = [model.generate(prompts, 30, top_k=1, use_cache=use_cache) for use_cache in (True, False)]
     assert torch.equal(*greedy)
     sampled = [model.generate(prompts, 30, temperature=0.8, top_k=10,
-                              generator=torch.Generator().manual_seed(2),
+                              generator=torch.Generator(device).manual_seed(2),
                               use_cache=use_cache) for use_cache in (True, False)]
     assert torch.equal(*sampled) and not torch.equal(sampled[0], greedy[0])
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import forked
-from conftest import PROBE, RUN_CONFIG, read_metrics, run_train, run_trains, wait_for_stderr
+from conftest import (DEVICES, PROBE, RUN_CONFIG, read_metrics, run_train, run_trains,
+                      wait_for_stderr)
 from test_recipe import RECIPE
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
@@ -27,10 +28,14 @@ def trajectory(out_dir):
 
 
 # the recipe: Muon beside AdamW, wsd...
+@pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('recipe', [[], RECIPE], ids=['nanogpt', 'recipe'])
-def test_bfloat16_resume_mid_epoch_between_evaluations_is_bitwise(tmp_path, data_dir, recipe):
+def test_bfloat16_resume_mid_epoch_between_evaluations_is_bitwise(tmp_path, data_dir, recipe,
+                                                                 device):
     straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
-    args = [*HARD, *recipe, '--dtype=bfloat16']
+    # a GPU's kernels repeat bitwise only with deterministic=True (else atomic adds in backward)
+    args = [*HARD, *recipe, '--dtype=bfloat16', f'--device={device}',
+            f'--deterministic={device == "cuda"}']
     # stop at 14: in the middle of an epoch, between evaluations, after an extra final evaluation
     run_trains(data_dir, (straight, args), (split, [*args, '--max_iters=14']))
     run_train(split, data_dir, *args, '--init_from=resume', probe=True,

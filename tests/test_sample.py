@@ -7,7 +7,7 @@ import torch
 import forked
 import sample
 import tokenizer
-from conftest import run_train
+from conftest import DEVICES, run_train
 from model import GPT, GPTConfig
 
 SEPARATOR = '-' * 40 + '\n'
@@ -24,11 +24,13 @@ def run_sample(*args):
     return forked.run('sample.py', *args, timeout=120)
 
 
-def test_seed_decides_the_samples(run_dir):
+@pytest.mark.parametrize('device', DEVICES)
+def test_seed_decides_the_samples(run_dir, device):
     # sample i is drawn with seed + i: the second sample of --seed=1 is the first of --seed=2, in another
     # process
-    seed_1 = run_sample(f'--out_dir={run_dir}', '--seed=1', '--num_samples=2', '--max_new_tokens=30')
-    seed_2 = run_sample(f'--out_dir={run_dir}', '--seed=2', '--num_samples=1', '--max_new_tokens=30')
+    args = [f'--out_dir={run_dir}', '--max_new_tokens=30', f'--device={device}']
+    seed_1 = run_sample(*args, '--seed=1', '--num_samples=2')
+    seed_2 = run_sample(*args, '--seed=2', '--num_samples=1')
     assert seed_1.returncode == 0, seed_1.stderr
     first, second = seed_1.stdout.split(SEPARATOR)[:2]
     assert seed_2.stdout == second + SEPARATOR and first != second
@@ -39,7 +41,8 @@ def test_top_k_1_is_greedy_with_a_prompt_file(run_dir, tmp_path):
     prompt = tmp_path / 'prompt.txt'
     prompt.write_text('the cat ')
     result = run_sample(f'--out_dir={run_dir}', f'--start=FILE:{prompt}', '--top_k=1', '--num_samples=1',
-                        '--max_new_tokens=12', '--dtype=float32')  # the reference below computes in float32
+                        '--max_new_tokens=12', '--device=cpu',
+                        '--dtype=float32')  # the reference below computes in float32
     assert result.returncode == 0, result.stderr
     ckpt = torch.load(os.path.join(run_dir, 'best.pt'), weights_only=True)
     model = GPT(GPTConfig(**ckpt['model_args']))

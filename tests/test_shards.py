@@ -268,9 +268,9 @@ def test_bench_loader_mode_reads_windows(tmp_path, sharded_dir):
 
 @pytest.mark.slow
 def test_gpt2_vocabulary_shards_train_offline_without_the_tokenizer(tmp_path):
-    """FineWeb's shards name GPT-2's tokenizer, which tiktoken downloads once; an offline GPU node without its
-    cache still trains. Only the end-of-run sample needs it (skipped, in one line); eval_tasks, which must
-    encode text, is refused before anything is written."""
+    """FineWeb's shards name GPT-2's tokenizer, which tiktoken downloads once; an offline GPU node
+    without its cache still trains. Only the end-of-run sample needs it (skipped, in one line);
+    eval_tasks, which must encode text, is refused before anything is written."""
     folder = tmp_path / 'data' / 'fineweb'
     folder.mkdir(parents=True)
     rng = np.random.default_rng(0)
@@ -288,5 +288,6 @@ def test_gpt2_vocabulary_shards_train_offline_without_the_tokenizer(tmp_path):
     assert "no sample: could not load the gpt2 tokenizer" in result.stdout
     refused = run_train(str(tmp_path / 'tasks'), str(tmp_path / 'data'), *args,
                         f"--eval_tasks={tmp_path / 'task.jsonl'}", env=offline, check=False)
-    assert refused.returncode == 2 and refused.stderr.startswith('error: could not load the gpt2 tokenizer')
+    assert refused.returncode == 2
+    assert refused.stderr.startswith('error: could not load the gpt2 tokenizer')
     assert not os.path.exists(tmp_path / 'tasks')

@@ -11,13 +11,15 @@ import pytest
 import torch
 
 import forked
-from conftest import PROBE, REPO, RUN_CONFIG, ok, read_metrics, run_train
+import perf
+from conftest import DEVICES, PROBE, REPO, RUN_CONFIG, ok, read_metrics, run_train
 
 
-def test_run_learns_and_records_everything(tmp_path, data_dir):
+@pytest.mark.parametrize('device', DEVICES)
+def test_run_learns_and_records_everything(tmp_path, data_dir, device):
     out = str(tmp_path / 'run')
     result = run_train(out, data_dir, '--max_iters=60', '--lr_decay_iters=60', '--eval_interval=20',
-                       '--test_eval=True', '--sample_tokens=20')
+                       '--test_eval=True', '--sample_tokens=20', f'--device={device}')
     evals = read_metrics(out, 'eval')
     assert [e['step'] for e in evals] == [20, 40, 60]
     vocab_size = json.load(open(os.path.join(data_dir, 'toy', 'meta.json')))['vocab_size']
@@ -43,6 +45,16 @@ def test_run_learns_and_records_everything(tmp_path, data_dir):
     meta = json.load(open(os.path.join(out, 'meta.json')))
     assert {'git_sha', 'git_dirty', 'command', 'versions', 'hardware', 'seed', 'start_time'} <= meta.keys()
     assert meta['versions']['torch'] == torch.__version__
+    if device == 'cuda':  # dtype='auto' from Ampere on; the card, its datasheet peak, its software
+        gpu = meta['hardware']['gpu']
+        assert meta['device'] == 'cuda:0' and meta['dtype'] == 'bfloat16'
+        listed = gpu['name'] in perf.GPU_PEAKS  # a card the table lacks is measured
+        peak_how = f"datasheet: {gpu['name']}," if listed else 'measured: '
+        assert meta['peak_flops']['how'].startswith(peak_how)
+        for key in ('name', 'capability', 'memory_mb', 'driver', 'cuda', 'cudnn', 'nccl'):
+            assert gpu[key], gpu
+    else:
+        assert meta['hardware']['gpu'] is None
     log = open(os.path.join(out, 'train.log')).read()
     stdout = result.stdout.strip().splitlines()  # start-up lines come before the run directory exists
     assert log.strip().splitlines() == stdout[next(i for i, l in enumerate(stdout)
@@ -123,7 +135,7 @@ def test_a_forked_run_is_the_run_of_a_fresh_interpreter(tmp_path, data_dir):
     args = ['--max_iters=20', '--lr_decay_iters=20', '--dropout=0.1', '--num_workers=1']
     forked_run, fresh = str(tmp_path / 'forked'), str(tmp_path / 'fresh')
     run_train(forked_run, data_dir, *args)
-    # warnings on, as a developer runs it: a log file left open to the garbage collector would say so
+    # warnings on, as a developer runs it: a log file left to the garbage collector would say so
     result = ok(subprocess.run([sys.executable, '-W', 'default', 'train.py', RUN_CONFIG,
                                 f'--data_dir={data_dir}', f'--out_dir={fresh}', *args],
                                cwd=REPO, capture_output=True, text=True, timeout=300))
