@@ -8,6 +8,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -44,6 +45,29 @@ def make_corpus(folder, num_docs=40, seed=0):
         with open(os.path.join(folder, f'doc{d:03d}.txt'), 'w') as f:
             f.write('\n'.join(lines) + '\n')
     return folder
+
+
+def llmc_shard(path, tokens, magic=20240520, version=1, dtype=np.uint16):
+    """A shard as llm.c's dev/data/data_common.py write_datafile writes it: 256 int32 (magic, version, token
+    count, zeros), then the tokens."""
+    header = np.zeros(256, dtype=np.int32)
+    header[0], header[1], header[2] = magic, version, len(tokens)
+    with open(path, 'wb') as f:
+        f.write(header.tobytes())
+        f.write(np.array(tokens, dtype=dtype).tobytes())
+
+
+def gpt2_shards(folder, train_tokens, val_tokens=10_000):
+    """A dataset folder of seeded random GPT-2 ids, as FineWeb's shards and meta.json would hold:
+    GPT-2's vocabulary and tokenizer name, without its files."""
+    os.makedirs(folder)
+    rng = np.random.default_rng(0)
+    name = os.path.basename(folder)
+    llmc_shard(os.path.join(folder, f'{name}_val_000000.bin'), rng.integers(0, 50257, val_tokens))
+    train = rng.integers(0, 50257, train_tokens)
+    llmc_shard(os.path.join(folder, f'{name}_train_000000.bin'), train)
+    with open(os.path.join(folder, 'meta.json'), 'w') as f:
+        f.write('{"vocab_size": 50257, "tokenizer": "gpt2"}')
 
 
 def write_ranks(path, merges):
@@ -118,14 +142,14 @@ def read_metrics(out_dir, kind=None):
 
 
 def torchrun(out_dir, data_dir, *overrides, probe=False, **kwargs):
-    """train.py (under tests/probe.py if probe) on CPU processes with gloo, as users run it."""
+    """train.py (under tests/probe.py if probe) under torchrun, as users run it."""
     script = [PROBE, 'train.py'] if probe else ['train.py']
     return torchrun_script(script, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides, **kwargs)
 
 
 def torchrun_script(script, *args, nproc=2, env_extra=None, torchrun_args=(), timeout=300):
-    """torchrun SCRIPT tests/run_config.py ARGS on nproc CPU processes with gloo; script is a
-    list: the script and its own arguments before the config."""
+    """torchrun SCRIPT tests/run_config.py ARGS on nproc processes (CPU and gloo unless ARGS say
+    --device=cuda); script is a list: the script and its own arguments before the config."""
     env = {**os.environ, **(env_extra or {})}
     launcher = ['-m', 'torch.distributed.run'] if forked.FRESH else [FORKED_TORCHRUN]
     if not forked.FRESH:  # its workers are forks too

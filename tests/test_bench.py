@@ -7,13 +7,12 @@ import statistics
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
 import perf
 import forked
-from conftest import DEVICES, REPO, RUN_CONFIG, read_metrics, run_train
+from conftest import DEVICES, REPO, RUN_CONFIG, gpt2_shards, read_metrics, run_train
 from model import GPT, GPTConfig
 
 QUICK = ['--bench_iters=5', '--bench_warmup=2', '--rounds=1', '--dtype=float32']
@@ -67,6 +66,7 @@ def test_bench_compares_two_settings_with_speed_mfu_memory_and_profile(tmp_path,
                        f"--trace={tmp_path / 'iteration.json'}", f'--device={device}',
                        f'--deterministic={device == "cuda"}')
     a, b = report['settings']['A'], report['settings']['B']
+    assert a['device'] == b['device'] == ('cuda:0' if device == 'cuda' else 'cpu')
     model, params = toy_params(data_dir)
     for s in (a, b):
         check_setting(s, 5, 8 * 32, model.flops_per_token())  # batch_size x block_size of run_config
@@ -220,13 +220,7 @@ def test_mfu_of_a_training_step_lies_between_0_and_100_percent(tmp_path, device)
     """MFU, the model's FLOP/s over the device's peak: past 100% one of them is wrong. GPT-2
     124M's shape on a GPU (against its datasheet peak, bfloat16), a small model with GPT-2's
     vocabulary on a CPU (against the peak measured here)."""
-    from test_shards import llmc_shard
-    folder = tmp_path / 'data' / 'gpt2_tokens'
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    llmc_shard(folder / 'gpt2_tokens_val_000000.bin', rng.integers(0, 50257, 10_000))
-    llmc_shard(folder / 'gpt2_tokens_train_000000.bin', rng.integers(0, 50257, 200_000))
-    (folder / 'meta.json').write_text('{"vocab_size": 50257, "tokenizer": "gpt2"}')
+    gpt2_shards(str(tmp_path / 'data' / 'gpt2_tokens'), 200_000)
     if device == 'cuda':
         shape = ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024',
                  '--dtype=bfloat16']

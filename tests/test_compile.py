@@ -33,8 +33,10 @@ def test_compiled_losses_track_eager(tmp_path, data_dir, device):
     run_train(eager, data_dir, *args, '--compile=False')
     run_train(compiled, data_dir, *args, timeout=900, probe=True,
               env={**os.environ, 'PROBE_GRAPHS': str(tmp_path)})
-    # inductor compiled the training and evaluation graphs
+    # inductor compiled the training and evaluation graphs, on the device asked for
     assert int(open(tmp_path / 'graphs.0').read()) >= 2
+    with open(os.path.join(compiled, 'meta.json')) as f:
+        assert json.load(f)['device'] == ('cuda:0' if device == 'cuda' else 'cpu')
     for (s1, l1, lr1, g1), (s2, l2, lr2, g2) in zip(trajectory(eager), trajectory(compiled), strict=True):
         assert s1 == s2 and lr1 == lr2 and abs(l1 - l2) <= rtol * l1 and abs(g1 - g2) <= rtol * g1
     evals = [[r['val_loss'] for r in read_metrics(run, 'eval')] for run in (eager, compiled)]

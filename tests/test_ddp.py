@@ -1,4 +1,5 @@
-"""Distributed data parallel on CPU (gloo, 2 processes): the same run as one process, and no hangs."""
+"""Distributed data parallel on CPU (gloo, 2 processes; one process on each device present): the same run
+as one process, and no hangs."""
 import json
 import os
 import socket
@@ -69,11 +70,17 @@ def test_one_process_under_torchrun_is_the_run_without_it(tmp_path, data_dir, pa
     args = [*SAME, f'--parallel={parallel}', f'--device={device}',
             f'--deterministic={device == "cuda"}']
     run_train(one, data_dir, *args)
-    ok(torchrun(under, data_dir, *args, nproc=1))
+    ok(torchrun(under, data_dir, *args, nproc=1, probe=True, env_extra={'PROBE_COUNT': str(tmp_path)}))
     assert_same_run(one, under)
     meta = json.load(open(os.path.join(under, 'meta.json')))
     assert meta['world_size'] == 1 and meta['backend'] == ('nccl' if device == 'cuda' else 'gloo')
+    assert meta['device'] == ('cuda:0' if device == 'cuda' else 'cpu')
     assert json.load(open(os.path.join(one, 'meta.json')))['backend'] is None
+    # the wrapper was there: DDP's gradient all-reduce once per step, FSDP's shards in the checkpoint
+    if parallel == 'ddp':
+        assert open(tmp_path / 'allreduce.0').read() == '30'
+    else:
+        assert 'shards' in torch.load(os.path.join(under, 'last.pt'), weights_only=True)
 
 
 def test_two_nodes_on_loopback(tmp_path, data_dir):

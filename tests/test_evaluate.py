@@ -269,6 +269,7 @@ def test_command_on_a_trained_run_and_a_hugging_face_folder(data_dir, tiny_gpt2,
         return forked.run('evaluate.py', *args, '--batch_size=3', f'--device={device}', timeout=120)
     result = command(f'--out_dir={run}', f'--tasks={generic},{hellaswag}', '--dtype=float32')
     assert result.returncode == 0 and result.stdout == expected(generic) + expected(hellaswag), result.stderr
+    assert f" on {'cuda:0' if device == 'cuda' else 'cpu'} " in result.stderr
     result = command(f'--ckpt={run}/last.pt', f'--tasks={generic}', '--max_examples=3')  # dtype 'auto'
     assert result.returncode == 0 and result.stdout.startswith(f'{generic}: 3 examples, acc '), result.stderr
     result = command(f'--init_from={tiny_gpt2[1]}', f'--tokenizer={bpe[0]}', f'--tasks={task}',

@@ -119,9 +119,9 @@ def test_float16_on_cpu_warns_with_the_measured_slowdown(tmp_path, data_dir, mon
 @pytest.mark.parametrize('device', DEVICES)
 def test_out_of_memory_is_one_clear_message(tmp_path, data_dir, device):
     out = str(tmp_path / 'oom')
-    args = [f'--data_dir={data_dir}', f'--out_dir={out}', '--batch_size=1000', '--n_embd=128',
-            '--dtype=float32', f'--device={device}']  # the limits are sized for float32 activations
-    if device == 'cuda':  # the allocator capped at 256 MiB, as on a small card: it needs ~600 MB
+    args = ['--batch_size=1000', '--n_embd=128', '--dtype=float32',  # the limits are for float32
+            f'--device={device}']
+    if device == 'cuda':  # the allocator capped at 256 MiB, as on a small card: it needs ~700 MB
         result = run_train(out, data_dir, *args, probe=True, check=False,
                            env={**os.environ, 'PROBE_CUDA_MEMORY': str(256 * 2**20)})
     else:
@@ -135,8 +135,9 @@ def test_out_of_memory_is_one_clear_message(tmp_path, data_dir, device):
 
         def cap_memory():
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-        result = subprocess.run([sys.executable, 'train.py', RUN_CONFIG, *args], cwd=REPO,
-                                capture_output=True, text=True, preexec_fn=cap_memory, timeout=300)
+        result = subprocess.run([sys.executable, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}',
+                                 f'--out_dir={out}', *args], cwd=REPO, capture_output=True, text=True,
+                                preexec_fn=cap_memory, timeout=300)
     assert result.returncode == 1 and 'Traceback' not in result.stderr, result.stderr
     error = [line for line in result.stderr.splitlines() if line.startswith('error:')]
     assert (len(error) == 1 and 'out of memory at iteration' in error[0]

@@ -32,6 +32,7 @@ def test_seed_decides_the_samples(run_dir, device):
     seed_1 = run_sample(*args, '--seed=1', '--num_samples=2')
     seed_2 = run_sample(*args, '--seed=2', '--num_samples=1')
     assert seed_1.returncode == 0, seed_1.stderr
+    assert f" on {'cuda:0' if device == 'cuda' else 'cpu'} " in seed_1.stderr
     first, second = seed_1.stdout.split(SEPARATOR)[:2]
     assert seed_2.stdout == second + SEPARATOR and first != second
     assert first.startswith('\n')  # an empty prompt starts where documents do: a newline for a char tokenizer

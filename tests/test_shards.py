@@ -13,17 +13,8 @@ import data
 import forked
 import prepare
 import tokenizer
-from conftest import epoch_batches, make_corpus, ok, read_metrics, run_train, run_trains, torchrun
-
-
-def llmc_shard(path, tokens, magic=20240520, version=1, dtype=np.uint16):
-    """A shard as llm.c's dev/data/data_common.py write_datafile writes it: 256 int32 (magic, version, token
-    count, zeros), then the tokens."""
-    header = np.zeros(256, dtype=np.int32)
-    header[0], header[1], header[2] = magic, version, len(tokens)
-    with open(path, 'wb') as f:
-        f.write(header.tobytes())
-        f.write(np.array(tokens, dtype=dtype).tobytes())
+from conftest import (epoch_batches, gpt2_shards, llmc_shard, make_corpus, ok, read_metrics,
+                      run_train, run_trains, torchrun)
 
 
 def all_windows_match(ds, tokens, block_size):
@@ -269,25 +260,26 @@ def test_bench_loader_mode_reads_windows(tmp_path, sharded_dir):
 @pytest.mark.slow
 def test_gpt2_vocabulary_shards_train_offline_without_the_tokenizer(tmp_path):
     """FineWeb's shards name GPT-2's tokenizer, which tiktoken downloads once; an offline GPU node
-    without its cache still trains. Only the end-of-run sample needs it (skipped, in one line);
-    eval_tasks, which must encode text, is refused before anything is written."""
-    folder = tmp_path / 'data' / 'fineweb'
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    llmc_shard(folder / 'fineweb_val_000000.bin', rng.integers(0, 50257, 2000))
-    llmc_shard(folder / 'fineweb_train_000000.bin', rng.integers(0, 50257, 20000))
-    (folder / 'meta.json').write_text('{"vocab_size": 50257, "tokenizer": "gpt2"}')
+    without its cache still trains. Only the end-of-run sample needs it (skipped in one line, also
+    by every rank of an FSDP run, where sampling is a collective); eval_tasks, which must encode
+    text, is refused before anything is written."""
+    data = str(tmp_path / 'data')
+    gpt2_shards(os.path.join(data, 'fineweb'), 20_000, 2_000)
     (tmp_path / 'task.jsonl').write_text('{"context": "a", "choices": ["b", "c"], "answer": 0}\n')
     proxy = 'http://127.0.0.1:9'  # nothing answers there: offline
-    offline = dict(os.environ, TIKTOKEN_CACHE_DIR=str(tmp_path / 'empty_cache'), HTTPS_PROXY=proxy,
-                   HTTP_PROXY=proxy, https_proxy=proxy, http_proxy=proxy)
-    out = str(tmp_path / 'run')
-    args = ['--dataset=fineweb', '--max_iters=4', '--eval_interval=2']
-    result = run_train(out, str(tmp_path / 'data'), *args, '--sample_tokens=8', env=offline)
-    assert [r['step'] for r in read_metrics(out, 'train')] == [1, 2, 3, 4]
-    assert "no sample: could not load the gpt2 tokenizer" in result.stdout
-    refused = run_train(str(tmp_path / 'tasks'), str(tmp_path / 'data'), *args,
-                        f"--eval_tasks={tmp_path / 'task.jsonl'}", env=offline, check=False)
+    offline = {'TIKTOKEN_CACHE_DIR': str(tmp_path / 'empty_cache'), 'HTTPS_PROXY': proxy,
+               'HTTP_PROXY': proxy, 'https_proxy': proxy, 'http_proxy': proxy}
+    args = ['--dataset=fineweb', '--max_iters=4', '--eval_interval=2', '--sample_tokens=8',
+            '--gradient_accumulation_steps=2']
+    runs = {'one': run_train(str(tmp_path / 'one'), data, *args, env={**os.environ, **offline}),
+            'fsdp': ok(torchrun(str(tmp_path / 'fsdp'), data, *args, '--parallel=fsdp',
+                                env_extra=offline))}
+    for name, result in runs.items():
+        assert [r['step'] for r in read_metrics(str(tmp_path / name), 'train')] == [1, 2, 3, 4]
+        assert result.stdout.count("no sample: could not load the gpt2 tokenizer") == 1, name
+    refused = run_train(str(tmp_path / 'tasks'), data, *args,
+                        f"--eval_tasks={tmp_path / 'task.jsonl'}", env={**os.environ, **offline},
+                        check=False)
     assert refused.returncode == 2
     assert refused.stderr.startswith('error: could not load the gpt2 tokenizer')
     assert not os.path.exists(tmp_path / 'tasks')
