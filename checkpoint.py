@@ -130,10 +130,17 @@ def load(path, resumable=False):
     return ckpt
 
 
+def changed_settings(ckpt, config, defaults):
+    """{key: (the checkpoint's run's value, this config's)} of the settings that differ. A key the
+    checkpoint's code did not have yet was at its default there."""
+    return {k: (ckpt['config'].get(k, defaults[k]), config[k]) for k in config
+            if ckpt['config'].get(k, defaults[k]) != config[k]}
+
+
 def why_not_resume(ckpt, config, defaults):
     """Why this config may not resume the checkpoint ('was trained with other settings (...)'), or ''."""
-    changed = [f"{k}={ckpt['config'].get(k, defaults[k])!r} there, {config[k]!r} here" for k in config
-               if k not in RESUMABLE and ckpt['config'].get(k, defaults[k]) != config[k]]
+    changed = [f"{k}={old!r} there, {new!r} here"
+               for k, (old, new) in changed_settings(ckpt, config, defaults).items() if k not in RESUMABLE]
     return f"was trained with other settings ({'; '.join(changed)})" if changed else ''
 
 

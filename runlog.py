@@ -144,6 +144,10 @@ def announce(session, config, resumed, num_params):
         f"{session['world_size']} process(es), {accum * batch * block:,} tokens per iteration ({accum} x "
         f"{batch} x {block})")
     log(f"MFU is measured against {peak['per_process'] / 1e9:,.1f} GFLOP/s per process ({peak['how']})")
+    if resumed:
+        changed = [f"{k} {old!r} -> {new!r} ({source})"
+                   for k, (old, new, source) in session['changed_on_resume'].items()]
+        log(f"settings changed since the checkpoint's run: {', '.join(changed) or 'none'}")
     if resumed and len(resumed[1]['rng']) != session['world_size']:
         log(f"the checkpoint was written by {len(resumed[1]['rng'])} process(es): the data continues where "
             f"it stopped, but dropout draws new random streams, so this is not bitwise the run that would "

@@ -203,3 +203,26 @@ def test_resumed_run_reports_this_session_and_the_total(tmp_path, data_dir):
     assert test['total_seconds'] > test['wall_seconds'] and test['total_seconds'] >= first
     done = [l for l in open(os.path.join(out, 'train.log')).read().splitlines() if l.startswith('done:')][-1]
     assert done.startswith('done: iterations 11-20 in ') and 'all 20 iterations in ' in done
+
+
+def test_training_further_says_each_changed_setting_and_readme_s_command_keeps_the_schedule(
+        tmp_path, data_dir):
+    """README's Resume: to train further, run the run's own command again (meta.json's) with
+    --init_from=resume and the keys to change; a resume lists every setting that differs from the
+    checkpoint's run, so one left out (a schedule key given on the first command line) is seen."""
+    out = str(tmp_path / 'run')
+    run_train(out, data_dir, '--max_iters=10', '--lr_decay_iters=10', '--warmup_iters=2',
+              '--eval_interval=10')
+    shutil.copytree(out, tmp_path / 'copy')
+    command = json.load(open(os.path.join(out, 'meta.json')))['command']
+    further = forked.run(*command, '--init_from=resume', '--max_iters=16')
+    assert further.returncode == 0, further.stderr
+    assert ("settings changed since the checkpoint's run: max_iters 10 -> 16 (command line)\n"
+            in further.stdout)
+    lrs = [r['lr'] for r in read_metrics(out, 'train')]
+    assert lrs[10:] == [3e-4] * 6  # past lr_decay_iters: on at min_lr, no second warm-up
+    # without the first command's overrides, the schedule changes, and the resume says how
+    result = run_train(str(tmp_path / 'copy'), data_dir, '--init_from=resume', '--max_iters=16')
+    changed = next(line for line in result.stdout.splitlines() if line.startswith('settings changed'))
+    assert (f"lr_decay_iters 10 -> 40 ({RUN_CONFIG})" in changed
+            and f"warmup_iters 2 -> 5 ({RUN_CONFIG})" in changed), changed
