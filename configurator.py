@@ -14,7 +14,10 @@ fail() is how every script reports a user's mistake: one line naming the problem
 """
 import ast
 import difflib
+import json
+import os
 import sys
+import time
 
 
 class ConfigError(Exception):
@@ -24,7 +27,16 @@ class ConfigError(Exception):
 def fail(message):
     """A user's mistake: one line on stderr, exit code 2 (the caller has written nothing yet)."""
     print(f"error: {message}", file=sys.stderr)
+    tell_torchrun(f"error: {message}")
     sys.exit(2)
+
+
+def tell_torchrun(line):
+    """Under torchrun, the line that ends this process also goes to the error file torchrun reads: its
+    summary, printed last, below its own traceback, then names it as the failure's cause."""
+    if 'TORCHELASTIC_ERROR_FILE' in os.environ:
+        with open(os.environ['TORCHELASTIC_ERROR_FILE'], 'w') as f:
+            json.dump({'message': line, 'timestamp': int(time.time())}, f)
 
 
 def _unknown(key, defaults):

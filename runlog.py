@@ -26,7 +26,7 @@ import torch
 import checkpoint
 import perf
 import report
-from configurator import fail
+from configurator import fail, tell_torchrun
 
 LOGS = ('metrics.jsonl', 'train.log')
 master = True  # rank 0: train.py sets it; the other ranks print and write nothing
@@ -196,6 +196,7 @@ def abort(step, message):
     the same point, having decided on the same reduced values."""
     record({'kind': 'abort', 'step': step, 'message': message})
     log(f"error: {message}", sys.stderr)
+    tell_torchrun(f"error: {message}")
     finish()
     sys.exit(1)
 

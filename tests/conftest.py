@@ -144,18 +144,18 @@ def read_metrics(out_dir, kind=None):
 def torchrun(out_dir, data_dir, *overrides, probe=False, **kwargs):
     """train.py (under tests/probe.py if probe) under torchrun, as users run it."""
     script = [PROBE, 'train.py'] if probe else ['train.py']
-    return torchrun_script(script, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides, **kwargs)
+    return torchrun_script(*script, RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}',
+                           *overrides, **kwargs)
 
 
-def torchrun_script(script, *args, nproc=2, env_extra=None, torchrun_args=(), timeout=300):
-    """torchrun SCRIPT tests/run_config.py ARGS on nproc processes (CPU and gloo unless ARGS say
-    --device=cuda); script is a list: the script and its own arguments before the config."""
+def torchrun_script(*args, nproc=2, env_extra=None, torchrun_args=(), timeout=300):
+    """torchrun SCRIPT ARGS (args) on nproc processes, CPU and gloo unless ARGS say --device=cuda."""
     env = {**os.environ, **(env_extra or {})}
     launcher = ['-m', 'torch.distributed.run'] if forked.FRESH else [FORKED_TORCHRUN]
     if not forked.FRESH:  # its workers are forks too
         env[forked.SOCKET_ENV] = forked.server_socket()
     proc = forked.Process(*launcher, *(torchrun_args or ['--standalone']), f'--nproc_per_node={nproc}',
-                          *script, RUN_CONFIG, *args, env=env, new_session=True)
+                          *args, env=env, new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     finally:  # on a timeout torchrun is stopped; its workers, in sessions of their own, run to their end

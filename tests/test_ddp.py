@@ -1,7 +1,8 @@
-"""Distributed data parallel on CPU (gloo, 2 processes; one process on each device present): the same run
-as one process, and no hangs."""
+"""Distributed data parallel on CPU (gloo, 2 processes; one process on each device present): the same
+run as one process, and no hangs."""
 import json
 import os
+import shlex
 import socket
 
 import pytest
@@ -9,7 +10,8 @@ import torch
 
 import forked
 import sample
-from conftest import DEVICES, RUN_CONFIG, ok, read_metrics, run_train, torchrun
+from conftest import (DEVICES, REPO, RUN_CONFIG, ok, read_metrics, run_train, torchrun,
+                      torchrun_script)
 from test_recipe import RECIPE
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
@@ -70,7 +72,8 @@ def test_one_process_under_torchrun_is_the_run_without_it(tmp_path, data_dir, pa
     args = [*SAME, f'--parallel={parallel}', f'--device={device}',
             f'--deterministic={device == "cuda"}']
     run_train(one, data_dir, *args)
-    ok(torchrun(under, data_dir, *args, nproc=1, probe=True, env_extra={'PROBE_COUNT': str(tmp_path)}))
+    ok(torchrun(under, data_dir, *args, nproc=1, probe=True,
+                env_extra={'PROBE_COUNT': str(tmp_path)}))
     assert_same_run(one, under)
     meta = json.load(open(os.path.join(under, 'meta.json')))
     assert meta['world_size'] == 1 and meta['backend'] == ('nccl' if device == 'cuda' else 'gloo')
@@ -127,11 +130,30 @@ def test_nan_on_one_rank_ends_both_promptly(tmp_path, data_dir):
     assert [r['step'] for r in read_metrics(out, 'abort')] == [7]
 
 
+def test_readme_s_multi_process_command_runs_as_written(tmp_path, data_dir):
+    """README's first torchrun command, with only the data, out_dir and length made test-sized."""
+    readme = open(os.path.join(REPO, 'README.md')).read()
+    command = next(line for line in readme.splitlines() if line.startswith('    torchrun --standalone'))
+    launcher, options, script = shlex.split(command), [], []
+    for arg in launcher[1:]:
+        (script if script or arg.endswith('.py') else options).append(arg)
+    out = str(tmp_path / 'run')
+    ok(torchrun_script(*script, f'--data_dir={data_dir}', '--dataset=toy', f'--out_dir={out}',
+                       '--max_iters=2', '--eval_interval=2', '--eval_iters=1', '--sample_tokens=0',
+                       nproc=int(options.pop().removeprefix('--nproc_per_node=')),
+                       torchrun_args=options))
+    assert json.load(open(os.path.join(out, 'meta.json')))['world_size'] == 2
+    assert [r['step'] for r in read_metrics(out, 'eval')] == [2]
+
+
 def test_bad_config_ends_every_rank(tmp_path, data_dir):
     for args, message in ((['--batch_sise=4'], "unknown config key 'batch_sise'"),
                           (['--gradient_accumulation_steps=3'], 'not divisible by the 2 processes')):
         result = torchrun(str(tmp_path / 'bad'), data_dir, *args, timeout=120)
-        assert result.returncode != 0 and result.stderr.count(message) == 1  # said once, by rank 0
+        lines = result.stderr.splitlines()
+        # said once, by rank 0; then by torchrun's summary, its last lines, below its own traceback
+        assert result.returncode != 0 and sum(line.startswith('error: ') for line in lines) == 1
+        assert message in lines[-2] and 'traceback : error: ' in lines[-2], result.stderr
         assert not (tmp_path / 'bad').exists()
 
 

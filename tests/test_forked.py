@@ -101,7 +101,7 @@ def test_torchrun_workers_are_forks_that_torchrun_supervises(tmp_path):
                             "    time.sleep(1)\n"
                             "    sys.exit(3)\n"
                             "time.sleep(60)\n")
-    result = torchrun_script([path], timeout=120)
+    result = torchrun_script(path, timeout=120)
     lines = sorted(line for line in result.stdout.splitlines() if line.startswith('rank'))
     ranks = [line.split()[:2] for line in lines]
     assert result.returncode == 1 and ranks == [['rank', '0'], ['rank', '1']], result
