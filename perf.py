@@ -224,17 +224,17 @@ def read_cache(path):
         return {}
 
 
-def cached(key, measure):
+def cached(key, measure, again=False):
     """measure()'s JSON-able result, stored under key in the cache file; 'cached' says which run measured it.
     Processes that measure at once keep the first result written, so runs started together agree (a resume
-    needs the same dtype)."""
+    needs the same dtype); again: measure anew and replace what is stored."""
     folder = os.environ.get('HONESTGPT_CACHE', os.path.join(os.path.expanduser('~'), '.cache', 'honestgpt'))
     path = os.path.join(folder, 'perf.json')
-    if key in read_cache(path):
+    if key in read_cache(path) and not again:
         return read_cache(path)[key] | {'cached': path}
     entry = measure() | {'measured_at': time.strftime('%Y-%m-%dT%H:%M:%S%z')}
     entries = read_cache(path)
-    if key in entries:  # another process measured meanwhile: its figure stands
+    if key in entries and not again:  # another process measured meanwhile: its figure stands
         return entries[key] | {'cached': path}
     entries[key] = entry
     try:
@@ -353,12 +353,13 @@ def best_seconds(a, b, budget):
     return min(times[1:])
 
 
-def measure_flops(device, dtype, budget=0.1):
+def measure_flops(device, dtype, budget=0.1, trials=3):
     """The best FLOP/s of square matmuls. Every timing bounds the peak from below, so take the best over sizes
     (small ones run from cache), over the layouts a Linear multiplies in (forward x W^T, backward dY W and
-    dY^T X: an emulated dtype's speed differs tenfold between them) and over repeats (other load slows only
-    some). Sizes double from 128 until the fastest layout takes 10 ms per product, or up to 8192."""
-    best, n = (0.0, 0), 128
+    dY^T X: an emulated dtype's speed differs tenfold between them), over repeats and over trials a moment
+    apart (other work on the machine slows only some). Sizes double from 128 until the fastest layout takes
+    10 ms per product, or up to 8192."""
+    best, n, trial = (0.0, 0), 128, 1
     while True:
         # no torch.randn: the values do not change the speed, and the global RNG (dropout's) must stay
         # untouched
@@ -366,24 +367,34 @@ def measure_flops(device, dtype, budget=0.1):
                 torch.full((n, n), 0.25, device=device, dtype=dtype))
         fastest = min(best_seconds(x, y, budget) for x, y in ((a, b.T), (a, b), (a.T, b)))
         best = max(best, (2 * n**3 / fastest, n))
-        if fastest > 0.01 or n == 8192:
+        if (fastest > 0.01 or n == 8192) and trial == trials:
             name = str(dtype).removeprefix('torch.')
-            return best[0], (f"measured: {best[1]}x{best[1]} {name} matmul, the fastest of 3 layouts and "
-                             f"sizes 128 to {n}")
-        n *= 2
+            return best[0], (f"measured: {best[1]}x{best[1]} {name} matmul, the fastest of 3 layouts, "
+                             f"sizes 128 to {n} and {trials} trials")
+        if fastest > 0.01 or n == 8192:  # the next trial, after a pause that a burst of other work may end
+            n, trial = 128, trial + 1
+            time.sleep(0.2)
+        else:
+            n *= 2
 
 
-def peak_flops(device, dtype):
-    """(FLOP/s, how it was obtained) for a torch dtype: the datasheet on known GPUs, else measured once per
-    machine."""
+def peak_flops(device, dtype, beaten=0.0):
+    """(FLOP/s, how and when it was obtained) for a torch dtype: the datasheet on known GPUs, else measured
+    once per machine. beaten: the FLOP/s a training step achieved, above the cached peak, which was then
+    measured while other work ran: it is measured again, raised to at least beaten, and cached anew."""
     if torch.device(device).type == 'cuda':
         name = torch.cuda.get_device_name(device)
         peak = table_peak(name, dtype)
         if peak:
             return peak, f"datasheet: {name}, {str(dtype).removeprefix('torch.')} dense"
-    entry = cached(f"peak {machine(device)} {dtype}",
-                   lambda: dict(zip(('flops', 'how'), measure_flops(device, dtype))))
-    return entry['flops'], entry['how'] + (f" (cached in {entry['cached']})" if entry['cached'] else '')
+
+    def measure():
+        flops, how = measure_flops(device, dtype)
+        raised = f"; a training step's {beaten / 1e9:,.1f} GFLOP/s, above it" if beaten > flops else ''
+        return {'flops': max(flops, beaten), 'how': how + raised}
+    entry = cached(f"peak {machine(device)} {dtype}", measure, again=beaten > 0)
+    return entry['flops'], (f"{entry['how']}, at {entry['measured_at']}"
+                            + (f" (cached in {entry['cached']})" if entry['cached'] else ''))
 
 
 def reset_peak_memory(device):
@@ -419,13 +430,16 @@ def memory_held(model, optimizer, device):
 class Speedometer:
     """Tokens/s and MFU over each log interval, and the time left: before the second interval, the start-up
     estimate from the second micro-batch (the first holds one-time work: compilation); then the mean time per
-    iteration over the last 10 intervals (the session's first, with its one-time work, left out)."""
+    iteration over the last 10 intervals (the session's first, with its one-time work, left out). MFU never
+    passes 100%: an interval faster than the peak has it measured again (peak_flops)."""
 
-    def __init__(self, iter_num, max_iters, accum_steps, tokens_per_iter, flops_per_token, peak_flops):
-        """accum_steps: micro-batches per iteration on a rank; peak_flops: of all the processes together."""
+    def __init__(self, iter_num, max_iters, accum_steps, tokens_per_iter, flops_per_token, peak_flops,
+                 processes, device, dtype):
+        """accum_steps: micro-batches per iteration on a rank; peak_flops: per process (NaN where MFU is not
+        shown); device and dtype: where the peak is measured again."""
         self.first_iter, self.max_iters, self.accum_steps = iter_num, max_iters, accum_steps
-        self.tokens_per_iter = tokens_per_iter
-        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.tokens_per_iter, self.flops_per_token = tokens_per_iter, flops_per_token
+        self.peak_flops, self.processes, self.device, self.dtype = peak_flops, processes, device, dtype
         self.clock = []  # the synced end times of the session's first two micro-batches (train.py's step)
         self.estimate = None  # seconds per iteration, once the clock has two times
         self.recent = collections.deque(maxlen=10)  # (seconds, iterations) of the last intervals
@@ -443,16 +457,22 @@ class Speedometer:
         return self.estimate
 
     def interval(self, iter_num):
-        """(tokens/s, MFU, seconds left or None) of the interval ending at iter_num; the next starts now."""
+        """(tokens/s, MFU, seconds left or None, the new peak (FLOP/s, how) or None) of the interval ending
+        at iter_num; the next starts now."""
         elapsed, iters = time.time() - self.since, iter_num - self.since_iter
         if self.since_iter > self.first_iter:
             self.recent.append((elapsed, iters))
         per_iter = sum(s for s, _ in self.recent) / sum(n for _, n in self.recent) if self.recent \
             else self.estimate
         tokens_per_sec = iters * self.tokens_per_iter / elapsed
+        achieved = tokens_per_sec * self.flops_per_token / self.processes  # per process
+        new_peak = None
+        if achieved > self.peak_flops:  # the peak was measured while other work ran: measure it again
+            new_peak = peak_flops(self.device, self.dtype, beaten=achieved)
+            self.peak_flops = new_peak[0]
         self.restart(iter_num)
-        return (tokens_per_sec, tokens_per_sec * self.flops_per_token / self.peak_flops,
-                None if per_iter is None else (self.max_iters - iter_num) * per_iter)
+        return (tokens_per_sec, achieved / self.peak_flops,
+                None if per_iter is None else (self.max_iters - iter_num) * per_iter, new_peak)
 
 
 # -----------------------------------------------------------------------------

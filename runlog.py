@@ -154,6 +154,19 @@ def announce(session, config, resumed, num_params):
             f"have continued")
 
 
+def new_peak(step, flops, how):
+    """A step ran faster than the peak FLOP/s measured at start, which other work on the machine had slowed:
+    the 'peak' record, a line, and meta.json's peak_flops (what MFU is measured against from here on)."""
+    record({'kind': 'peak', 'step': step, 'flops': flops, 'how': how})
+    log(f"iteration {step} ran faster than the peak FLOP/s measured at start (other work was running then): "
+        f"measured again, {flops / 1e9:,.1f} GFLOP/s per process ({how}); MFU is against it from here on")
+    if master:
+        path = os.path.join(run_dir, 'meta.json')
+        with open(path) as f:
+            meta = json.load(f)
+        checkpoint.write_json(path, meta | {'peak_flops': {'per_process': flops, 'how': how}})
+
+
 def done(test, first_iter):
     """The end of a run that completed: the 'test' record (step, best_iter, best_val_loss, test_loss or None,
     wall_seconds and save_seconds of this session, total_seconds of every session), and the line that sums it

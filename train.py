@@ -303,7 +303,7 @@ batches = data.TrainBatches(splits['train'], train_sampler, num_workers, seed + 
 micro_batches = iter(lambda batch=next(batches): batch, None) if overfit_one_batch else batches
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 speed = perf.Speedometer(iter_num, max_iters, accum_steps, tokens_per_iter, raw_model.flops_per_token(),
-                         peak_flops * world_size)
+                         peak_flops, world_size, device, perf.DTYPES[dtype])
 
 def train_step():
     """One optimizer step's gradients: zero_grad, then per micro-batch forward (autocast), loss / accum_steps
@@ -366,7 +366,9 @@ def log_step(loss, grad_norm, lr, skipped, scale, profiler):
             f"iteration, {estimate * left / 3600:.2f} h for the {left} left")
     if iter_num % log_interval and iter_num != max_iters:
         return
-    tokens_per_sec, mfu, eta = speed.interval(iter_num)
+    tokens_per_sec, mfu, eta, new_peak = speed.interval(iter_num)
+    if new_peak:  # a step beat the peak measured at start: measured again, MFU is against it now
+        runlog.new_peak(iter_num, *new_peak)
     memory = perf.peak_memory_mb(device)
     record({'kind': 'train', 'step': iter_num, 'time': time.time(), 'loss': loss, 'lr': lr,
             'grad_norm': grad_norm, 'tokens_per_sec': tokens_per_sec, 'mfu': mfu, 'peak_mem_mb': memory,
