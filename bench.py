@@ -265,11 +265,12 @@ def measure_sampling():
 
     import checkpoint
     import sample as sample_py  # its load_model: prefixes stripped, an fsdp run's shards gathered
-    from perf import cpu_name, resolve_device
+    from perf import cpu_name, resolve_device, set_threads
     path = os.path.join(sample, 'last.pt')
     if not os.path.isfile(path):
         stop(f"sample={sample}: no last.pt there: pass the out_dir of a train.py run")
     device = resolve_device('auto')[0]
+    set_threads(0)  # as sample.py sets them
     try:
         model, saved = sample_py.load_model(path, device)
     except checkpoint.CheckpointError as e:

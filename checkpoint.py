@@ -28,7 +28,7 @@ FORMAT = 4
 # recovers from a blow-up; past steps keep their rates). Any other change is refused: it would be another run.
 RESUMABLE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'max_iters', 'eval_interval', 'log_interval',
              'eval_iters', 'always_save_checkpoint', 'checkpoint_interval', 'patience', 'num_workers',
-             'compile', 'device', 'backend', 'max_consecutive_skips', 'activation_checkpointing',
+             'compile', 'device', 'backend', 'threads', 'max_consecutive_skips', 'activation_checkpointing',
              'profile_iter', 'tensorboard_log', 'wandb_log', 'wandb_project', 'wandb_run_name',
              'cost_per_hour', 'test_eval', 'sample_tokens', 'write_report', 'eval_tasks',
              'eval_tasks_examples', 'learning_rate', 'muon_lr', 'decay_lr', 'lr_schedule', 'wsd_decay_frac',

@@ -14,6 +14,7 @@ import functools
 import hashlib
 import inspect
 import json
+import math
 import os
 import re
 import resource
@@ -124,11 +125,64 @@ def init_process_group(device, backend):
     atexit.register(lambda: time.sleep(0.1) or dist.destroy_process_group())
 
 
-def setup(device, local_rank, deterministic, backend):
-    """This process's (device, device type), made ready: resolve_device's choice, the current CUDA device
-    (with TF32 tensor cores for what autocast leaves in float32), deterministic kernels when asked, and under
-    torchrun (local_rank not None) the process group joined. ValueError: a device this code cannot use."""
+def usable_cpus(cgroup_root='/sys/fs/cgroup', proc_cgroup='/proc/self/cgroup'):
+    """The CPUs this process may use: its affinity, capped by a container's CPU quota (cgroup v2's cpu.max,
+    'QUOTA PERIOD' or 'max PERIOD', of this process's group and those above it), whole CPUs only. torch's
+    default thread count follows the affinity but not the quota."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        with open(proc_cgroup) as f:
+            group = next(line[3:].strip('/\n') for line in f if line.startswith('0::'))
+    except (OSError, StopIteration):  # no cgroup v2
+        return cpus
+    parts = group.split('/') if group else []
+    for depth in range(len(parts) + 1):
+        try:
+            with open(os.path.join(cgroup_root, *parts[:depth], 'cpu.max')) as f:
+                quota, period = f.read().split()
+        except (OSError, ValueError):
+            continue
+        if quota != 'max':  # threads past the quota are throttled: a fraction of a CPU does not count
+            cpus = min(cpus, max(1, int(quota) // int(period)))
+    return cpus
+
+
+def set_threads(threads):
+    """torch's CPU threads in this process, and returns their number: threads where it is above 0, else
+    OMP_NUM_THREADS where it is set (torchrun sets 1), else the usable CPUs shared among this node's
+    processes."""
+    omp = os.environ.get('OMP_NUM_THREADS', '').split(',')[0]
+    if not threads:
+        threads = int(omp) if omp.isdigit() and int(omp) else \
+            max(1, usable_cpus() // int(os.environ.get('LOCAL_WORLD_SIZE', '1')))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def cpu_use():
+    """What meta.json records of the CPUs as a process starts: torch's threads, the CPUs it may use, and
+    the 1-minute load average (other work, before this process's own)."""
+    return {'threads': torch.get_num_threads(), 'usable': usable_cpus(), 'load_average': os.getloadavg()[0]}
+
+
+def busy_warning(cpus):
+    """A line when other work already keeps the usable CPUs busy (cpus: cpu_use()) so that torch's threads
+    would wait for it, or ''. Waiting threads spin: runs were seen 6-13x slower."""
+    free = max(1, math.floor(cpus['usable'] - cpus['load_average'] + 0.5))
+    if cpus['threads'] <= free:
+        return ''
+    return (f"warning: the load average is {cpus['load_average']:.1f} on the {cpus['usable']} CPUs this "
+            f"process may use: other work is running, and {cpus['threads']} threads would wait for it (many "
+            f"times slower): use --threads={free}, or wait until the machine is free")
+
+
+def setup(device, local_rank, deterministic, backend, threads):
+    """This process's (device, device type), made ready: resolve_device's choice, torch's CPU threads
+    (set_threads), the current CUDA device (with TF32 tensor cores for what autocast leaves in float32),
+    deterministic kernels when asked, and under torchrun (local_rank not None) the process group joined.
+    ValueError: a device this code cannot use."""
     device, device_type = resolve_device(device, local_rank)
+    set_threads(threads)
     if device_type == 'cuda':
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision('high')

@@ -144,6 +144,8 @@ def announce(session, config, resumed, num_params):
         f"{session['world_size']} process(es), {accum * batch * block:,} tokens per iteration ({accum} x "
         f"{batch} x {block})")
     log(f"MFU is measured against {peak['per_process'] / 1e9:,.1f} GFLOP/s per process ({peak['how']})")
+    if busy := perf.busy_warning(session['cpus']):
+        log(busy, sys.stderr)
     if resumed:
         changed = [f"{k} {old!r} -> {new!r} ({source})"
                    for k, (old, new, source) in session['changed_on_resume'].items()]

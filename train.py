@@ -110,6 +110,7 @@ activation_checkpointing = False  # recompute activations in backward, block by 
 init_scale = 65536.0  # float16 GradScaler's first loss scale
 max_consecutive_skips = 20  # abort when float16 overflow skips this many optimizer steps in a row
 seed = 1337
+threads = 0  # torch's CPU threads per process; 0: OMP_NUM_THREADS, else the CPUs this process may use
 deterministic = False  # torch.use_deterministic_algorithms: bitwise repeatable runs where kernels allow
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
@@ -151,7 +152,7 @@ check(not missing, missing)
 # -----------------------------------------------------------------------------
 # processes, devices and data
 try:  # the device, deterministic kernels when asked, and under torchrun the process group
-    device, device_type = perf.setup(device, local_rank if ddp else None, deterministic, backend)
+    device, device_type = perf.setup(device, local_rank if ddp else None, deterministic, backend, threads)
 except ValueError as e:  # may differ between nodes: every rank that fails says so
     fail(f"rank {rank}: {e}" if ddp else e)
 accum_steps = gradient_accumulation_steps // world_size  # micro-batches per optimizer step on this rank
@@ -281,6 +282,7 @@ run_record = {'config': config, 'model_args': dataclasses.asdict(model_config), 
               'pretrained': pretrained, 'dtype': dtype}  # in every checkpoint, beside the state
 session = {  # what this session is, for meta.json (beside the code, software and machine) and its first lines
     'seed': seed, 'dtype': dtype, 'dtype_choice': dtype_how, 'device': device, 'world_size': world_size,
+    'cpus': perf.cpu_use(),
     'backend': torch.distributed.get_backend() if ddp else None,
     'pretrained': pretrained, 'peak_flops': {'per_process': peak_flops, 'how': peak_how},
     'resumed_from': f"{ckpt_path} at iteration {iter_num}" if resuming else None,

@@ -43,10 +43,10 @@ def test_setup_makes_each_rank_s_own_gpu_current_before_it_joins_the_group(monke
     monkeypatch.setattr(torch.cuda, 'set_device', lambda device: calls.append(('set_device', device)))
     monkeypatch.setattr(torch, 'set_float32_matmul_precision', lambda p: calls.append(('matmul', p)))
     monkeypatch.setattr(perf, 'init_process_group', lambda *args: calls.append(('group', *args)))
-    assert perf.setup('auto', 2, False, 'auto') == ('cuda:2', 'cuda')
+    assert perf.setup('auto', 2, False, 'auto', 1) == ('cuda:2', 'cuda')
     assert calls == [('set_device', 'cuda:2'), ('matmul', 'high'), ('group', 'cuda:2', 'auto')]
     calls.clear()
-    assert perf.setup('cpu', None, False, 'auto') == ('cpu', 'cpu') and calls == []
+    assert perf.setup('cpu', None, False, 'auto', 1) == ('cpu', 'cpu') and calls == []
 
 
 @pytest.mark.parametrize('device, backend, expected', [

@@ -2,6 +2,8 @@
 always_save_checkpoint=False, eval_iters=0 (the whole split), and what TensorBoard and wandb receive."""
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ import torch.nn.functional as F
 
 import data
 import report
-from conftest import read_metrics, run_train
+from conftest import REPO, RUN_CONFIG, read_metrics, run_train
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
@@ -87,3 +89,24 @@ def test_tensorboard_and_wandb_receive_every_number_of_metrics_jsonl(tmp_path, d
     wandb = {(tag, value, call[2]) for call in calls if call[0] == 'wandb.log'
              for tag, value in call[1].items()}
     assert tensorboard == wandb == expected
+
+
+def test_threads_follow_the_cpus_this_process_may_use(tmp_path, data_dir):
+    """A run takes as many threads as CPUs it may use (its affinity here; a container's quota, which
+    torch's default ignores, in test_units), or the threads key; meta.json records both. Fresh
+    interpreters: the fork server's torch has its threads set."""
+    cpus = sorted(os.sched_getaffinity(0))
+    env = {k: v for k, v in os.environ.items() if k != 'OMP_NUM_THREADS'}
+
+    def run(name, *args):
+        result = subprocess.run([sys.executable, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}',
+                                 f"--out_dir={tmp_path / name}", '--max_iters=1', '--eval_interval=1',
+                                 *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+                                preexec_fn=lambda: os.sched_setaffinity(0, cpus[:1]))
+        assert result.returncode == 0, result.stderr
+        meta = json.load(open(tmp_path / name / 'meta.json'))
+        assert meta['cpus']['threads'] == meta['hardware']['torch_threads']
+        return meta['cpus']
+    alone = run('affinity')
+    assert alone['threads'] == alone['usable'] == 1
+    assert run('key', '--threads=2')['threads'] == 2

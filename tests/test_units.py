@@ -1,6 +1,7 @@
 """Unit tests: the model's contract, the samplers' coverage and sharding, the configurator's errors."""
 import itertools
 import math
+import os
 import re
 import tracemalloc
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import data
+import perf
 import prepare
 from configurator import ConfigError, configure
 from conftest import epoch_batches
@@ -241,3 +243,40 @@ def test_resolve_dtype_keeps_a_resumed_choice_and_refuses_a_forced_nonsense(monk
     monkeypatch.setattr(perf, 'auto_dtype', lambda *a: ('fp8', {'rule': 'forced by HONESTGPT_AUTO_DTYPE'}))
     with pytest.raises(ValueError, match='HONESTGPT_AUTO_DTYPE=fp8: use float32, bfloat16 or float16'):
         perf.resolve_dtype('auto', 'cpu', args, 4)
+
+
+def test_usable_cpus_are_the_affinity_capped_by_every_cgroup_quota_above(tmp_path):
+    """A container's CPU quota (cgroup v2's cpu.max) may sit on this process's group or any above it; a
+    quota of 1.5 CPUs is 1 whole CPU, 'max' is none."""
+    affinity = len(os.sched_getaffinity(0))
+    root = tmp_path / 'cgroup'
+    (root / 'job' / 'step').mkdir(parents=True)
+    proc = tmp_path / 'proc_cgroup'
+    proc.write_text('0::/job/step\n')
+    (root / 'cpu.max').write_text('max 100000\n')
+    assert perf.usable_cpus(str(root), str(proc)) == affinity
+    (root / 'job' / 'cpu.max').write_text('150000 100000\n')
+    (root / 'job' / 'step' / 'cpu.max').write_text('max 100000\n')
+    assert perf.usable_cpus(str(root), str(proc)) == 1
+    proc.write_text('12:cpu,cpuacct:/job\n')  # cgroup v1 only: no quota read
+    assert perf.usable_cpus(str(root), str(proc)) == affinity
+
+
+def test_thread_count_comes_from_the_key_then_omp_num_threads_then_the_usable_cpus(monkeypatch):
+    monkeypatch.setattr(torch, 'set_num_threads', lambda n: None)
+    monkeypatch.setattr(perf, 'usable_cpus', lambda: 8)
+    monkeypatch.setenv('OMP_NUM_THREADS', '2')
+    assert perf.set_threads(3) == 3 and perf.set_threads(0) == 2
+    monkeypatch.delenv('OMP_NUM_THREADS')
+    assert perf.set_threads(0) == 8
+    monkeypatch.setenv('LOCAL_WORLD_SIZE', '4')  # processes of this node share the CPUs
+    assert perf.set_threads(0) == 2
+
+
+@pytest.mark.parametrize('threads, usable, load, fix', [
+    (2, 2, 1.9, 1), (8, 8, 6.0, 2), (2, 2, 0.3, None), (1, 2, 5.0, None), (4, 8, 3.0, None)])
+def test_cores_busy_with_other_work_are_said_once_with_the_fix(threads, usable, load, fix):
+    warning = perf.busy_warning({'threads': threads, 'usable': usable, 'load_average': load})
+    assert warning == '' if fix is None else (warning.startswith('warning: the load average is')
+                                              and warning.endswith(f'use --threads={fix}, or wait until '
+                                                                   f'the machine is free'))
