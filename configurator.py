@@ -39,6 +39,17 @@ def tell_torchrun(line):
             json.dump({'message': line, 'timestamp': int(time.time())}, f)
 
 
+def config_files(missing):
+    """What the config files beside a missing one are: its folder's, the closest name first."""
+    folder = os.path.dirname(missing) or '.'
+    names = sorted(f for f in os.listdir(folder) if f.endswith('.py')) if os.path.isdir(folder) else []
+    if not names:
+        return f"no config file is in {folder}/"
+    close = difflib.get_close_matches(os.path.basename(missing), names, n=1, cutoff=0.6)
+    hint = f"did you mean {os.path.join(os.path.dirname(missing), close[0])}? " if close else ''
+    return f"{hint}{folder}/ holds {', '.join(names)}"
+
+
 def _unknown(key, defaults):
     close = difflib.get_close_matches(key, list(defaults), n=3, cutoff=0.6)
     hint = f"did you mean {' or '.join(close)}?" if close else "see the defaults at the top of the script"
@@ -81,7 +92,7 @@ def configure(defaults, argv, choices=None, minimums=None):
                 with open(arg) as f:
                     code = f.read()
             except OSError as e:
-                raise ConfigError(f"cannot read config file {arg}: {e.strerror}")
+                raise ConfigError(f"cannot read config file {arg}: {e.strerror} ({config_files(arg)})")
             namespace = {}
             try:
                 exec(compile(code, arg, 'exec'), namespace)

@@ -17,6 +17,7 @@ sees.
 """
 import atexit
 import contextlib
+import difflib
 import fcntl
 import functools
 import glob
@@ -136,9 +137,14 @@ def open_dataset(data_dir, dataset):
         folder, files = path, sorted(glob.glob(os.path.join(glob.escape(path), '*.bin')))
     meta_path = os.path.join(folder, 'meta.json')
     if not os.path.exists(meta_path):
-        raise DataError(f"dataset '{dataset}' has no {meta_path}: run python prepare.py {dataset} --input "
-                        f"PATH (or set data_dir); for downloaded shards write it, e.g. {{\"vocab_size\": "
-                        f"50257, \"tokenizer\": \"gpt2\"}}")
+        prepared = sorted(os.path.basename(os.path.dirname(p))
+                          for p in glob.glob(os.path.join(glob.escape(data_dir), '*', 'meta.json')))
+        close = difflib.get_close_matches(dataset, prepared, n=1, cutoff=0.6)
+        hint = (f"did you mean '{close[0]}'? " if close else '') + \
+            (f"{data_dir} holds {', '.join(prepared)}; " if prepared else '')
+        raise DataError(f"dataset '{dataset}' has no {meta_path}: {hint}run python prepare.py {dataset} "
+                        f"--input PATH (or set data_dir); for downloaded shards write it, e.g. "
+                        f"{{\"vocab_size\": 50257, \"tokenizer\": \"gpt2\"}}")
     try:
         with open(meta_path, encoding='utf-8') as f:
             meta = json.load(f)

@@ -46,6 +46,16 @@ def log(message, stream=sys.stdout):
             files['train.log'].flush()
 
 
+def log_pieces(pieces):
+    """log() of one message given in pieces as they come (a sample's text, token by token)."""
+    for piece in pieces:
+        if master:
+            print(piece, end='', flush=True)
+            if files:
+                files['train.log'].write(piece)
+    log('')
+
+
 def record(entry):
     """One metrics.jsonl line (entry: a dict with 'kind' and 'step'); its numbers also go to TensorBoard and
     wandb as KIND/KEY at that step."""
@@ -60,6 +70,13 @@ def record(entry):
             tensorboard.add_scalar(name, value, entry['step'])
     if wandb:
         wandb.log(numbers, step=entry['step'])
+
+
+def duration(seconds):
+    """A time left as a person reads it, in the same units wherever the log says one: s, min or h."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 90 * 60 else f"{seconds / 3600:.1f} h"
 
 
 def log_bytes():

@@ -73,16 +73,33 @@ def load_model(path, device):
     return model.to(device).eval(), saved
 
 
-def sample_text(model, tok, start, max_new_tokens, temperature, top_k, seed, device):
-    """The non-empty text start and its continuation. Draws from its own generator, so the global
-    RNG (and with it a training run's random stream) is left as it was."""
+def sample_pieces(model, tok, start, max_new_tokens, temperature, top_k, seed, device):
+    """The non-empty text start, then its continuation piece by piece as the tokens are drawn: a sample
+    of minutes shows from its first token. A piece ends on a whole character (a BPE token can end inside
+    one: its decoding ends in U+FFFD until the next token completes it). Draws from its own generator, so
+    the global RNG (and with it a training run's random stream) is left as it was."""
     was_training = model.training
     model.eval()
     generator = torch.Generator(device=device).manual_seed(seed)
-    idx = torch.tensor([tok.encode(start)], dtype=torch.long, device=device)  # (1, T)
-    idx = model.generate(idx, max_new_tokens, temperature, top_k, generator)  # (1, T + max_new_tokens)
-    model.train(was_training)
-    return tok.decode(idx[0].tolist())
+    ids = tok.encode(start)
+    text = tok.decode(ids)
+    yield text
+    try:
+        for token in model.generate_tokens(torch.tensor([ids], dtype=torch.long, device=device),  # (1, T)
+                                           max_new_tokens, temperature, top_k, generator):
+            ids.append(token.item())
+            decoded = tok.decode(ids)
+            if not decoded.endswith('\ufffd'):
+                yield decoded[len(text):]
+                text = decoded
+    finally:
+        model.train(was_training)
+    yield tok.decode(ids)[len(text):]  # what a final U+FFFD held back
+
+
+def sample_text(model, tok, start, max_new_tokens, temperature, top_k, seed, device):
+    """The non-empty text start and its continuation, as one string."""
+    return ''.join(sample_pieces(model, tok, start, max_new_tokens, temperature, top_k, seed, device))
 
 
 if __name__ == '__main__':
@@ -156,5 +173,7 @@ if __name__ == '__main__':
           file=sys.stderr)
     for i in range(num_samples):
         with autocast:
-            print(sample_text(model, tok, start, max_new_tokens, temperature, top_k, seed + i, device))
-        print('-' * 40)
+            for piece in sample_pieces(model, tok, start, max_new_tokens, temperature, top_k, seed + i,
+                                       device):
+                print(piece, end='', flush=True)
+        print('\n' + '-' * 40)

@@ -365,7 +365,7 @@ def log_step(loss, grad_norm, lr, skipped, scale, profiler):
     if estimate is not None:
         record({'kind': 'estimate', 'step': iter_num, 'seconds_per_iter': estimate})
         log(f"a micro-batch after the first took {estimate / accum_steps:.2f} s: about {estimate:.2f} s per "
-            f"iteration, {estimate * left / 3600:.2f} h for the {left} left")
+            f"iteration, {runlog.duration(estimate * left)} for the {left} left")
     if iter_num % log_interval and iter_num != max_iters:
         return
     tokens_per_sec, mfu, eta, new_peak = speed.interval(iter_num)
@@ -378,7 +378,7 @@ def log_step(loss, grad_norm, lr, skipped, scale, profiler):
             'epoch': train_sampler.epoch})
     log(f"iter {iter_num}/{max_iters}: loss {loss:.4f}, lr {lr:.3e}, grad norm {grad_norm:.3f}, "
         f"{tokens_per_sec:,.0f} tok/s, MFU {mfu:.1%}, mem {memory:,.0f} MB, "
-        f"ETA {'?' if eta is None else f'{eta / 60:.1f} min'}{', step skipped (float16 overflow)' * skipped}")
+        f"ETA {'?' if eta is None else runlog.duration(eta)}{', step skipped (float16 overflow)' * skipped}")
 
 def evaluate_and_choose_saves():
     """Train and val loss, each task's accuracy, the best so far (by best_by), and which files to write:
@@ -492,8 +492,8 @@ if sample_tokens and (master or sharded):  # a sharded model's forward needs eve
     if no_sample:
         log(no_sample)
     else:
-        with autocast:
-            text = sample.sample_text(raw_model, tok, tok.start, sample_tokens, 0.8, 200, seed,
-                                      device)
-        log(f"a sample from the best weights:\n{text}")
+        log("a sample from the best weights:")
+        with autocast:  # printed as the tokens come
+            runlog.log_pieces(sample.sample_pieces(raw_model, tok, tok.start, sample_tokens, 0.8, 200, seed,
+                                                   device))
 runlog.finish()

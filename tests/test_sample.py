@@ -7,7 +7,7 @@ import torch
 import forked
 import sample
 import tokenizer
-from conftest import DEVICES, run_train
+from conftest import DEVICES, run_train, write_ranks
 from model import GPT, GPTConfig
 
 SEPARATOR = '-' * 40 + '\n'
@@ -106,3 +106,27 @@ def test_sample_text_leaves_global_rng_and_train_mode(run_dir):
     assert torch.equal(torch.get_rng_state(), rng) and model.training
     assert text.startswith('the ') and len(text) == 24
     assert text == sample.sample_text(model, tok, 'the ', 20, 1.0, 200, 7, 'cpu')
+
+
+def test_a_sample_comes_token_by_token_in_whole_characters(run_dir, tmp_path):
+    """sample.py and train.py print the pieces as the tokens are drawn. A character tokenizer gives a piece
+    per token; a byte-level BPE's token can end inside a UTF-8 character, which waits for the next."""
+    model, saved = sample.load_model(os.path.join(run_dir, 'best.pt'), 'cpu')
+    tok = tokenizer.load(saved['dataset']['tokenizer'])
+    pieces = list(sample.sample_pieces(model, tok, 'the ', 20, 1.0, 200, 7, 'cpu'))
+    text = sample.sample_text(model, tok, 'the ', 20, 1.0, 200, 7, 'cpu')
+    # a piece per new character, but the unknown id's U+FFFD, which waits like a cut one
+    assert pieces[0] == 'the ' and ''.join(pieces) == text
+    assert len(pieces) == 1 + sum(c != '\ufffd' for c in text[4:]) + 1
+    write_ranks(tmp_path / 'bytes.tiktoken', [])  # 256 byte tokens, then end-of-text
+    tok = tokenizer.ranks_file(str(tmp_path / 'bytes.tiktoken'))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=32))
+    # the high bytes of one character, whole, and cut: é (2 bytes), € (3 bytes)
+    with torch.no_grad():
+        model.lm_head.weight[0xc3] += 0.5
+    pieces = list(sample.sample_pieces(model, tok, 'é', 300, 2.0, None, 1, 'cpu'))
+    ids = model.generate(torch.tensor([tok.encode('é')]), 300, 2.0, None, torch.Generator().manual_seed(1))
+    assert ''.join(pieces) == tok.decode(ids[0].tolist())
+    assert len(pieces) < 1 + 300 + 1  # some tokens ended inside a character and waited
+    assert not any(piece.endswith('\ufffd') for piece in pieces[:-1])

@@ -280,3 +280,28 @@ def test_cores_busy_with_other_work_are_said_once_with_the_fix(threads, usable, 
     assert warning == '' if fix is None else (warning.startswith('warning: the load average is')
                                               and warning.endswith(f'use --threads={fix}, or wait until '
                                                                    f'the machine is free'))
+
+
+def test_a_missing_config_file_names_its_folder_s_files_and_the_closest(tmp_path):
+    (tmp_path / 'tiny.py').write_text('')
+    (tmp_path / 'big.py').write_text('')
+    with pytest.raises(ConfigError) as e:
+        configure({'n': 1}, [str(tmp_path / 'tinny.py')])
+    assert str(e.value).endswith(f"(did you mean {tmp_path / 'tiny.py'}? {tmp_path}/ holds big.py, tiny.py)")
+    with pytest.raises(ConfigError, match=r'\(no config file is in .*nowhere/\)$'):
+        configure({'n': 1}, [str(tmp_path / 'nowhere' / 'x.py')])
+
+
+def test_a_misspelt_dataset_names_the_closest_prepared_one(tmp_path):
+    for name in ('shakespeare_char', 'toy'):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / 'meta.json').write_text('{"vocab_size": 65, "tokenizer": "gpt2"}')
+    with pytest.raises(data.DataError, match=f"did you mean 'shakespeare_char'\\? {tmp_path} holds "
+                                             f"shakespeare_char, toy; run python prepare.py shakespear_char"):
+        data.open_dataset(str(tmp_path), 'shakespear_char')
+
+
+def test_times_left_read_in_one_set_of_units():
+    import runlog
+    assert [runlog.duration(s) for s in (42, 89.6, 90, 3000, 5399, 5400, 36000)] == [
+        '42 s', '90 s', '1.5 min', '50.0 min', '90.0 min', '1.5 h', '10.0 h']
