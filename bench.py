@@ -322,11 +322,10 @@ print(f"A: train.py {shlex.join(train_args)}" + (f"\nB: A {compare}" if compare 
       (f"\nreference: {reference}" if reference else ''), flush=True)
 runs = {name: [] for name in names}
 for round in range(1, rounds + 1):
-    for name in names:
+    for name in names:  # a line per run: a run can take minutes (a large model, compilation)
         runs[name].append(run_reference(round) if name == 'reference' else run_ours(name, round))
-    print(f"round {round}/{rounds}: "
-          + ', '.join(f"{name} {statistics.median(runs[name][-1]['seconds']) * 1e3:.1f} ms/iter"
-                      for name in names), flush=True)
+        print(f"round {round}/{rounds}, {name}: {statistics.median(runs[name][-1]['seconds']) * 1e3:.1f} "
+              f"ms/iter, the process {runs[name][-1]['wall_seconds']:.0f} s", flush=True)
 results = {name: summary(runs[name]) for name in names}
 report = {'command': sys.argv, 'cpu': runs['A'][0]['cpu'], 'torch': runs['A'][0]['torch'],
           'cpu_count': os.cpu_count(), 'load_average_before': load_average, 'bench_iters': bench_iters,

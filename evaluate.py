@@ -36,7 +36,7 @@ import sample
 import tokenizer as tokenizers  # 'tokenizer' is a config key below
 from configurator import ConfigError, configure
 from model import GPT, GPTConfig
-from runlog import check
+from runlog import check, progress
 
 # -----------------------------------------------------------------------------
 out_dir = 'out'  # evaluates out_dir/best.pt
@@ -162,7 +162,7 @@ def choice_losses(model, examples, batch_size, device, autocast, rank=0, world_s
     never a target."""
     num_choices = max(len(e.rows) for e in examples)
     summed, mean, labels = [], [], []
-    for batch in rank_batches(examples, batch_size, rank, world_size):
+    for batch in progress(rank_batches(examples, batch_size, rank, world_size), 'tasks'):
         rows = [row for e in batch for row in e.rows]
         lengths = [n for e in batch for n in e.ending_lengths]
         T = max(len(row) for row in rows) - 1

@@ -46,6 +46,25 @@ def log(message, stream=sys.stdout):
             files['train.log'].flush()
 
 
+def progress(items, label, every=10.0):
+    """items, passed through, while rank 0 says how far it has got once they take long: nothing for the
+    first `every` seconds, then every `every` seconds a line (log()) or, on a terminal, a bar redrawn in
+    place. No host sync: it counts what it hands on."""
+    start = last = time.time()
+    terminal = master and sys.stdout.isatty()
+    for done, item in enumerate(items, 1):
+        yield item
+        if master and time.time() - last >= every:
+            last = time.time()
+            if terminal:
+                bar = '#' * (20 * done // len(items))
+                print(f"\r{label}: [{bar:<20}] {done}/{len(items)}, {last - start:.0f} s", end='', flush=True)
+            else:
+                log(f"{label}: {done}/{len(items)} in {last - start:.0f} s")
+    if terminal and last > start:
+        print()  # the redrawn line ends
+
+
 def log_pieces(pieces):
     """log() of one message given in pieces as they come (a sample's text, token by token)."""
     for piece in pieces:

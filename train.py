@@ -385,8 +385,8 @@ def evaluate_and_choose_saves():
     best.pt at a new best, last.pt at every evaluation (without always_save_checkpoint only with a new
     best.pt, so that init_from=auto resumes from there)."""
     global best_val_loss, best_acc_norm, best_iter, evals_since_best
-    train_loss, val_loss = (evaluate.loss(eval_model, eval_loaders[split], device, autocast)
-                            for split in ('train', 'val'))
+    train_loss, val_loss = (evaluate.loss(eval_model, runlog.progress(eval_loaders[split], f"eval {split}"),
+                                          device, autocast) for split in ('train', 'val'))
     accuracy, acc_norm = evaluate.score_tasks(eval_model, tasks, batch_size, device, autocast, rank,
                                               world_size)
     improved = val_loss < best_val_loss if best_by == 'val_loss' else acc_norm > best_acc_norm
@@ -478,7 +478,8 @@ if overfit_one_batch and first_loss is not None:  # None: a finished run resumed
 best = os.path.join(out_dir, 'best.pt')
 if best_iter > 0 and (test_eval or sample_tokens):  # last.pt holds the trained weights: now load the best
     checkpoint.load_weights(checkpoint.load(best), best, raw_model)
-test_loss = evaluate.loss(eval_model, eval_loaders['test'], device, autocast) if test_eval else None
+test_loss = (evaluate.loss(eval_model, runlog.progress(eval_loaders['test'], 'test'), device, autocast)
+             if test_eval else None)
 runlog.done({'kind': 'test', 'step': iter_num, 'best_iter': best_iter, 'best_val_loss': best_val_loss,
              'test_loss': test_loss, 'wall_seconds': session_seconds, 'save_seconds': save_seconds,
              'total_seconds': seconds_before + session_seconds}, start_iter)

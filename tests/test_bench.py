@@ -26,7 +26,10 @@ def run_bench(tmp_path, data_dir, *overrides, env=None):
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, f"bench.py failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
     assert f"all figures: {report}" in result.stdout
-    return json.loads(report.read_text())
+    report = json.loads(report.read_text())
+    for r in range(1, report['rounds'] + 1):  # a line as each run ends, not only at the end
+        assert all(f"round {r}/{report['rounds']}, {name}: " in result.stdout for name in report['settings'])
+    return report
 
 
 def toy_params(data_dir):

@@ -3,6 +3,7 @@ import itertools
 import math
 import os
 import re
+import sys
 import tracemalloc
 
 import numpy as np
@@ -305,3 +306,15 @@ def test_times_left_read_in_one_set_of_units():
     import runlog
     assert [runlog.duration(s) for s in (42, 89.6, 90, 3000, 5399, 5400, 36000)] == [
         '42 s', '90 s', '1.5 min', '50.0 min', '90.0 min', '1.5 h', '10.0 h']
+
+
+def test_long_steps_show_progress_as_lines_in_a_log_and_a_bar_on_a_terminal(capsys, monkeypatch):
+    import runlog
+    assert list(runlog.progress(range(4), 'eval val', every=3600)) == [0, 1, 2, 3]
+    assert capsys.readouterr().out == ''  # quick: nothing
+    assert list(runlog.progress(range(4), 'eval val', every=0)) == [0, 1, 2, 3]
+    assert capsys.readouterr().out == ''.join(f'eval val: {i}/4 in 0 s\n' for i in range(1, 5))
+    monkeypatch.setattr(sys.stdout, 'isatty', lambda: True)
+    list(runlog.progress(range(2), 'tasks', every=0))
+    assert capsys.readouterr().out == ('\rtasks: [##########          ] 1/2, 0 s'
+                                       '\rtasks: [####################] 2/2, 0 s\n')
