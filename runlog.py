@@ -190,6 +190,9 @@ def check(ok, message):
 def abort(step, message):
     """Stop the run now, exit code 1, with an abort record, the message and the report. Every rank calls it at
     the same point, having decided on the same reduced values."""
+    # torchrun sends SIGTERM to the ranks left once one has exited: this one is stopping already, and
+    # catch_stop_signals' handler would announce a save that never comes
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     record({'kind': 'abort', 'step': step, 'message': message})
     log(f"error: {message}", sys.stderr)
     finish()

@@ -220,9 +220,8 @@ def test_a_val_shard_only_rank_1_reads_changes_and_every_rank_stops_at_the_evalu
     assert result.returncode == 1
     stderr = [open(path).read() for path in
               sorted(glob.glob(os.path.join(logs, '*', 'attempt_0', '*', 'stderr.log')))]
-    assert len(stderr) == 2 and not any('Traceback' in text for text in stderr), stderr
-    errors = [line for text in stderr for line in text.splitlines() if line.startswith('error:')]
-    assert errors == [f'error: {shard} {CHANGED} (iteration 10), or start a new out_dir'], stderr
+    # rank 0 says it for both: nothing else, though torchrun stops it once rank 1 has exited
+    assert stderr == [f'error: {shard} {CHANGED} (iteration 10), or start a new out_dir\n', ''], stderr
     assert [r['step'] for r in read_metrics(out, 'abort')] == [20]
     assert whole_checkpoints(out) == {'best.pt': 10, 'last.pt': 10}
     shutil.copy2(tmp_path / 'backup.bin', shard)
