@@ -383,31 +383,44 @@ def make_loader(dataset, batch_sampler, num_workers, seed, pin_memory):
                       generator=torch.Generator().manual_seed(seed))
 
 
-class TrainBatches:
-    """The train batches of one rank, forever, each marked consumed as the loop takes it: loader workers
-    prefetch ahead, so the sampler's own position runs ahead of training. Workers ignore SIGINT and SIGTERM
-    (seed_worker) and are shut down the DataLoader's own way at exit, before multiprocessing would terminate()
-    them (atexit runs the last registered first). A shard that changed under the run (DataError) sets fault to
-    its message, and empty batches follow, so that this rank still joins the step's collectives and the loop
-    stops every rank there."""
+class Batches:
+    """A loader's batches, through which a shard that changed under the run (DataError) does not
+    escape: an empty batch (no targets) takes the place of each batch that cannot be read, and fault
+    keeps the first message. The rank that meets it still joins every collective (the step's
+    all-reduce, a sharded model's forwards), and the ranks stop together where they agree on it
+    (train.py, evaluate.loss)."""
 
-    def __init__(self, windows, sampler, num_workers, seed, pin_memory):
-        self.sampler, self.fault = sampler, None
-        self.batches = iter(make_loader(windows, sampler, num_workers, seed, pin_memory))
-        self.empty = torch.utils.data.default_collate([windows[EMPTY_WINDOW]] * sampler.batch_size)
-        if num_workers > 0:
-            atexit.register(self.batches._shutdown_workers)
+    def __init__(self, loader, batch_size):
+        self.batches, self.fault = iter(loader), None
+        self.empty = torch.utils.data.default_collate([loader.dataset[EMPTY_WINDOW]] * batch_size)
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        if self.fault:
-            return self.empty
         try:
-            batch = next(self.batches)
+            return next(self.batches)
         except DataError as e:  # from a loader worker, the original message is the last line
-            self.fault = str(e).strip().splitlines()[-1].removeprefix('data.DataError: ')
+            message = str(e).strip().splitlines()[-1].removeprefix('data.DataError: ')
+            self.fault = self.fault or message
             return self.empty
-        self.sampler.mark_consumed()
+
+
+class TrainBatches(Batches):
+    """The train batches of one rank, forever, each marked consumed as the loop takes it: loader workers
+    prefetch ahead, so the sampler's own position runs ahead of training. Workers ignore SIGINT and SIGTERM
+    (seed_worker) and are shut down the DataLoader's own way at exit, before multiprocessing would terminate()
+    them (atexit runs the last registered first)."""
+
+    def __init__(self, windows, sampler, num_workers, seed, pin_memory):
+        loader = make_loader(windows, sampler, num_workers, seed, pin_memory)
+        super().__init__(loader, sampler.batch_size)
+        self.sampler = sampler
+        if num_workers > 0:
+            atexit.register(self.batches._shutdown_workers)
+
+    def __next__(self):
+        batch = super().__next__()
+        if batch is not self.empty:
+            self.sampler.mark_consumed()
         return batch

@@ -188,21 +188,27 @@ def choice_losses(model, examples, batch_size, device, autocast, rank=0, world_s
     return torch.cat(summed), torch.cat(mean), torch.cat(labels)
 
 
-def loss(model, loader, device, autocast):
+def loss(model, loader, device, autocast, label='eval'):
     """Mean loss over a split's evaluation windows (loader: over a data.EvalSampler), every target token
     counted once across ranks: sums on the device, one all-reduce, one host sync. In model.eval() and
-    inference_mode."""
+    inference_mode. A shard that changed under the run, met by any rank, raises data.DataError
+    with its message on every rank after the all-reduce, which carries a fault flag: the rank that
+    met it runs its other batches all the same (a sharded model's forward is a collective)."""
     was_training = model.training
     model.eval()
     with torch.inference_mode():
-        sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
-        for x, y, _ in loader:
+        sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, tokens, faults
+        batches = data.Batches(loader, 1)  # an empty batch of one window: it counts nothing anyway
+        for x, y, _ in progress(batches, label, len(loader)):  # what it does when it takes long
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with autocast:
                 sums[0] += model(x, y, reduction='sum')
             sums[1] += (y != data.IGNORE_INDEX).sum()
-        loss_sum, count = perf.all_ranks(sums).tolist()
+        sums[2] = batches.fault is not None
+        loss_sum, count, faults = perf.all_ranks(sums).tolist()
     model.train(was_training)
+    if faults:  # a collective: every rank is here
+        raise data.DataError(next(m for m in perf.gather(batches.fault) if m))
     return loss_sum / count
 
 

@@ -46,10 +46,11 @@ def log(message, stream=sys.stdout):
             files['train.log'].flush()
 
 
-def progress(items, label, every=10.0):
-    """items, passed through, while rank 0 says how far it has got once they take long: nothing for the
-    first `every` seconds, then every `every` seconds a line (log()) or, on a terminal, a bar redrawn in
-    place. No host sync: it counts what it hands on."""
+def progress(items, label, total=None, every=10.0):
+    """items (total of them: len(items) if not given), passed through, while rank 0 says how far it has
+    got once they take long: nothing for the first `every` seconds, then every `every` seconds a line
+    (log()) or, on a terminal, a bar redrawn in place. No host sync: it counts what it hands on."""
+    total = total or len(items)
     start = last = time.time()
     terminal = master and sys.stdout.isatty()
     for done, item in enumerate(items, 1):
@@ -57,10 +58,10 @@ def progress(items, label, every=10.0):
         if master and time.time() - last >= every:
             last = time.time()
             if terminal:
-                bar = '#' * (20 * done // len(items))
-                print(f"\r{label}: [{bar:<20}] {done}/{len(items)}, {last - start:.0f} s", end='', flush=True)
+                bar = '#' * (20 * done // total)
+                print(f"\r{label}: [{bar:<20}] {done}/{total}, {last - start:.0f} s", end='', flush=True)
             else:
-                log(f"{label}: {done}/{len(items)} in {last - start:.0f} s")
+                log(f"{label}: {done}/{total} in {last - start:.0f} s")
     if terminal and last > start:
         print()  # the redrawn line ends
 
@@ -245,6 +246,9 @@ def check(ok, message):
 def abort(step, message):
     """Stop the run now, exit code 1, with an abort record, the message and the report. Every rank calls it at
     the same point, having decided on the same reduced values."""
+    # torchrun sends SIGTERM to the ranks left once one has exited: this one is stopping already, and
+    # catch_stop_signals' handler would announce a save that never comes
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     record({'kind': 'abort', 'step': step, 'message': message})
     log(f"error: {message}", sys.stderr)
     tell_torchrun(f"error: {message}")

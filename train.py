@@ -336,6 +336,13 @@ def train_step():
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float('inf'))
     return loss_sum, grad_norm.full_tensor() if sharded else grad_norm, starts
 
+def data_fault(step, fault):
+    """End the run on every rank, once they agree that one of them could not read a shard because
+    it changed under the run (in a training micro-batch or an evaluation): what happened, and what
+    to do."""
+    abort(step, f"{fault}: restore the data and resume from last.pt (iteration {last_saved}), or "
+                f"start a new out_dir")
+
 def agree_or_abort(loss_sum, grad_norm, starts, lr):
     """One all-reduce for the loss, a stop signal and a data fault on any rank, one host sync, and the checks
     that end the run before the optimizer steps: changed data, a non-finite loss or gradient norm (float16's
@@ -345,9 +352,7 @@ def agree_or_abort(loss_sum, grad_norm, starts, lr):
     synced = torch.stack([loss_sum / gradient_accumulation_steps, grad_norm.float(), stops, faults])
     loss, grad_norm, stops, faults = synced.tolist()
     if faults:
-        fault = next(m for m in gather(batches.fault) if m)
-        abort(iter_num + 1, f"{fault}: restore the data and resume from last.pt (iteration {last_saved}), or "
-                            f"start a new out_dir")
+        data_fault(iter_num + 1, next(m for m in gather(batches.fault) if m))
     if not math.isfinite(loss) or not (math.isfinite(grad_norm) or scaler.is_enabled()):
         abort(iter_num + 1, runlog.non_finite(iter_num + 1, loss, grad_norm, lr, starts))
     return loss, grad_norm, stops
@@ -380,13 +385,20 @@ def log_step(loss, grad_norm, lr, skipped, scale, profiler):
         f"{tokens_per_sec:,.0f} tok/s, MFU {mfu:.1%}, mem {memory:,.0f} MB, "
         f"ETA {'?' if eta is None else runlog.duration(eta)}{', step skipped (float16 overflow)' * skipped}")
 
+def split_loss(split):
+    """The mean loss over a split's evaluation windows. A shard changed under the run ends the run
+    here on every rank, before anything is saved."""
+    try:
+        return evaluate.loss(eval_model, eval_loaders[split], device, autocast, f"eval {split}")
+    except data.DataError as e:  # every rank raises it, having met in evaluate.loss's all-reduce
+        data_fault(iter_num, e)
+
 def evaluate_and_choose_saves():
     """Train and val loss, each task's accuracy, the best so far (by best_by), and which files to write:
     best.pt at a new best, last.pt at every evaluation (without always_save_checkpoint only with a new
     best.pt, so that init_from=auto resumes from there)."""
     global best_val_loss, best_acc_norm, best_iter, evals_since_best
-    train_loss, val_loss = (evaluate.loss(eval_model, runlog.progress(eval_loaders[split], f"eval {split}"),
-                                          device, autocast) for split in ('train', 'val'))
+    train_loss, val_loss = split_loss('train'), split_loss('val')
     accuracy, acc_norm = evaluate.score_tasks(eval_model, tasks, batch_size, device, autocast, rank,
                                               world_size)
     improved = val_loss < best_val_loss if best_by == 'val_loss' else acc_norm > best_acc_norm
@@ -478,8 +490,7 @@ if overfit_one_batch and first_loss is not None:  # None: a finished run resumed
 best = os.path.join(out_dir, 'best.pt')
 if best_iter > 0 and (test_eval or sample_tokens):  # last.pt holds the trained weights: now load the best
     checkpoint.load_weights(checkpoint.load(best), best, raw_model)
-test_loss = (evaluate.loss(eval_model, runlog.progress(eval_loaders['test'], 'test'), device, autocast)
-             if test_eval else None)
+test_loss = split_loss('test') if test_eval else None
 runlog.done({'kind': 'test', 'step': iter_num, 'best_iter': best_iter, 'best_val_loss': best_val_loss,
              'test_loss': test_loss, 'wall_seconds': session_seconds, 'save_seconds': save_seconds,
              'total_seconds': seconds_before + session_seconds}, start_iter)

@@ -1,27 +1,37 @@
-"""Faults from the machine, not the user: a full disk while saving, an out_dir that cannot be written, the
-data changed under a running job. Each ends in one line that says what happened and what to do, with the right
-exit code, no temp file, every checkpoint whole, and, once the fault is fixed, a resume that is bitwise the
-run that never met it. Where the machine lets a test mount a small filesystem (tmpfs, as root) the disk is
-really full or read-only; elsewhere the fault is made at the same call (tests/probe.py)."""
+"""Faults from the machine, not the user: a full disk while saving, an out_dir that cannot be
+written, the data changed under a running job, met in training or in an evaluation. Each ends in one
+line that says what happened and what to do, with the right exit code, no temp file, every checkpoint
+whole, and, once the fault is fixed, a resume that is bitwise the run that never met it. Where the
+machine lets a test mount a small filesystem (tmpfs, as root) the disk is really full or read-only;
+elsewhere the fault is made at the same call (tests/probe.py)."""
 import contextlib
 import glob
 import os
+import runpy
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 import torch
 
 import forked
-from conftest import PROBE, RUN_CONFIG, read_metrics, run_train, torchrun
+from conftest import PROBE, RUN_CONFIG, llmc_shard, read_metrics, run_train, torchrun
+from data import EvalSampler
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
 
-ARGS = ['--max_iters=30', '--lr_decay_iters=30', '--eval_interval=10', '--dropout=0.1', '--write_report=True']
+ARGS = ['--max_iters=30', '--lr_decay_iters=30', '--eval_interval=10', '--dropout=0.1',
+        '--write_report=True', '--test_eval=True']
 
 
 def trajectory(out_dir):
     return [(r['step'], r['loss'], r['lr'], r['grad_norm']) for r in read_metrics(out_dir, 'train')]
+
+
+def evaluations(out_dir):
+    return ([(r['step'], r['train_loss'], r['val_loss']) for r in read_metrics(out_dir, 'eval')],
+            [r['test_loss'] for r in read_metrics(out_dir, 'test')])
 
 
 @contextlib.contextmanager
@@ -143,3 +153,80 @@ def test_one_rank_meets_changed_data_and_every_rank_stops_at_that_step(tmp_path,
     # in step 14
     assert [r['step'] for r in read_metrics(out, 'abort')] in ([13], [14])
     assert whole_checkpoints(out) == {'best.pt': 10, 'last.pt': 10}
+
+
+CHANGED = ('changed while the run was reading it (its size or modification time is not what it was '
+           'when the run opened it): restore the data and resume from last.pt')
+
+
+# training reads no val or test shard: the next evaluation meets the change, and saves nothing
+@pytest.mark.parametrize('split, at, met_at, last, resume', [
+    ('val', 13, 20, 10, '--init_from=resume'),  # between the evaluations at 10 and 20
+    ('test', 25, 30, 30, '--init_from=auto')])  # after the last save, before the test evaluation
+def test_data_changed_under_an_evaluation_ends_the_run_in_one_line_and_a_resume_is_exact(
+        tmp_path, data_dir, straight, split, at, met_at, last, resume):
+    data = tmp_path / 'data'
+    shutil.copytree(os.path.join(data_dir, 'toy'), data / 'toy')
+    shard = str(data / 'toy' / f'toy_{split}_000000.bin')
+    shutil.copy2(shard, tmp_path / 'backup.bin')
+    out = str(tmp_path / 'run')
+    result = probed_train(out, str(data), *ARGS, PROBE_DATA=f'0:{at}:truncate:{shard}')
+    assert result.returncode == 1
+    assert error_line(result) == (f'error: {shard} {CHANGED} (iteration {last}), or start a new '
+                                  f'out_dir')
+    assert [r['step'] for r in read_metrics(out, 'abort')] == [met_at]
+    # nothing saved after the change: the straight run's checkpoints up to it, whole
+    assert whole_checkpoints(out) == ({'best.pt': 10, 'last.pt': 10} if split == 'val'
+                                      else whole_checkpoints(straight))
+    shutil.copy2(tmp_path / 'backup.bin', shard)
+    run_train(out, str(data), *ARGS, resume)
+    assert trajectory(out) == trajectory(straight)
+    assert evaluations(out) == evaluations(straight)
+
+
+def val_shard_of_rank_1(folder):
+    """The val shard of a dataset folder cut in two where rank 0's evaluation windows end (2 ranks,
+    run_config's settings); returns the second shard, which only rank 1 reads."""
+    config = runpy.run_path(RUN_CONFIG)
+    first, second = (os.path.join(folder, f'toy_val_00000{i}.bin') for i in (0, 1))
+    tokens = np.fromfile(first, dtype=np.uint16, offset=1024)
+    starts = [EvalSampler(len(tokens), config['block_size'], config['batch_size'],
+                          config['eval_iters'] * config['batch_size'], rank, 2).batches
+              for rank in (0, 1)]
+    cut = int(max(map(max, starts[0]))) + config['block_size'] + 1  # past rank 0's last window
+    assert max(map(max, starts[1])) >= cut
+    llmc_shard(first, tokens[:cut])
+    llmc_shard(second, tokens[cut:])
+    return second
+
+
+# fsdp: every forward is a collective, so rank 1 runs one in place of the batch it cannot read
+@pytest.mark.parametrize('parallel', ['ddp', 'fsdp'])
+def test_a_val_shard_only_rank_1_reads_changes_and_every_rank_stops_at_the_evaluation(
+        tmp_path, data_dir, parallel):
+    data = tmp_path / 'data'
+    shutil.copytree(os.path.join(data_dir, 'toy'), data / 'toy')
+    shard = val_shard_of_rank_1(data / 'toy')
+    shutil.copy2(shard, tmp_path / 'backup.bin')
+    args = [*ARGS, '--gradient_accumulation_steps=2', f'--parallel={parallel}']
+    straight, out = str(tmp_path / 'straight'), str(tmp_path / 'run')
+    # one micro-batch a step per rank: rank 1 truncates the shard in iteration 13. Rank 0 never
+    # reads it and must stop all the same; a rank left waiting in a collective fails the timeout.
+    # Each rank's output goes to a file of its own, apart from torchrun's report (a traceback)
+    logs = str(tmp_path / 'logs')
+    result = torchrun(out, str(data), *args, probe=True, timeout=120,
+                      env_extra={'PROBE_DATA': f'1:13:truncate:{shard}'},
+                      torchrun_args=['--standalone', f'--log-dir={logs}', '--redirects=3'])
+    assert result.returncode == 1
+    stderr = [open(path).read() for path in
+              sorted(glob.glob(os.path.join(logs, '*', 'attempt_0', '*', 'stderr.log')))]
+    # rank 0 says it for both: nothing else, though torchrun stops it once rank 1 has exited
+    assert stderr == [f'error: {shard} {CHANGED} (iteration 10), or start a new out_dir\n', ''], stderr
+    assert [r['step'] for r in read_metrics(out, 'abort')] == [20]
+    assert whole_checkpoints(out) == {'best.pt': 10, 'last.pt': 10}
+    shutil.copy2(tmp_path / 'backup.bin', shard)
+    for run, resume in ((straight, []), (out, ['--init_from=resume'])):
+        result = torchrun(run, str(data), *args, *resume)
+        assert result.returncode == 0, result.stderr
+    assert trajectory(out) == trajectory(straight)
+    assert evaluations(out) == evaluations(straight)
