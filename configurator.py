@@ -36,7 +36,9 @@ def tell_torchrun(line):
     summary, printed last, below its own traceback, then names it as the failure's cause."""
     if 'TORCHELASTIC_ERROR_FILE' in os.environ:
         with open(os.environ['TORCHELASTIC_ERROR_FILE'], 'w') as f:
-            json.dump({'message': line, 'timestamp': int(time.time())}, f)
+            # the layout torchrun's own @record writes; its summary prints py_callstack
+            json.dump({'message': {'message': line, 'extraInfo': {'py_callstack': line,
+                                                                  'timestamp': str(int(time.time()))}}}, f)
 
 
 def config_files(missing):

@@ -37,10 +37,11 @@ wandb = None  # the wandb module when asked
 stop_signal = None  # SIGINT (Ctrl-C) or SIGTERM (a cluster's notice), once catch_stop_signals() has run
 
 
-def log(message, stream=sys.stdout):
-    """Rank 0 prints; once the run folder is open, train.log gets the same line."""
+def log(message, stream=None):
+    """Rank 0 prints (on stdout, or stream: sys.stderr), and once the run folder is open, train.log gets
+    the same line."""
     if master:
-        print(message, file=stream, flush=True)
+        print(message, file=stream or sys.stdout, flush=True)
         if files:
             files['train.log'].write(message + '\n')
             files['train.log'].flush()
