@@ -205,7 +205,8 @@ if pretrained:  # the shape comes from the weights, on resume too; config.json a
     lacking = hf.cannot_hold(model_config)
     check(not lacking, f"GPT-2's weights cannot have {', '.join(lacking)}: leave those keys at the defaults")
 if resuming:
-    why = checkpoint.why_not_resume(ckpt, config, defaults) or data.data_change(ckpt['dataset'], dataset_id)
+    why = (checkpoint.why_not_resume(ckpt, config, defaults)
+           or data.data_change(ckpt['dataset'], dataset_id, splits))
     check(not why, f"{ckpt_path} {why}: use the checkpoint's settings and data, or a new out_dir")
 if dtype == 'auto' and not resuming:
     log("choosing the dtype for dtype='auto'")
