@@ -157,10 +157,11 @@ def state(parts, rng, progress, run, shards=None):
 
 
 def resume(ckpt, path, parts, rank, world_size, device):
-    """Apply a checkpoint to a run built from the same config; returns the loop's counters (PROGRESS). The LR
-    schedule is this config's: each group's base rate comes from the config, not the file, so a lowered
-    learning_rate applies from here on. RNG states are restored only on the number of processes that wrote
-    them."""
+    """Apply a checkpoint to a run built from the same config; returns the loop's counters
+    (PROGRESS) it holds: one added after its code was written (best_acc_norm) keeps the caller's
+    start value. The LR schedule is this config's: each group's base rate comes from the config,
+    not the file, so a lowered learning_rate applies from here on. RNG states are restored only on
+    the number of processes that wrote them."""
     optimizer, scheduler = parts['optimizer'], parts['scheduler']
     load_weights(ckpt, path, parts['model'], optimizer)
     configured = scheduler.base_lrs
@@ -171,7 +172,7 @@ def resume(ckpt, path, parts, rank, world_size, device):
         group['lr'] = base_lr * factor(scheduler.last_epoch)
     if len(ckpt['rng']) == world_size:
         set_rng_state(ckpt['rng'][rank], device)
-    return {k: ckpt[k] for k in PROGRESS}
+    return {k: ckpt[k] for k in PROGRESS if k in ckpt}
 
 
 def load_weights(ckpt, path, model, optimizer=None):

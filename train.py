@@ -262,7 +262,7 @@ parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scale
 # resume (everything that decides the rest of the run comes from the checkpoint), the wrappers, the run folder
 progress = dict(zip(checkpoint.PROGRESS, (0, float('inf'), 0.0, 0, 0, 0, 0, 0.0)))
 if resuming:
-    progress = checkpoint.resume(ckpt, ckpt_path, parts, rank, world_size, device)
+    progress |= checkpoint.resume(ckpt, ckpt_path, parts, rank, world_size, device)
     check(progress['iter_num'] < max_iters or init_from == 'auto',
           f"{ckpt_path} is at iteration {progress['iter_num']}: max_iters={max_iters} leaves nothing to do: "
           f"raise max_iters (README, Resume, says what the learning rate does then)")
