@@ -7,10 +7,12 @@ kill leaves the old file or the new one, never half of one, and read with weight
 cannot run code. In fsdp mode every rank writes its part of the weights and optimizer state to
 out_dir/shards-ITER/ with torch.distributed.checkpoint, and the .pt file, written after, points there.
 
-FORMAT numbers the layout; this code reads its own. 4: the embedding and head have padded vocabulary rows, one
-optimizer and scheduler state, each rank's RNG state holds its own CUDA device's generator only. Older formats
-are refused in one line: their weights have other shapes. A config key that a checkpoint's code did not have
-yet takes its default on resume: each new key defaults to the old behaviour.
+FORMAT numbers the layout; this code writes its own. 4: the embedding and head have padded
+vocabulary rows, one optimizer and scheduler state, each rank's RNG state holds its own CUDA
+device's generator only (the first format-4 files hold a scheduler state per optimizer). Format 3
+and those are migrated on load (migrate); formats 1 and 2 are refused in one line. A config key or
+loop counter that a checkpoint's code did not have yet takes its default on resume: each new key
+defaults to the old behaviour.
 """
 import contextlib
 import json
@@ -21,6 +23,8 @@ import sys
 
 import numpy as np
 import torch
+
+from model import GPT, GPTConfig
 
 FORMAT = 4
 # train.py's keys that may change on resume: how long, how often to evaluate, log and save, where to write,
@@ -103,7 +107,9 @@ def save_file(obj, path):
 
 
 def load(path, resumable=False):
-    """A checkpoint file's dict; resumable: it must hold a run's whole state, not only weights."""
+    """A checkpoint file's dict, in this code's format; resumable: it must hold a run's whole state,
+    not only weights. An older one comes back migrated, with 'migrated': the line that says so, for
+    the caller to print (train.py on rank 0, sample.py to stderr)."""
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except FileNotFoundError:
@@ -120,14 +126,72 @@ def load(path, resumable=False):
     if ckpt.get('format', 1) > FORMAT:
         raise CheckpointError(f"checkpoint {path} has format {ckpt['format']}, newer than this code's "
                               f"{FORMAT}: update honestgpt (git pull) to resume it")
-    if ckpt.get('format', 1) < FORMAT:
-        raise CheckpointError(f"checkpoint {path} has format {ckpt.get('format', 1)}, written before the "
-                              f"vocabulary was padded (format {FORMAT}): finish that run with the honestgpt "
-                              f"commit that started it, or start a new out_dir")
+    if migrated := migrate(ckpt, path):
+        ckpt['migrated'] = migrated
     if resumable and 'scheduler' not in ckpt:
         raise CheckpointError(f"checkpoint {path} holds weights only (sample.py --export writes those), no "
                               f"training state to resume: resume from a run's last.pt, best.pt or stable.pt")
     return ckpt
+
+
+def migrate(ckpt, path):
+    """An older checkpoint (path's) in this code's layout, in place; returns the line that says what
+    changed, or '' where nothing did. Each change is mechanical: format 3's embedding, head and
+    AdamW's moments of them gain the padding rows, and each rank's CUDA RNG states (one per visible
+    GPU) become its own device's; the LR scheduler states of format 3 and the first format 4 (one
+    per optimizer) become one. Formats 1 and 2, and a format-3 fsdp run's shards, are refused."""
+    version = ckpt.get('format', 1)
+    if version < 3:
+        raise CheckpointError(f"checkpoint {path} has format {version}, written before datasets "
+                              f"were shards: no dataset this code reads is the one it trained on "
+                              f"(its documents were split by an older rule): finish that run with "
+                              f"the honestgpt commit that started it, or start a new out_dir")
+    if version == 3 and 'shards' in ckpt:
+        raise CheckpointError(f"checkpoint {path} has format 3 and its weights in "
+                              f"{ckpt['shards']}/, sharded in their shapes before the vocabulary "
+                              f"was padded: finish that run with the honestgpt commit that started "
+                              f"it, or start a new out_dir")
+    changes = []
+    if version == 3:
+        changes.append(pad_vocabulary(ckpt))
+        on_gpus = any(state['cuda'] for state in ckpt['rng'])
+        for rank, state in enumerate(ckpt['rng']):
+            # rank r drew from cuda:LOCAL_RANK: r modulo the GPUs of a node, with a process per GPU
+            state['cuda'] = state['cuda'][rank % len(state['cuda'])] if on_gpus else None
+        changes += ["each rank keeps its own GPU's RNG state"] if on_gpus else []
+    if isinstance(ckpt.get('scheduler'), list):
+        # a LambdaLR per optimizer, all stepped together: the same counts, then each group's values
+        schedulers = ckpt['scheduler']
+        ckpt['scheduler'] = schedulers[0] | {k: [v for s in schedulers for v in s[k]]
+                                             for k in ('base_lrs', '_last_lr', 'lr_lambdas')}
+        changes.append("one LR scheduler state")
+    ckpt['format'] = FORMAT
+    return f"migrated {path} from format {version}: {'; '.join(changes)}" if changes else ''
+
+
+def pad_vocabulary(ckpt):
+    """Format 3's embedding and head, and AdamW's moments of them, padded to this code's rows;
+    returns what was done, in words."""
+    # this code's shapes and the optimizers' order of parameters, on the meta device: no memory
+    with torch.device('meta'):
+        model = GPT(GPTConfig(**ckpt['model_args']))
+        optimizer = model.configure_optimizers(0.0, 0.0, (0.9, 0.95), ckpt['config']['optimizer'])
+    vocab_size, rows = ckpt['model_args']['vocab_size'], model.wte.weight.size(0)
+
+    def pad(t):
+        # zeros, not the init's random values (no RNG draw): no token id looks a padding row up
+        # and forward cuts its logit off, so its gradient, moments and updates all stay zero
+        return torch.cat((t, t.new_zeros(rows - t.size(0), *t.shape[1:])))
+    for name in ('wte.weight', 'lm_head.weight'):
+        ckpt['model'][name] = pad(ckpt['model'][name])
+    padded = (model.wte.weight, model.lm_head.weight)  # one parameter when tied
+    for opt, saved in zip(optimizer.optimizers, ckpt['optimizer'], strict=True):
+        params = [p for group in opt.param_groups for p in group['params']]  # the state's numbers
+        for i, state in saved['state'].items():
+            if any(params[i] is p for p in padded):
+                state.update({k: pad(state[k]) for k in ('exp_avg', 'exp_avg_sq')})
+    return (f"vocabulary rows padded {vocab_size} -> {rows} in the embedding, the head and AdamW's "
+            f"moments")
 
 
 def changed_settings(ckpt, config, defaults):
@@ -164,10 +228,11 @@ def state(parts, rng, progress, run, shards=None):
 
 
 def resume(ckpt, path, parts, rank, world_size, device):
-    """Apply a checkpoint to a run built from the same config; returns the loop's counters (PROGRESS). The LR
-    schedule is this config's: each group's base rate comes from the config, not the file, so a lowered
-    learning_rate applies from here on. RNG states are restored only on the number of processes that wrote
-    them."""
+    """Apply a checkpoint to a run built from the same config; returns the loop's counters
+    (PROGRESS) it holds: one added after its code was written (best_acc_norm) keeps the caller's
+    start value. The LR schedule is this config's: each group's base rate comes from the config,
+    not the file, so a lowered learning_rate applies from here on. RNG states are restored only on
+    the number of processes that wrote them."""
     optimizer, scheduler = parts['optimizer'], parts['scheduler']
     load_weights(ckpt, path, parts['model'], optimizer)
     configured = scheduler.base_lrs
@@ -178,7 +243,7 @@ def resume(ckpt, path, parts, rank, world_size, device):
         group['lr'] = base_lr * factor(scheduler.last_epoch)
     if len(ckpt['rng']) == world_size:
         set_rng_state(ckpt['rng'][rank], device)
-    return {k: ckpt[k] for k in PROGRESS}
+    return {k: ckpt[k] for k in PROGRESS if k in ckpt}
 
 
 def load_weights(ckpt, path, model, optimizer=None):

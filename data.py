@@ -209,14 +209,28 @@ def open_splits(data_dir, dataset, block_size, first_on_node=True):
     return meta, splits, identity
 
 
-def data_change(recorded, current):
+def head_fingerprint(path):
+    """The fingerprint checkpoints took before shards were hashed whole (format 3, and format 4 at
+    first): the sha256 of a shard's first 4096 bytes (header and first tokens), 16 hex digits."""
+    with open(path, 'rb') as f:
+        return hashlib.sha256(f.read(4096)).hexdigest()[:16]
+
+
+def data_change(recorded, current, splits):
     """Why a checkpoint's data (its recorded dataset id) is not this run's ('was trained on other data
-    (...)'), or '' when it is the same."""
+    (...)'), or '' when it is the same. splits: this run's TokenWindows by split, whose files give
+    a head_fingerprint where the checkpoint recorded one: its data is checked as its code did."""
+    if 'shards' not in recorded:  # the same source prepared now puts other documents in train
+        return ("was trained on a dataset prepared before shards, whose documents were split by an "
+                "older rule: no dataset this code prepares is that one")
     differ = [k for k in recorded if k != 'shards' and recorded[k] != current.get(k)]
     if differ:
         return f"was trained on other data (its {', '.join(differ)} differ)"
-    before, now = ({name: (tokens, fp) for name, tokens, fp in ident['shards']}
-                   for ident in (recorded, current))
+    paths = {os.path.basename(p): p for windows in splits.values() for p in windows.paths}
+    by_head = {name for name, _, fp in recorded['shards'] if len(fp) == 16}  # not all 64 digits
+    before = {name: (tokens, fp) for name, tokens, fp in recorded['shards']}
+    now = {name: (tokens, head_fingerprint(paths[name]) if name in by_head else fp)
+           for name, tokens, fp in current['shards']}
     changes = [f"{what} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}" for what, names in (
         ('added', sorted(now.keys() - before.keys())), ('removed', sorted(before.keys() - now.keys())),
         ('changed', sorted(n for n in before.keys() & now.keys() if before[n] != now[n]))) if names]

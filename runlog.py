@@ -171,7 +171,8 @@ def close_logs():
 def announce(session, config, resumed, num_params):
     """The 'start' record, and the lines that say what this session is (session: meta.json's): where it starts
     from, the model's size, the device, dtype and processes, the tokens per iteration, and the peak FLOP/s
-    that MFU is measured against; a resume on another number of processes says what it cannot restore."""
+    that MFU is measured against; what was migrated of a checkpoint of an older format; what a
+    resume on another number of processes cannot restore."""
     step = resumed[1]['iter_num'] if resumed else 0
     record({'kind': 'start', 'step': step, 'time': time.time()})
     pretrained, peak = session['pretrained'], session['peak_flops']
@@ -182,6 +183,8 @@ def announce(session, config, resumed, num_params):
         f"{session['world_size']} process(es), {accum * batch * block:,} tokens per iteration ({accum} x "
         f"{batch} x {block})")
     log(f"MFU is measured against {peak['per_process'] / 1e9:,.1f} GFLOP/s per process ({peak['how']})")
+    if resumed and 'migrated' in resumed[1]:  # from an older format, by checkpoint.load
+        log(resumed[1]['migrated'])
     if busy := perf.busy_warning(session['cpus']):
         log(busy, sys.stderr)
     if resumed:

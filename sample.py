@@ -47,8 +47,11 @@ export_hf = ''
 def load_model(path, device):
     """(GPT in eval mode on device, the checkpoint dict) from a checkpoint file; raises
     checkpoint.CheckpointError. The tokenizer is the dataset's:
-    tokenizer.load(checkpoint['dataset']['tokenizer'])."""
+    tokenizer.load(checkpoint['dataset']['tokenizer']). An older checkpoint is migrated as it loads,
+    which a line on stderr says."""
     saved = checkpoint.load(path)
+    if 'migrated' in saved:
+        print(saved['migrated'], file=sys.stderr)
     try:
         model = GPT(GPTConfig(**saved['model_args']))
         # an fsdp run's checkpoint: gather its shards into whole tensors, in this one process

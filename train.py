@@ -206,7 +206,8 @@ if pretrained:  # the shape comes from the weights, on resume too; config.json a
     lacking = hf.cannot_hold(model_config)
     check(not lacking, f"GPT-2's weights cannot have {', '.join(lacking)}: leave those keys at the defaults")
 if resuming:
-    why = checkpoint.why_not_resume(ckpt, config, defaults) or data.data_change(ckpt['dataset'], dataset_id)
+    why = (checkpoint.why_not_resume(ckpt, config, defaults)
+           or data.data_change(ckpt['dataset'], dataset_id, splits))
     check(not why, f"{ckpt_path} {why}: use the checkpoint's settings and data, or a new out_dir")
 if dtype == 'auto' and not resuming:
     log("choosing the dtype for dtype='auto'")
@@ -262,7 +263,7 @@ parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scale
 # resume (everything that decides the rest of the run comes from the checkpoint), the wrappers, the run folder
 progress = dict(zip(checkpoint.PROGRESS, (0, float('inf'), 0.0, 0, 0, 0, 0, 0.0)))
 if resuming:
-    progress = checkpoint.resume(ckpt, ckpt_path, parts, rank, world_size, device)
+    progress |= checkpoint.resume(ckpt, ckpt_path, parts, rank, world_size, device)
     check(progress['iter_num'] < max_iters or init_from == 'auto',
           f"{ckpt_path} is at iteration {progress['iter_num']}: max_iters={max_iters} leaves nothing to do: "
           f"raise max_iters (README, Resume, says what the learning rate does then)")

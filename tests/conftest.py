@@ -29,6 +29,18 @@ RUN_CONFIG = os.path.join(REPO, 'tests', 'run_config.py')
 DEVICES = ['cpu', pytest.param('cuda', marks=[pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available(), reason='no CUDA GPU here')])]
 PROBE = os.path.join(REPO, 'tests', 'probe.py')
+# last.pt of older commits, on make_corpus's corpus: python train.py tests/run_config.py OLD_ARGS
+# --max_iters=2 --eval_interval=2, with test_recipe.RECIPE for *_recipe (Muon beside AdamW: two
+# optimizers; an untied head). Format 3 (77e6651): before the vocabulary was padded; the first
+# format 4 (45facc9): a scheduler state per optimizer. Each with what its migration says.
+OLD_ARGS = ['--lr_decay_iters=2', '--warmup_iters=1', '--dtype=float32', '--n_layer=1',
+            '--n_embd=16', '--n_head=2', '--block_size=8']
+FROM_FORMAT3 = ("format 3: vocabulary rows padded 26 -> 64 in the embedding, the head and AdamW's "
+                "moments; one LR scheduler state")
+OLD_CHECKPOINTS = {name: (os.path.join(REPO, 'tests', 'fixtures', f'{name}_last.pt'), migrated)
+                   for name, migrated in [
+                       ('format3', FROM_FORMAT3), ('format3_recipe', FROM_FORMAT3),
+                       ('format4_first_recipe', "format 4: one LR scheduler state")]}
 FORKED_TORCHRUN = os.path.join(REPO, 'tests', 'forked_torchrun.py')
 
 

@@ -1,6 +1,7 @@
 """Shards in llm.c's format: written and read back, llm.c's own layout read, bad headers refused in one line,
 and training on many shards: exact resume across shard boundaries, DDP as one process, a resume after shards
 changed refused."""
+import hashlib
 import json
 import os
 import shutil
@@ -148,16 +149,40 @@ def test_dataset_mistakes_are_one_line(tmp_path):
 def test_data_change_names_the_shards():
     ident = {'name': 'd', 'source_sha256': 'abc', 'vocab_size': 9, 'tokenizer': {'kind': 'char'},
              'shards': [['d_train_000000.bin', 10, 'f0'], ['d_val_000000.bin', 5, 'f1']]}
-    assert data.data_change(ident, ident) == ''
+    assert data.data_change(ident, ident, {}) == ''
     grown = {**ident,
              'shards': [['d_train_000000.bin', 10, 'f0'], ['d_train_000001.bin', 3, 'f2'],
                         ['d_val_000000.bin', 5, 'f9']]}
     other = 'was trained on other data '
-    assert (data.data_change(ident, grown)
+    assert (data.data_change(ident, grown, {})
             == other + '(shards added d_train_000001.bin; changed d_val_000000.bin)')
-    assert (data.data_change(grown, ident)
+    assert (data.data_change(grown, ident, {})
             == other + '(shards removed d_train_000001.bin; changed d_val_000000.bin)')
-    assert data.data_change(ident, {**ident, 'vocab_size': 10}) == other + '(its vocab_size differ)'
+    assert (data.data_change(ident, {**ident, 'vocab_size': 10}, {})
+            == other + '(its vocab_size differ)')
+    # a checkpoint of a dataset prepared before shards (the first of format 3): another split rule
+    before_shards = {k: v for k, v in ident.items() if k != 'shards'}
+    assert 'prepared before shards' in data.data_change(before_shards, ident, {})
+
+
+def test_data_change_checks_the_head_fingerprint_older_checkpoints_recorded(tmp_path):
+    # format 3 (and format 4 at first) recorded the sha256 of a shard's first 4096 bytes, 16 digits
+    path = tmp_path / 'd_train_000000.bin'
+
+    def dataset(tokens):  # (identity, splits) of a one-shard dataset
+        llmc_shard(path, tokens)
+        splits = {'train': data.TokenWindows([path], 4)}
+        return {'name': 'd', 'shards': splits['train'].shards}, splits
+    tokens = np.arange(3000) % 50  # a header of 256 int32, then 2 bytes a token: 1536 in 4096 bytes
+    current, splits = dataset(tokens)
+    head = hashlib.sha256(path.read_bytes()[:4096]).hexdigest()[:16]
+    recorded = {'name': 'd', 'shards': [['d_train_000000.bin', 3000, head]]}
+    assert data.data_change(recorded, current, splits) == ''
+    tokens[2000] = 7  # past the first 4096 bytes: unseen, as by the code that took the fingerprint
+    assert data.data_change(recorded, *dataset(tokens)) == ''
+    tokens[1000] = 7  # within them
+    assert (data.data_change(recorded, *dataset(tokens))
+            == 'was trained on other data (shards changed d_train_000000.bin)')
 
 
 # -----------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Unit tests: the model's contract, the samplers' coverage and sharding, the configurator's errors."""
+"""Unit tests: the model's contract, the samplers' coverage and sharding, the configurator's errors,
+older checkpoints migrated."""
 import itertools
 import math
 import os
@@ -10,11 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import data
+import evaluate
 import perf
 import prepare
 from configurator import ConfigError, configure
-from conftest import epoch_batches
+from conftest import OLD_CHECKPOINTS, epoch_batches
 from model import GPT, GPTConfig
 
 
@@ -318,3 +321,62 @@ def test_long_steps_show_progress_as_lines_in_a_log_and_a_bar_on_a_terminal(caps
     list(runlog.progress(range(2), 'tasks', every=0))
     assert capsys.readouterr().out == ('\rtasks: [##########          ] 1/2, 0 s'
                                        '\rtasks: [####################] 2/2, 0 s\n')
+
+
+def padded_with_zeros(new, old):
+    """new holds old's rows bit for bit, then rows of zeros (none where the shapes are the same)."""
+    new, old = new.flatten(), old.flatten()
+    return torch.equal(new[:len(old)], old) and not new[len(old):].any()
+
+
+@pytest.mark.parametrize('name', OLD_CHECKPOINTS)
+def test_an_older_checkpoint_migrates_to_this_code_s_layout_and_computes_what_it_did(name,
+                                                                                     data_dir):
+    path, migrated = OLD_CHECKPOINTS[name]
+    with open(path, 'rb') as f:
+        raw = f.read()
+    old, new = torch.load(path, weights_only=True), checkpoint.load(path, resumable=True)
+    with open(path, 'rb') as f:
+        assert f.read() == raw  # migrated in memory: the file stays the old code's
+    assert new['format'] == checkpoint.FORMAT
+    assert new['migrated'] == f"migrated {path} from {migrated}"
+    # this code's shapes (load_state_dict checks them): the old rows bit for bit, zeros below them
+    model = GPT(GPTConfig(**new['model_args']))
+    model.load_state_dict(new['model'])
+    assert all(padded_with_zeros(new['model'][k], v) for k, v in old['model'].items())
+    # the optimizers' state likewise, each moment in its parameter's shape
+    optimizer = model.configure_optimizers(0.1, 3e-3, (0.9, 0.95), new['config']['optimizer'])
+    optimizer.load_state_dict(new['optimizer'])
+    assert all(v.shape == p.shape for p, state in optimizer.state.items() for k, v in state.items()
+               if k != 'step')
+    assert all(padded_with_zeros(n['state'][i][k], v)
+               for o, n in zip(old['optimizer'], new['optimizer'], strict=True)
+               for i, state in o['state'].items() for k, v in state.items())
+    # one scheduler: each group's rate in the optimizers' order, at the step the old ones were at
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    scheduler.load_state_dict(new['scheduler'])
+    saved_lrs = [group['lr'] for state in new['optimizer'] for group in state['param_groups']]
+    old_lrs = [lr for state in old['scheduler'] for lr in state['_last_lr']]
+    assert scheduler.last_epoch == 2 and scheduler.get_last_lr() == saved_lrs == old_lrs
+    assert [state['cuda'] for state in new['rng']] == [None]  # written on a CPU
+    # the val loss the old code recorded at iteration 2 (its best), on the shards it recorded (as
+    # its code fingerprinted them); to rounding, as the head's matmul has other shapes
+    _, splits, identity = data.open_splits(data_dir, 'toy', model.config.block_size)
+    assert data.data_change(new['dataset'], identity, splits) == '' and old['best_iter'] == 2
+    batch_size, eval_iters = new['config']['batch_size'], new['config']['eval_iters']
+    windows = data.EvalSampler(splits['val'].num_tokens, model.config.block_size, batch_size,
+                               eval_iters * batch_size)
+    loader = data.make_loader(splits['val'], windows, 0, 0, False)
+    val_loss = evaluate.loss(model, loader, 'cpu', perf.autocast('cpu', 'float32'))
+    assert val_loss == pytest.approx(old['best_val_loss'], rel=1e-6)
+
+
+def test_checkpoints_that_cannot_be_migrated_are_refused_in_one_line(tmp_path):
+    old = torch.load(OLD_CHECKPOINTS['format3'][0], weights_only=True)
+    refusals = [({**old, 'format': 2}, 'has format 2, written before datasets were shards'),
+                ({**old, 'shards': 'shards-2'}, 'has format 3 and its weights in shards-2/')]
+    for ckpt, message in refusals:
+        torch.save(ckpt, tmp_path / 'last.pt')
+        with pytest.raises(checkpoint.CheckpointError, match=message) as e:
+            checkpoint.load(str(tmp_path / 'last.pt'))
+        assert '\n' not in str(e.value)
