@@ -324,7 +324,8 @@ runs = {name: [] for name in names}
 for round in range(1, rounds + 1):
     for name in names:  # a line per run: a run can take minutes (a large model, compilation)
         runs[name].append(run_reference(round) if name == 'reference' else run_ours(name, round))
-        print(f"round {round}/{rounds}, {name}: {statistics.median(runs[name][-1]['seconds']) * 1e3:.1f} "
+        print(f"round {round}/{rounds}, {name}: "
+              f"{statistics.median(runs[name][-1]['seconds']) * 1e3:.1f} "
               f"ms/iter, the process {runs[name][-1]['wall_seconds']:.0f} s", flush=True)
 results = {name: summary(runs[name]) for name in names}
 report = {'command': sys.argv, 'cpu': runs['A'][0]['cpu'], 'torch': runs['A'][0]['torch'],

@@ -32,7 +32,8 @@ FORMAT = 4
 # recovers from a blow-up; past steps keep their rates). Any other change is refused: it would be another run.
 RESUMABLE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'max_iters', 'eval_interval', 'log_interval',
              'eval_iters', 'always_save_checkpoint', 'checkpoint_interval', 'patience', 'num_workers',
-             'compile', 'device', 'backend', 'threads', 'max_consecutive_skips', 'activation_checkpointing',
+             'compile', 'device', 'backend', 'threads',
+             'max_consecutive_skips', 'activation_checkpointing',
              'profile_iter', 'tensorboard_log', 'wandb_log', 'wandb_project', 'wandb_run_name',
              'cost_per_hour', 'test_eval', 'sample_tokens', 'write_report', 'eval_tasks',
              'eval_tasks_examples', 'learning_rate', 'muon_lr', 'decay_lr', 'lr_schedule', 'wsd_decay_frac',
@@ -204,7 +205,8 @@ def changed_settings(ckpt, config, defaults):
 def why_not_resume(ckpt, config, defaults):
     """Why this config may not resume the checkpoint ('was trained with other settings (...)'), or ''."""
     changed = [f"{k}={old!r} there, {new!r} here"
-               for k, (old, new) in changed_settings(ckpt, config, defaults).items() if k not in RESUMABLE]
+               for k, (old, new) in changed_settings(ckpt, config, defaults).items()
+               if k not in RESUMABLE]
     return f"was trained with other settings ({'; '.join(changed)})" if changed else ''
 
 

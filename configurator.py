@@ -32,19 +32,21 @@ def fail(message):
 
 
 def tell_torchrun(line):
-    """Under torchrun, the line that ends this process also goes to the error file torchrun reads: its
-    summary, printed last, below its own traceback, then names it as the failure's cause."""
+    """Under torchrun, the line that ends this process also goes to the error file torchrun reads:
+    its summary, printed last, below its own traceback, then names it as the failure's cause."""
     if 'TORCHELASTIC_ERROR_FILE' in os.environ:
         with open(os.environ['TORCHELASTIC_ERROR_FILE'], 'w') as f:
             # the layout torchrun's own @record writes; its summary prints py_callstack
-            json.dump({'message': {'message': line, 'extraInfo': {'py_callstack': line,
-                                                                  'timestamp': str(int(time.time()))}}}, f)
+            json.dump({'message': {'message': line,
+                                   'extraInfo': {'py_callstack': line,
+                                                 'timestamp': str(int(time.time()))}}}, f)
 
 
 def config_files(missing):
     """What the config files beside a missing one are: its folder's, the closest name first."""
     folder = os.path.dirname(missing) or '.'
-    names = sorted(f for f in os.listdir(folder) if f.endswith('.py')) if os.path.isdir(folder) else []
+    names = (sorted(f for f in os.listdir(folder) if f.endswith('.py')) if os.path.isdir(folder)
+             else [])
     if not names:
         return f"no config file is in {folder}/"
     close = difflib.get_close_matches(os.path.basename(missing), names, n=1, cutoff=0.6)
@@ -94,7 +96,8 @@ def configure(defaults, argv, choices=None, minimums=None):
                 with open(arg) as f:
                     code = f.read()
             except OSError as e:
-                raise ConfigError(f"cannot read config file {arg}: {e.strerror} ({config_files(arg)})")
+                raise ConfigError(f"cannot read config file {arg}: {e.strerror} "
+                                  f"({config_files(arg)})")
             namespace = {}
             try:
                 exec(compile(code, arg, 'exec'), namespace)

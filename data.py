@@ -142,9 +142,9 @@ def open_dataset(data_dir, dataset):
         close = difflib.get_close_matches(dataset, prepared, n=1, cutoff=0.6)
         hint = (f"did you mean '{close[0]}'? " if close else '') + \
             (f"{data_dir} holds {', '.join(prepared)}; " if prepared else '')
-        raise DataError(f"dataset '{dataset}' has no {meta_path}: {hint}run python prepare.py {dataset} "
-                        f"--input PATH (or set data_dir); for downloaded shards write it, e.g. "
-                        f"{{\"vocab_size\": 50257, \"tokenizer\": \"gpt2\"}}")
+        raise DataError(f"dataset '{dataset}' has no {meta_path}: {hint}run python prepare.py "
+                        f"{dataset} --input PATH (or set data_dir); for downloaded shards write "
+                        f"it, e.g. {{\"vocab_size\": 50257, \"tokenizer\": \"gpt2\"}}")
     try:
         with open(meta_path, encoding='utf-8') as f:
             meta = json.load(f)

@@ -357,13 +357,13 @@ class GPT(nn.Module):
     @torch.inference_mode()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None, use_cache=True):
         """idx: (B, T) prompt ids -> (B, T + max_new_tokens): the prompt, then generate_tokens'."""
-        return torch.cat([idx, *self.generate_tokens(idx, max_new_tokens, temperature, top_k, generator,
-                                                     use_cache)], dim=1)
+        return torch.cat([idx, *self.generate_tokens(idx, max_new_tokens, temperature, top_k,
+                                                     generator, use_cache)], dim=1)
 
     def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None,
                         use_cache=True):
-        """idx: (B, T) prompt ids; yields each new token, (B, 1), as it is drawn (sample.py prints them as
-        they come). Call model.eval() first. Each token is drawn
+        """idx: (B, T) prompt ids; yields each new token, (B, 1), as it is drawn (sample.py prints
+        them as they come). Call model.eval() first. Each token is drawn
         from the logits of the last block_size tokens at positions 0, 1, ..., as nanoGPT does. use_cache=False
         recomputes all of them for every token (nanoGPT's way). With the cache, a prefill computes them once,
         keeping each layer's keys and values, and then each new token is computed alone against those (a

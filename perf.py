@@ -126,9 +126,9 @@ def init_process_group(device, backend):
 
 
 def usable_cpus(cgroup_root='/sys/fs/cgroup', proc_cgroup='/proc/self/cgroup'):
-    """The CPUs this process may use: its affinity, capped by a container's CPU quota (cgroup v2's cpu.max,
-    'QUOTA PERIOD' or 'max PERIOD', of this process's group and those above it), whole CPUs only. torch's
-    default thread count follows the affinity but not the quota."""
+    """The CPUs this process may use: its affinity, capped by a container's CPU quota (cgroup v2's
+    cpu.max, 'QUOTA PERIOD' or 'max PERIOD', of this process's group and those above it), whole CPUs
+    only. torch's default thread count follows the affinity but not the quota."""
     cpus = len(os.sched_getaffinity(0))
     try:
         with open(proc_cgroup) as f:
@@ -142,15 +142,16 @@ def usable_cpus(cgroup_root='/sys/fs/cgroup', proc_cgroup='/proc/self/cgroup'):
                 quota, period = f.read().split()
         except (OSError, ValueError):
             continue
-        if quota != 'max':  # threads past the quota are throttled: a fraction of a CPU does not count
+        # threads past the quota are throttled: a fraction of a CPU does not count
+        if quota != 'max':
             cpus = min(cpus, max(1, int(quota) // int(period)))
     return cpus
 
 
 def set_threads(threads):
-    """torch's CPU threads in this process, and returns their number: threads where it is above 0, else
-    OMP_NUM_THREADS where it is set (torchrun sets 1), else the usable CPUs shared among this node's
-    processes."""
+    """torch's CPU threads in this process, and returns their number: threads where it is above 0,
+    else OMP_NUM_THREADS where it is set (torchrun sets 1), else the usable CPUs shared among this
+    node's processes."""
     omp = os.environ.get('OMP_NUM_THREADS', '').split(',')[0]
     if not threads:
         threads = int(omp) if omp.isdigit() and int(omp) else \
@@ -160,27 +161,29 @@ def set_threads(threads):
 
 
 def cpu_use():
-    """What meta.json records of the CPUs as a process starts: torch's threads, the CPUs it may use, and
-    the 1-minute load average (other work, before this process's own)."""
-    return {'threads': torch.get_num_threads(), 'usable': usable_cpus(), 'load_average': os.getloadavg()[0]}
+    """What meta.json records of the CPUs as a process starts: torch's threads, the CPUs it may use,
+    and the 1-minute load average (other work, before this process's own)."""
+    return {'threads': torch.get_num_threads(), 'usable': usable_cpus(),
+            'load_average': os.getloadavg()[0]}
 
 
 def busy_warning(cpus):
-    """A line when other work already keeps the usable CPUs busy (cpus: cpu_use()) so that torch's threads
-    would wait for it, or ''. Waiting threads spin: runs were seen 6-13x slower."""
+    """A line when other work already keeps the usable CPUs busy (cpus: cpu_use()) so that torch's
+    threads would wait for it, or ''. Waiting threads spin: runs were seen 6-13x slower."""
     free = max(1, math.floor(cpus['usable'] - cpus['load_average'] + 0.5))
     if cpus['threads'] <= free:
         return ''
-    return (f"warning: the load average is {cpus['load_average']:.1f} on the {cpus['usable']} CPUs this "
-            f"process may use: other work is running, and {cpus['threads']} threads would wait for it (many "
-            f"times slower): use --threads={free}, or wait until the machine is free")
+    return (f"warning: the load average is {cpus['load_average']:.1f} on the {cpus['usable']} CPUs "
+            f"this process may use: other work is running, and {cpus['threads']} threads "
+            f"would wait for it (many times slower): use --threads={free}, or wait until the "
+            f"machine is free")
 
 
 def setup(device, local_rank, deterministic, backend, threads):
-    """This process's (device, device type), made ready: resolve_device's choice, torch's CPU threads
-    (set_threads), the current CUDA device (with TF32 tensor cores for what autocast leaves in float32),
-    deterministic kernels when asked, and under torchrun (local_rank not None) the process group joined.
-    ValueError: a device this code cannot use."""
+    """This process's (device, device type), made ready: resolve_device's choice, torch's CPU
+    threads (set_threads), the current CUDA device (with TF32 tensor cores for what autocast leaves
+    in float32), deterministic kernels when asked, and under torchrun (local_rank not None) the
+    process group joined. ValueError: a device this code cannot use."""
     device, device_type = resolve_device(device, local_rank)
     set_threads(threads)
     if device_type == 'cuda':
@@ -410,9 +413,9 @@ def best_seconds(a, b, budget):
 def measure_flops(device, dtype, budget=0.1, trials=3):
     """The best FLOP/s of square matmuls. Every timing bounds the peak from below, so take the best over sizes
     (small ones run from cache), over the layouts a Linear multiplies in (forward x W^T, backward dY W and
-    dY^T X: an emulated dtype's speed differs tenfold between them), over repeats and over trials a moment
-    apart (other work on the machine slows only some). Sizes double from 128 until the fastest layout takes
-    10 ms per product, or up to 8192."""
+    dY^T X: an emulated dtype's speed differs tenfold between them), over repeats and over trials a
+    moment apart (other work on the machine slows only some). Sizes double from 128 until the
+    fastest layout takes 10 ms per product, or up to 8192."""
     best, n, trial = (0.0, 0), 128, 1
     while True:
         # no torch.randn: the values do not change the speed, and the global RNG (dropout's) must stay
@@ -423,9 +426,10 @@ def measure_flops(device, dtype, budget=0.1, trials=3):
         best = max(best, (2 * n**3 / fastest, n))
         if (fastest > 0.01 or n == 8192) and trial == trials:
             name = str(dtype).removeprefix('torch.')
-            return best[0], (f"measured: {best[1]}x{best[1]} {name} matmul, the fastest of 3 layouts, "
-                             f"sizes 128 to {n} and {trials} trials")
-        if fastest > 0.01 or n == 8192:  # the next trial, after a pause that a burst of other work may end
+            return best[0], (f"measured: {best[1]}x{best[1]} {name} matmul, the fastest of 3 "
+                             f"layouts, sizes 128 to {n} and {trials} trials")
+        # the next trial, after a pause that a burst of other work may end
+        if fastest > 0.01 or n == 8192:
             n, trial = 128, trial + 1
             time.sleep(0.2)
         else:
@@ -433,9 +437,10 @@ def measure_flops(device, dtype, budget=0.1, trials=3):
 
 
 def peak_flops(device, dtype, beaten=0.0):
-    """(FLOP/s, how and when it was obtained) for a torch dtype: the datasheet on known GPUs, else measured
-    once per machine. beaten: the FLOP/s a training step achieved, above the cached peak, which was then
-    measured while other work ran: it is measured again, raised to at least beaten, and cached anew."""
+    """(FLOP/s, how and when it was obtained) for a torch dtype: the datasheet on known GPUs, else
+    measured once per machine. beaten: the FLOP/s a training step achieved, above the cached peak,
+    which was then measured while other work ran: it is measured again, raised to at least beaten,
+    and cached anew."""
     if torch.device(device).type == 'cuda':
         name = torch.cuda.get_device_name(device)
         peak = table_peak(name, dtype)
@@ -444,7 +449,8 @@ def peak_flops(device, dtype, beaten=0.0):
 
     def measure():
         flops, how = measure_flops(device, dtype)
-        raised = f"; a training step's {beaten / 1e9:,.1f} GFLOP/s, above it" if beaten > flops else ''
+        raised = (f"; a training step's {beaten / 1e9:,.1f} GFLOP/s, above it" if beaten > flops
+                  else '')
         return {'flops': max(flops, beaten), 'how': how + raised}
     entry = cached(f"peak {machine(device)} {dtype}", measure, again=beaten > 0)
     return entry['flops'], (f"{entry['how']}, at {entry['measured_at']}"
@@ -484,16 +490,17 @@ def memory_held(model, optimizer, device):
 class Speedometer:
     """Tokens/s and MFU over each log interval, and the time left: before the second interval, the start-up
     estimate from the second micro-batch (the first holds one-time work: compilation); then the mean time per
-    iteration over the last 10 intervals (the session's first, with its one-time work, left out). MFU never
-    passes 100%: an interval faster than the peak has it measured again (peak_flops)."""
+    iteration over the last 10 intervals (the session's first, with its one-time work, left out).
+    MFU never passes 100%: an interval faster than the peak has it measured again (peak_flops)."""
 
-    def __init__(self, iter_num, max_iters, accum_steps, tokens_per_iter, flops_per_token, peak_flops,
-                 processes, device, dtype):
-        """accum_steps: micro-batches per iteration on a rank; peak_flops: per process (NaN where MFU is not
-        shown); device and dtype: where the peak is measured again."""
+    def __init__(self, iter_num, max_iters, accum_steps, tokens_per_iter, flops_per_token,
+                 peak_flops, processes, device, dtype):
+        """accum_steps: micro-batches per iteration on a rank; peak_flops: per process (NaN where
+        MFU is not shown); device and dtype: where the peak is measured again."""
         self.first_iter, self.max_iters, self.accum_steps = iter_num, max_iters, accum_steps
         self.tokens_per_iter, self.flops_per_token = tokens_per_iter, flops_per_token
-        self.peak_flops, self.processes, self.device, self.dtype = peak_flops, processes, device, dtype
+        self.peak_flops, self.processes, self.device, self.dtype = (
+            peak_flops, processes, device, dtype)
         self.clock = []  # the synced end times of the session's first two micro-batches (train.py's step)
         self.estimate = None  # seconds per iteration, once the clock has two times
         self.recent = collections.deque(maxlen=10)  # (seconds, iterations) of the last intervals
@@ -511,8 +518,8 @@ class Speedometer:
         return self.estimate
 
     def interval(self, iter_num):
-        """(tokens/s, MFU, seconds left or None, the new peak (FLOP/s, how) or None) of the interval ending
-        at iter_num; the next starts now."""
+        """(tokens/s, MFU, seconds left or None, the new peak (FLOP/s, how) or None) of the interval
+        ending at iter_num; the next starts now."""
         elapsed, iters = time.time() - self.since, iter_num - self.since_iter
         if self.since_iter > self.first_iter:
             self.recent.append((elapsed, iters))
@@ -521,7 +528,8 @@ class Speedometer:
         tokens_per_sec = iters * self.tokens_per_iter / elapsed
         achieved = tokens_per_sec * self.flops_per_token / self.processes  # per process
         new_peak = None
-        if achieved > self.peak_flops:  # the peak was measured while other work ran: measure it again
+        # the peak was measured while other work ran: measure it again
+        if achieved > self.peak_flops:
             new_peak = peak_flops(self.device, self.dtype, beaten=achieved)
             self.peak_flops = new_peak[0]
         self.restart(iter_num)

@@ -598,8 +598,8 @@ def main(argv=None):
         print(f"  {split:5s} {s['tokens']:>12,} tokens {s['documents']:>6,} documents in {len(s['shards'])} "
               f"shard(s){unknown}")
     if any(s.get('unknown_chars') for s in meta['splits'].values()):
-        print("  unknown chars: characters that train never holds; the vocabulary is train's alone, so they "
-              "are the unknown id 0 (its loss counts, as any token's)")
+        print("  unknown chars: characters that train never holds; the vocabulary is train's "
+              "alone, so they are the unknown id 0 (its loss counts, as any token's)")
 
 
 if __name__ == '__main__':

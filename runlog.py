@@ -38,8 +38,8 @@ stop_signal = None  # SIGINT (Ctrl-C) or SIGTERM (a cluster's notice), once catc
 
 
 def log(message, stream=None):
-    """Rank 0 prints (on stdout, or stream: sys.stderr), and once the run folder is open, train.log gets
-    the same line."""
+    """Rank 0 prints (on stdout, or stream: sys.stderr), and once the run folder is open, train.log
+    gets the same line."""
     if master:
         print(message, file=stream or sys.stdout, flush=True)
         if files:
@@ -48,9 +48,10 @@ def log(message, stream=None):
 
 
 def progress(items, label, total=None, every=10.0):
-    """items (total of them: len(items) if not given), passed through, while rank 0 says how far it has
-    got once they take long: nothing for the first `every` seconds, then every `every` seconds a line
-    (log()) or, on a terminal, a bar redrawn in place. No host sync: it counts what it hands on."""
+    """items (total of them: len(items) if not given), passed through, while rank 0 says how far it
+    has got once they take long: nothing for the first `every` seconds, then every `every` seconds a
+    line (log()) or, on a terminal, a bar redrawn in place. No host sync: it counts what it hands
+    on."""
     total = total or len(items)
     start = last = time.time()
     terminal = master and sys.stdout.isatty()
@@ -60,7 +61,8 @@ def progress(items, label, total=None, every=10.0):
             last = time.time()
             if terminal:
                 bar = '#' * (20 * done // total)
-                print(f"\r{label}: [{bar:<20}] {done}/{total}, {last - start:.0f} s", end='', flush=True)
+                print(f"\r{label}: [{bar:<20}] {done}/{total}, {last - start:.0f} s", end='',
+                      flush=True)
             else:
                 log(f"{label}: {done}/{total} in {last - start:.0f} s")
     if terminal and last > start:
@@ -94,7 +96,8 @@ def record(entry):
 
 
 def duration(seconds):
-    """A time left as a person reads it, in the same units wherever the log says one: s, min or h."""
+    """A time left as a person reads it, in the same units wherever the log says one: s, min or
+    h."""
     if seconds < 90:
         return f"{seconds:.0f} s"
     return f"{seconds / 60:.1f} min" if seconds < 90 * 60 else f"{seconds / 3600:.1f} h"
@@ -198,11 +201,13 @@ def announce(session, config, resumed, num_params):
 
 
 def new_peak(step, flops, how):
-    """A step ran faster than the peak FLOP/s measured at start, which other work on the machine had slowed:
-    the 'peak' record, a line, and meta.json's peak_flops (what MFU is measured against from here on)."""
+    """A step ran faster than the peak FLOP/s measured at start, which other work on the machine had
+    slowed: the 'peak' record, a line, and meta.json's peak_flops (what MFU is measured against from
+    here on)."""
     record({'kind': 'peak', 'step': step, 'flops': flops, 'how': how})
-    log(f"iteration {step} ran faster than the peak FLOP/s measured at start (other work was running then): "
-        f"measured again, {flops / 1e9:,.1f} GFLOP/s per process ({how}); MFU is against it from here on")
+    log(f"iteration {step} ran faster than the peak FLOP/s measured at start (other work was "
+        f"running then): measured again, {flops / 1e9:,.1f} GFLOP/s per process ({how}); MFU is "
+        f"against it from here on")
     if master:
         path = os.path.join(run_dir, 'meta.json')
         with open(path) as f:
@@ -250,8 +255,8 @@ def check(ok, message):
 def abort(step, message):
     """Stop the run now, exit code 1, with an abort record, the message and the report. Every rank calls it at
     the same point, having decided on the same reduced values."""
-    # torchrun sends SIGTERM to the ranks left once one has exited: this one is stopping already, and
-    # catch_stop_signals' handler would announce a save that never comes
+    # torchrun sends SIGTERM to the ranks left once one has exited: this one is stopping already,
+    # and catch_stop_signals' handler would announce a save that never comes
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     record({'kind': 'abort', 'step': step, 'message': message})
     log(f"error: {message}", sys.stderr)

@@ -77,10 +77,11 @@ def load_model(path, device):
 
 
 def sample_pieces(model, tok, start, max_new_tokens, temperature, top_k, seed, device):
-    """The non-empty text start, then its continuation piece by piece as the tokens are drawn: a sample
-    of minutes shows from its first token. A piece ends on a whole character (a BPE token can end inside
-    one: its decoding ends in U+FFFD until the next token completes it). Draws from its own generator, so
-    the global RNG (and with it a training run's random stream) is left as it was."""
+    """The non-empty text start, then its continuation piece by piece as the tokens are drawn: a
+    sample of minutes shows from its first token. A piece ends on a whole character (a BPE token can
+    end inside one: its decoding ends in U+FFFD until the next token completes it). Draws from its
+    own generator, so the global RNG (and with it a training run's random stream) is left as it
+    was."""
     was_training = model.training
     model.eval()
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -88,8 +89,9 @@ def sample_pieces(model, tok, start, max_new_tokens, temperature, top_k, seed, d
     text = tok.decode(ids)
     yield text
     try:
-        for token in model.generate_tokens(torch.tensor([ids], dtype=torch.long, device=device),  # (1, T)
-                                           max_new_tokens, temperature, top_k, generator):
+        for token in model.generate_tokens(
+                torch.tensor([ids], dtype=torch.long, device=device),  # (1, T)
+                max_new_tokens, temperature, top_k, generator):
             ids.append(token.item())
             decoded = tok.decode(ids)
             if not decoded.endswith('\ufffd'):
@@ -102,7 +104,8 @@ def sample_pieces(model, tok, start, max_new_tokens, temperature, top_k, seed, d
 
 def sample_text(model, tok, start, max_new_tokens, temperature, top_k, seed, device):
     """The non-empty text start and its continuation, as one string."""
-    return ''.join(sample_pieces(model, tok, start, max_new_tokens, temperature, top_k, seed, device))
+    return ''.join(sample_pieces(model, tok, start, max_new_tokens, temperature, top_k, seed,
+                                 device))
 
 
 if __name__ == '__main__':
@@ -176,7 +179,7 @@ if __name__ == '__main__':
           file=sys.stderr)
     for i in range(num_samples):
         with autocast:
-            for piece in sample_pieces(model, tok, start, max_new_tokens, temperature, top_k, seed + i,
-                                       device):
+            for piece in sample_pieces(model, tok, start, max_new_tokens, temperature, top_k,
+                                       seed + i, device):
                 print(piece, end='', flush=True)
         print('\n' + '-' * 40)

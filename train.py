@@ -110,7 +110,8 @@ activation_checkpointing = False  # recompute activations in backward, block by 
 init_scale = 65536.0  # float16 GradScaler's first loss scale
 max_consecutive_skips = 20  # abort when float16 overflow skips this many optimizer steps in a row
 seed = 1337
-threads = 0  # torch's CPU threads per process; 0: OMP_NUM_THREADS, else the CPUs this process may use
+# torch's CPU threads per process; 0: OMP_NUM_THREADS, else the CPUs this process may use
+threads = 0
 deterministic = False  # torch.use_deterministic_algorithms: bitwise repeatable runs where kernels allow
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
@@ -152,7 +153,8 @@ check(not missing, missing)
 # -----------------------------------------------------------------------------
 # processes, devices and data
 try:  # the device, deterministic kernels when asked, and under torchrun the process group
-    device, device_type = perf.setup(device, local_rank if ddp else None, deterministic, backend, threads)
+    device, device_type = perf.setup(device, local_rank if ddp else None, deterministic, backend,
+                                     threads)
 except ValueError as e:  # may differ between nodes: every rank that fails says so
     fail(f"rank {rank}: {e}" if ddp else e)
 accum_steps = gradient_accumulation_steps // world_size  # micro-batches per optimizer step on this rank
@@ -287,7 +289,8 @@ session = {  # what this session is, for meta.json (beside the code, software an
     'backend': torch.distributed.get_backend() if ddp else None,
     'pretrained': pretrained, 'peak_flops': {'per_process': peak_flops, 'how': peak_how},
     'resumed_from': f"{ckpt_path} at iteration {iter_num}" if resuming else None,
-    # a resume says what it changes: a key left out of the command can change the rest of the schedule
+    # a resume says what it changes: a key left out of the command can change the rest of the
+    # schedule
     'changed_on_resume': {k: [old, new, config_sources[k]] for k, (old, new)
                           in checkpoint.changed_settings(ckpt, config, defaults).items()
                           if k not in ('init_from', 'resume_from')} if resuming else None,
@@ -384,7 +387,8 @@ def log_step(loss, grad_norm, lr, skipped, scale, profiler):
             'epoch': train_sampler.epoch})
     log(f"iter {iter_num}/{max_iters}: loss {loss:.4f}, lr {lr:.3e}, grad norm {grad_norm:.3f}, "
         f"{tokens_per_sec:,.0f} tok/s, MFU {mfu:.1%}, mem {memory:,.0f} MB, "
-        f"ETA {'?' if eta is None else runlog.duration(eta)}{', step skipped (float16 overflow)' * skipped}")
+        f"ETA {'?' if eta is None else runlog.duration(eta)}"
+        f"{', step skipped (float16 overflow)' * skipped}")
 
 def split_loss(split):
     """The mean loss over a split's evaluation windows. A shard changed under the run ends the run
@@ -507,6 +511,6 @@ if sample_tokens and (master or sharded):  # a sharded model's forward needs eve
     else:
         log("a sample from the best weights:")
         with autocast:  # printed as the tokens come
-            runlog.log_pieces(sample.sample_pieces(raw_model, tok, tok.start, sample_tokens, 0.8, 200, seed,
-                                                   device))
+            runlog.log_pieces(sample.sample_pieces(raw_model, tok, tok.start, sample_tokens, 0.8,
+                                                   200, seed, device))
 runlog.finish()

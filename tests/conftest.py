@@ -60,8 +60,8 @@ def make_corpus(folder, num_docs=40, seed=0):
 
 
 def llmc_shard(path, tokens, magic=20240520, version=1, dtype=np.uint16):
-    """A shard as llm.c's dev/data/data_common.py write_datafile writes it: 256 int32 (magic, version, token
-    count, zeros), then the tokens."""
+    """A shard as llm.c's dev/data/data_common.py write_datafile writes it: 256 int32 (magic,
+    version, token count, zeros), then the tokens."""
     header = np.zeros(256, dtype=np.int32)
     header[0], header[1], header[2] = magic, version, len(tokens)
     with open(path, 'wb') as f:
@@ -161,7 +161,8 @@ def torchrun(out_dir, data_dir, *overrides, probe=False, **kwargs):
 
 
 def torchrun_script(*args, nproc=2, env_extra=None, torchrun_args=(), timeout=300):
-    """torchrun SCRIPT ARGS (args) on nproc processes, CPU and gloo unless ARGS say --device=cuda."""
+    """torchrun SCRIPT ARGS (args) on nproc processes, CPU and gloo unless ARGS say
+    --device=cuda."""
     env = {**os.environ, **(env_extra or {})}
     launcher = ['-m', 'torch.distributed.run'] if forked.FRESH else [FORKED_TORCHRUN]
     if not forked.FRESH:  # its workers are forks too

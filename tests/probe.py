@@ -21,8 +21,9 @@ PROBE_DATA=R:N:HOW:PATH  at rank R's N-th micro-batch, truncates the file PATH t
                      vocabulary (HOW=rewrite), as a job re-preparing the data under the run would
 PROBE_FSIZE=BYTES    no file this process writes may grow past BYTES (RLIMIT_FSIZE): writes fail with EFBIG,
                      as on a full disk where no small filesystem can be mounted
-PROBE_CUDA_MEMORY=BYTES  from the training loop's start (perf.reset_peak_memory), the CUDA allocator may
-                     hold at most BYTES of GPU 0, as on a smaller card (set_per_process_memory_fraction)
+PROBE_CUDA_MEMORY=BYTES  from the training loop's start (perf.reset_peak_memory), the CUDA allocator
+                     may hold at most BYTES of GPU 0, as on a smaller card
+                     (set_per_process_memory_fraction)
 Always: the GIL changes hands at most once a second unless its holder releases it (sys.setswitchinterval), so
 a collective's tensors that gloo's worker thread frees late reach Python's shutdown unless train.py's exit
 gives way (shut_down_process_group).
@@ -51,14 +52,16 @@ if 'PROBE_FSIZE' in os.environ:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
     resource.setrlimit(resource.RLIMIT_FSIZE, (int(os.environ['PROBE_FSIZE']),) * 2)
 if 'PROBE_CUDA_MEMORY' in os.environ:  # not before: a GPU missing from perf.GPU_PEAKS is measured
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # perf, the repo's
+    # perf, the repo's
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import perf
     reset_peak_memory = perf.reset_peak_memory
 
     def reset_and_cap(device):
         reset_peak_memory(device)
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(int(os.environ['PROBE_CUDA_MEMORY']) / total, device)
+        torch.cuda.set_per_process_memory_fraction(int(os.environ['PROBE_CUDA_MEMORY']) / total,
+                                                   device)
     perf.reset_peak_memory = reset_and_cap
 micro_batches = 0
 

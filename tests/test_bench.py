@@ -28,7 +28,8 @@ def run_bench(tmp_path, data_dir, *overrides, env=None):
     assert f"all figures: {report}" in result.stdout
     report = json.loads(report.read_text())
     for r in range(1, report['rounds'] + 1):  # a line as each run ends, not only at the end
-        assert all(f"round {r}/{report['rounds']}, {name}: " in result.stdout for name in report['settings'])
+        assert all(f"round {r}/{report['rounds']}, {name}: " in result.stdout
+                   for name in report['settings'])
     return report
 
 
@@ -210,26 +211,29 @@ def test_bench_under_torchrun_shows_fsdp_holding_a_shard_per_rank(tmp_path, data
 def test_peak_flops_is_measured_once_per_machine(tmp_path, monkeypatch):
     monkeypatch.setenv('HONESTGPT_CACHE', str(tmp_path))
     flops, how = perf.peak_flops('cpu', torch.float32)
-    assert flops > 1e7 and re.fullmatch(r'measured: (\d+)x\1 float32 matmul, the fastest of 3 layouts, '
-                                        r'sizes 128 to \d+ and 3 trials, at [-\d]+T[:\d]+[-+]\d+', how)
+    assert flops > 1e7 and re.fullmatch(r'measured: (\d+)x\1 float32 matmul, the fastest of 3 '
+                                        r'layouts, sizes 128 to \d+ and 3 trials, at '
+                                        r'[-\d]+T[:\d]+[-+]\d+', how)
     # the next run on this machine reads the same figure: the same speed gives the same MFU
     assert perf.peak_flops('cpu', torch.float32) == (flops, f"{how} (cached in {tmp_path / 'perf.json'})")
 
 
 @pytest.mark.slow
 def test_a_step_faster_than_the_cached_peak_has_it_measured_again(tmp_path, data_dir):
-    """A peak measured while other work ran is too low, and was cached for good: MFU read 1301%. A step
-    that beats it has it measured again (at least that step's FLOP/s), cached, and named in meta.json."""
+    """A peak measured while other work ran is too low, and was cached for good: MFU read 1301%. A
+    step that beats it has it measured again (at least that step's FLOP/s), cached, and named in
+    meta.json."""
     env = {**os.environ, 'HONESTGPT_CACHE': str(tmp_path / 'cache')}
-    run_train(str(tmp_path / 'first'), data_dir, '--max_iters=2', '--eval_interval=2', '--dtype=float32',
-              env=env)
+    run_train(str(tmp_path / 'first'), data_dir, '--max_iters=2', '--eval_interval=2',
+              '--dtype=float32', env=env)
     cache = tmp_path / 'cache' / 'perf.json'
     entries = json.loads(cache.read_text())
     (key,) = [k for k in entries if k.startswith('peak ')]
     entries[key]['flops'] = 1e3  # as if measured on a machine busy to a standstill
     cache.write_text(json.dumps(entries))
     out = str(tmp_path / 'run')
-    result = run_train(out, data_dir, '--max_iters=6', '--eval_interval=6', '--dtype=float32', env=env)
+    result = run_train(out, data_dir, '--max_iters=6', '--eval_interval=6', '--dtype=float32',
+                       env=env)
     assert all(0 < r['mfu'] <= 1 for r in read_metrics(out, 'train'))
     (peak,) = read_metrics(out, 'peak')
     assert peak['step'] == 1 and peak['flops'] > 1e7 and 'ran faster than the peak' in result.stdout

@@ -1,5 +1,5 @@
-"""Distributed data parallel on CPU (gloo, 2 processes; one process on each device present): the same
-run as one process, and no hangs."""
+"""Distributed data parallel on CPU (gloo, 2 processes; one process on each device present): the
+same run as one process, and no hangs."""
 import json
 import os
 import shlex
@@ -79,7 +79,8 @@ def test_one_process_under_torchrun_is_the_run_without_it(tmp_path, data_dir, pa
     assert meta['world_size'] == 1 and meta['backend'] == ('nccl' if device == 'cuda' else 'gloo')
     assert meta['device'] == ('cuda:0' if device == 'cuda' else 'cpu')
     assert json.load(open(os.path.join(one, 'meta.json')))['backend'] is None
-    # the wrapper was there: DDP's gradient all-reduce once per step, FSDP's shards in the checkpoint
+    # the wrapper was there: DDP's gradient all-reduce once per step, FSDP's shards in the
+    # checkpoint
     if parallel == 'ddp':
         assert open(tmp_path / 'allreduce.0').read() == '30'
     else:
@@ -133,7 +134,8 @@ def test_nan_on_one_rank_ends_both_promptly(tmp_path, data_dir):
 def test_readme_s_multi_process_command_runs_as_written(tmp_path, data_dir):
     """README's first torchrun command, with only the data, out_dir and length made test-sized."""
     readme = open(os.path.join(REPO, 'README.md')).read()
-    command = next(line for line in readme.splitlines() if line.startswith('    torchrun --standalone'))
+    command = next(line for line in readme.splitlines()
+                   if line.startswith('    torchrun --standalone'))
     launcher, options, script = shlex.split(command), [], []
     for arg in launcher[1:]:
         (script if script or arg.endswith('.py') else options).append(arg)

@@ -1,9 +1,9 @@
 """Faults from the machine, not the user: a full disk while saving, an out_dir that cannot be
 written, the data changed under a running job, met in training or in an evaluation. Each ends in one
-line that says what happened and what to do, with the right exit code, no temp file, every checkpoint
-whole, and, once the fault is fixed, a resume that is bitwise the run that never met it. Where the
-machine lets a test mount a small filesystem (tmpfs, as root) the disk is really full or read-only;
-elsewhere the fault is made at the same call (tests/probe.py)."""
+line that says what happened and what to do, with the right exit code, no temp file, every
+checkpoint whole, and, once the fault is fixed, a resume that is bitwise the run that never met it.
+Where the machine lets a test mount a small filesystem (tmpfs, as root) the disk is really full or
+read-only; elsewhere the fault is made at the same call (tests/probe.py)."""
 import contextlib
 import glob
 import os
@@ -147,7 +147,8 @@ def test_one_rank_meets_changed_data_and_every_rank_stops_at_that_step(tmp_path,
     result = torchrun(out, str(data), *ARGS, '--gradient_accumulation_steps=2', probe=True, timeout=120,
                       env_extra={'PROBE_DATA': f'1:13:truncate:{shard}'})
     assert result.returncode != 0 and 'SIGABRT' not in result.stderr
-    said = [line for line in result.stderr.splitlines() if line.startswith(f'error: {shard} changed')]
+    said = [line for line in result.stderr.splitlines()
+            if line.startswith(f'error: {shard} changed')]
     assert len(said) == 1, result.stderr  # by rank 0; torchrun's summary repeats it, last
     # rank 1 truncates the shard in its step-13 forward; rank 0 may not have read its step-13 batch yet (the
     # ranks meet only at the step's all-reduce), so the first read to fail is rank 0's in step 13 or either's
@@ -222,7 +223,8 @@ def test_a_val_shard_only_rank_1_reads_changes_and_every_rank_stops_at_the_evalu
     stderr = [open(path).read() for path in
               sorted(glob.glob(os.path.join(logs, '*', 'attempt_0', '*', 'stderr.log')))]
     # rank 0 says it for both: nothing else, though torchrun stops it once rank 1 has exited
-    assert stderr == [f'error: {shard} {CHANGED} (iteration 10), or start a new out_dir\n', ''], stderr
+    assert stderr == [f'error: {shard} {CHANGED} (iteration 10), or start a new out_dir\n',
+                      ''], stderr
     assert [r['step'] for r in read_metrics(out, 'abort')] == [20]
     assert whole_checkpoints(out) == {'best.pt': 10, 'last.pt': 10}
     shutil.copy2(tmp_path / 'backup.bin', shard)

@@ -73,8 +73,10 @@ def test_exported_state_dict_gives_the_runs_own_val_loss(tmp_path, data_dir):
 
 
 def test_activation_checkpointing_recomputes_every_block_and_changes_no_loss(tmp_path, data_dir):
-    # a dtype given: 'auto' on a CPU with bfloat16 units times forwards of its own, which the probe would count
-    args = ['--dropout=0.1', '--max_iters=10', '--lr_decay_iters=10', '--eval_interval=10', '--dtype=float32']
+    # a dtype given: 'auto' on a CPU with bfloat16 units times forwards of its own, which the probe
+    # would count
+    args = ['--dropout=0.1', '--max_iters=10', '--lr_decay_iters=10', '--eval_interval=10',
+            '--dtype=float32']
     runs = {'plain': [], 'checkpointed': ['--activation_checkpointing=True']}
     for name, extra in runs.items():  # tests/probe.py counts attention calls, one per block forward
         os.makedirs(tmp_path / name)

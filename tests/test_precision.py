@@ -136,8 +136,8 @@ def test_out_of_memory_is_one_clear_message(tmp_path, data_dir, device):
         def cap_memory():
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         result = subprocess.run([sys.executable, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}',
-                                 f'--out_dir={out}', *args], cwd=REPO, capture_output=True, text=True,
-                                preexec_fn=cap_memory, timeout=300)
+                                 f'--out_dir={out}', *args], cwd=REPO, capture_output=True,
+                                text=True, preexec_fn=cap_memory, timeout=300)
     assert result.returncode == 1 and 'Traceback' not in result.stderr, result.stderr
     error = [line for line in result.stderr.splitlines() if line.startswith('error:')]
     assert (len(error) == 1 and 'out of memory at iteration' in error[0]

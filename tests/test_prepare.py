@@ -99,7 +99,8 @@ def test_char_vocab_is_fit_on_train_only(tmp_path):
     (tmp_path / 'in.txt').write_text(text, encoding='utf-8')
     result = run_cli('t', '--input', 'in.txt', '--data_dir', 'data', cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert '4 unknown chars' in result.stdout and "characters that train never holds" in result.stdout
+    assert ('4 unknown chars' in result.stdout
+            and "characters that train never holds" in result.stdout)
     out_dir = str(tmp_path / 'data' / 't')
     meta = read_meta(out_dir)
     assert meta['tokenizer']['chars'] == ['\n', ' ', 'a', 'b', 'c']

@@ -285,6 +285,7 @@ def test_training_further_says_each_changed_setting_and_readme_s_command_keeps_t
     assert lrs[10:] == [3e-4] * 6  # past lr_decay_iters: on at min_lr, no second warm-up
     # without the first command's overrides, the schedule changes, and the resume says how
     result = run_train(str(tmp_path / 'copy'), data_dir, '--init_from=resume', '--max_iters=16')
-    changed = next(line for line in result.stdout.splitlines() if line.startswith('settings changed'))
+    changed = next(line for line in result.stdout.splitlines()
+                   if line.startswith('settings changed'))
     assert (f"lr_decay_iters 10 -> 40 ({RUN_CONFIG})" in changed
             and f"warmup_iters 2 -> 5 ({RUN_CONFIG})" in changed), changed

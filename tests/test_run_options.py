@@ -100,8 +100,9 @@ def test_threads_follow_the_cpus_this_process_may_use(tmp_path, data_dir):
 
     def run(name, *args):
         result = subprocess.run([sys.executable, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}',
-                                 f"--out_dir={tmp_path / name}", '--max_iters=1', '--eval_interval=1',
-                                 *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+                                 f"--out_dir={tmp_path / name}", '--max_iters=1',
+                                 '--eval_interval=1', *args], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=300,
                                 preexec_fn=lambda: os.sched_setaffinity(0, cpus[:1]))
         assert result.returncode == 0, result.stderr
         meta = json.load(open(tmp_path / name / 'meta.json'))

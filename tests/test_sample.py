@@ -109,8 +109,9 @@ def test_sample_text_leaves_global_rng_and_train_mode(run_dir):
 
 
 def test_a_sample_comes_token_by_token_in_whole_characters(run_dir, tmp_path):
-    """sample.py and train.py print the pieces as the tokens are drawn. A character tokenizer gives a piece
-    per token; a byte-level BPE's token can end inside a UTF-8 character, which waits for the next."""
+    """sample.py and train.py print the pieces as the tokens are drawn. A character tokenizer gives
+    a piece per token; a byte-level BPE's token can end inside a UTF-8 character, which waits for
+    the next."""
     model, saved = sample.load_model(os.path.join(run_dir, 'best.pt'), 'cpu')
     tok = tokenizer.load(saved['dataset']['tokenizer'])
     pieces = list(sample.sample_pieces(model, tok, 'the ', 20, 1.0, 200, 7, 'cpu'))
@@ -126,7 +127,8 @@ def test_a_sample_comes_token_by_token_in_whole_characters(run_dir, tmp_path):
     with torch.no_grad():
         model.lm_head.weight[0xc3] += 0.5
     pieces = list(sample.sample_pieces(model, tok, 'é', 300, 2.0, None, 1, 'cpu'))
-    ids = model.generate(torch.tensor([tok.encode('é')]), 300, 2.0, None, torch.Generator().manual_seed(1))
+    ids = model.generate(torch.tensor([tok.encode('é')]), 300, 2.0, None,
+                         torch.Generator().manual_seed(1))
     assert ''.join(pieces) == tok.decode(ids[0].tolist())
     assert len(pieces) < 1 + 300 + 1  # some tokens ended inside a character and waited
     assert not any(piece.endswith('\ufffd') for piece in pieces[:-1])

@@ -223,9 +223,11 @@ def test_start_up_says_what_it_does_and_how_long_the_run_will_take(short_run):
     assert any(l.startswith('building the model') for l in lines[:first_iter])
     # 2 micro-batches per step: the second one's time is known within the first step
     estimate = next(l for l in lines[:first_iter] if l.startswith('a micro-batch after the first took'))
-    assert 's per iteration' in estimate and re.search(r', \d+ s for the 29 left$', estimate), estimate
+    assert ('s per iteration' in estimate
+            and re.search(r', \d+ s for the 29 left$', estimate)), estimate
     # the train lines' ETA in the same units as the estimate: seconds for a run of seconds
-    assert re.search(r', ETA \d+ s$', next(l for l in lines if l.startswith('iter 1/'))), lines[first_iter]
+    assert re.search(r', ETA \d+ s$',
+                     next(l for l in lines if l.startswith('iter 1/'))), lines[first_iter]
 
 
 @pytest.mark.slow

@@ -250,8 +250,8 @@ def test_resolve_dtype_keeps_a_resumed_choice_and_refuses_a_forced_nonsense(monk
 
 
 def test_usable_cpus_are_the_affinity_capped_by_every_cgroup_quota_above(tmp_path):
-    """A container's CPU quota (cgroup v2's cpu.max) may sit on this process's group or any above it; a
-    quota of 1.5 CPUs is 1 whole CPU, 'max' is none."""
+    """A container's CPU quota (cgroup v2's cpu.max) may sit on this process's group or any above
+    it; a quota of 1.5 CPUs is 1 whole CPU, 'max' is none."""
     affinity = len(os.sched_getaffinity(0))
     root = tmp_path / 'cgroup'
     (root / 'job' / 'step').mkdir(parents=True)
@@ -282,8 +282,8 @@ def test_thread_count_comes_from_the_key_then_omp_num_threads_then_the_usable_cp
 def test_cores_busy_with_other_work_are_said_once_with_the_fix(threads, usable, load, fix):
     warning = perf.busy_warning({'threads': threads, 'usable': usable, 'load_average': load})
     assert warning == '' if fix is None else (warning.startswith('warning: the load average is')
-                                              and warning.endswith(f'use --threads={fix}, or wait until '
-                                                                   f'the machine is free'))
+                                              and warning.endswith(f'use --threads={fix}, or wait '
+                                                                   f'until the machine is free'))
 
 
 def test_a_missing_config_file_names_its_folder_s_files_and_the_closest(tmp_path):
@@ -291,7 +291,8 @@ def test_a_missing_config_file_names_its_folder_s_files_and_the_closest(tmp_path
     (tmp_path / 'big.py').write_text('')
     with pytest.raises(ConfigError) as e:
         configure({'n': 1}, [str(tmp_path / 'tinny.py')])
-    assert str(e.value).endswith(f"(did you mean {tmp_path / 'tiny.py'}? {tmp_path}/ holds big.py, tiny.py)")
+    assert str(e.value).endswith(f"(did you mean {tmp_path / 'tiny.py'}? "
+                                 f"{tmp_path}/ holds big.py, tiny.py)")
     with pytest.raises(ConfigError, match=r'\(no config file is in .*nowhere/\)$'):
         configure({'n': 1}, [str(tmp_path / 'nowhere' / 'x.py')])
 
@@ -301,7 +302,8 @@ def test_a_misspelt_dataset_names_the_closest_prepared_one(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / 'meta.json').write_text('{"vocab_size": 65, "tokenizer": "gpt2"}')
     with pytest.raises(data.DataError, match=f"did you mean 'shakespeare_char'\\? {tmp_path} holds "
-                                             f"shakespeare_char, toy; run python prepare.py shakespear_char"):
+                                             f"shakespeare_char, toy; run python prepare.py "
+                                             f"shakespear_char"):
         data.open_dataset(str(tmp_path), 'shakespear_char')
 
 
