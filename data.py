@@ -421,10 +421,10 @@ class Batches:
 
 
 class TrainBatches(Batches):
-    """The train batches of one rank, forever, each marked consumed as the loop takes it: loader workers
-    prefetch ahead, so the sampler's own position runs ahead of training. Workers ignore SIGINT and SIGTERM
-    (seed_worker) and are shut down the DataLoader's own way at exit, before multiprocessing would terminate()
-    them (atexit runs the last registered first)."""
+    """The train batches of one rank, forever, each marked consumed as the loop takes it: loader
+    workers prefetch ahead, so the sampler's own position runs ahead of training. Workers ignore
+    SIGINT and SIGTERM (seed_worker) and are shut down the DataLoader's own way at exit, before
+    multiprocessing would terminate() them (atexit runs the last registered first)."""
 
     def __init__(self, windows, sampler, num_workers, seed, pin_memory):
         loader = make_loader(windows, sampler, num_workers, seed, pin_memory)
