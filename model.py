@@ -360,18 +360,19 @@ class GPT(nn.Module):
         return torch.cat([idx, *self.generate_tokens(idx, max_new_tokens, temperature, top_k,
                                                      generator, use_cache)], dim=1)
 
+    @torch.inference_mode()  # no graph: the cache would keep every step's, growing with the square
     def generate_tokens(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None,
                         use_cache=True):
         """idx: (B, T) prompt ids; yields each new token, (B, 1), as it is drawn (sample.py prints
-        them as they come). Call model.eval() first. Each token is drawn
-        from the logits of the last block_size tokens at positions 0, 1, ..., as nanoGPT does. use_cache=False
-        recomputes all of them for every token (nanoGPT's way). With the cache, a prefill computes them once,
-        keeping each layer's keys and values, and then each new token is computed alone against those (a
-        decoding step). Past block_size the window slides by a token per step, and no cached key or value
-        stays valid: with learned positions every token's position changes, and with rope too each token's
-        hidden state from the second layer on was computed seeing tokens that have left the window. Each step
-        then prefills the last block_size tokens again, which is what use_cache=False computes, so both give
-        the same tokens and the cache gains nothing."""
+        them as they come). Call model.eval() first. Each token is drawn from the logits of the last
+        block_size tokens at positions 0, 1, ..., as nanoGPT does. use_cache=False recomputes all of
+        them for every token (nanoGPT's way). With the cache, a prefill computes them once, keeping
+        each layer's keys and values, and then each new token is computed alone against those (a
+        decoding step). Past block_size the window slides by a token per step, and no cached key or
+        value stays valid: with learned positions every token's position changes, and with rope too
+        each token's hidden state from the second layer on was computed seeing tokens that have left
+        the window. Each step then prefills the last block_size tokens again, which is what
+        use_cache=False computes, so both give the same tokens and the cache gains nothing."""
         block_size = self.config.block_size
         caches = None
         for _ in range(max_new_tokens):

@@ -79,33 +79,25 @@ def load_model(path, device):
 def sample_pieces(model, tok, start, max_new_tokens, temperature, top_k, seed, device):
     """The non-empty text start, then its continuation piece by piece as the tokens are drawn: a
     sample of minutes shows from its first token. A piece ends on a whole character (a BPE token can
-    end inside one: its decoding ends in U+FFFD until the next token completes it). Draws from its
-    own generator, so the global RNG (and with it a training run's random stream) is left as it
-    was."""
-    was_training = model.training
-    model.eval()
-    generator = torch.Generator(device=device).manual_seed(seed)
-    ids = tok.encode(start)
-    text = tok.decode(ids)
-    yield text
+    end inside one: its decoding ends in U+FFFD until the next token completes it), so each piece
+    decodes alone. Draws from its own generator, so the global RNG (and with it a training run's
+    random stream) is left as it was."""
+    prompt = tok.encode(start)
+    yield tok.decode(prompt)
+    was_training, waiting = model.training, []  # waiting: the ids of a character not yet whole
     try:
+        model.eval()
         for token in model.generate_tokens(
-                torch.tensor([ids], dtype=torch.long, device=device),  # (1, T)
-                max_new_tokens, temperature, top_k, generator):
-            ids.append(token.item())
-            decoded = tok.decode(ids)
-            if not decoded.endswith('\ufffd'):
-                yield decoded[len(text):]
-                text = decoded
+                torch.tensor([prompt], dtype=torch.long, device=device),  # (1, T)
+                max_new_tokens, temperature, top_k,
+                torch.Generator(device=device).manual_seed(seed)):
+            waiting.append(token.item())
+            if not tok.decode(waiting).endswith('\ufffd'):
+                yield tok.decode(waiting)
+                waiting = []
     finally:
         model.train(was_training)
-    yield tok.decode(ids)[len(text):]  # what a final U+FFFD held back
-
-
-def sample_text(model, tok, start, max_new_tokens, temperature, top_k, seed, device):
-    """The non-empty text start and its continuation, as one string."""
-    return ''.join(sample_pieces(model, tok, start, max_new_tokens, temperature, top_k, seed,
-                                 device))
+    yield tok.decode(waiting)  # what a final U+FFFD held back
 
 
 if __name__ == '__main__':

@@ -97,15 +97,20 @@ def test_prefixed_checkpoint_loads(run_dir, tmp_path):
                for a, b in zip(loaded.state_dict().values(), reference.state_dict().values()))
 
 
-def test_sample_text_leaves_global_rng_and_train_mode(run_dir):
+def test_a_sample_leaves_the_global_rng_and_train_mode_and_builds_no_graph(run_dir):
     model, saved = sample.load_model(os.path.join(run_dir, 'best.pt'), 'cpu')
     tok = tokenizer.load(saved['dataset']['tokenizer'])
     model.train()
-    rng = torch.get_rng_state()
-    text = sample.sample_text(model, tok, 'the ', 20, 1.0, 200, 7, 'cpu')
+    rng, inference = torch.get_rng_state(), []
+    hook = model.register_forward_hook(
+        lambda module, args, out: inference.append(torch.is_inference_mode_enabled()))
+    text = ''.join(sample.sample_pieces(model, tok, 'the ', 20, 1.0, 200, 7, 'cpu'))
+    hook.remove()
+    # a graph would keep every step's, the KV cache's too: memory growing with the square of the tokens
+    assert len(inference) == 20 and all(inference)
     assert torch.equal(torch.get_rng_state(), rng) and model.training
     assert text.startswith('the ') and len(text) == 24
-    assert text == sample.sample_text(model, tok, 'the ', 20, 1.0, 200, 7, 'cpu')
+    assert text == ''.join(sample.sample_pieces(model, tok, 'the ', 20, 1.0, 200, 7, 'cpu'))
 
 
 def test_a_sample_comes_token_by_token_in_whole_characters(run_dir, tmp_path):
@@ -115,9 +120,11 @@ def test_a_sample_comes_token_by_token_in_whole_characters(run_dir, tmp_path):
     model, saved = sample.load_model(os.path.join(run_dir, 'best.pt'), 'cpu')
     tok = tokenizer.load(saved['dataset']['tokenizer'])
     pieces = list(sample.sample_pieces(model, tok, 'the ', 20, 1.0, 200, 7, 'cpu'))
-    text = sample.sample_text(model, tok, 'the ', 20, 1.0, 200, 7, 'cpu')
+    text = ''.join(pieces)
+    ids = model.generate(torch.tensor([tok.encode('the ')]), 20, 1.0, 200,
+                         torch.Generator().manual_seed(7))
     # a piece per new character, but the unknown id's U+FFFD, which waits like a cut one
-    assert pieces[0] == 'the ' and ''.join(pieces) == text
+    assert pieces[0] == 'the ' and text == tok.decode(ids[0].tolist())
     assert len(pieces) == 1 + sum(c != '\ufffd' for c in text[4:]) + 1
     write_ranks(tmp_path / 'bytes.tiktoken', [])  # 256 byte tokens, then end-of-text
     tok = tokenizer.ranks_file(str(tmp_path / 'bytes.tiktoken'))
