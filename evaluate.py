@@ -324,7 +324,7 @@ def main(config):
     except ValueError as e:
         check(False, e)
     perf.set_threads(config['threads'])
-    if busy := perf.busy_warning(perf.cpu_use()):
+    if busy := perf.busy_warning(torch.get_num_threads(), perf.cpu_use()):
         print(busy, file=sys.stderr)
     model, encode, source = load(config, device)
     try:

@@ -149,34 +149,47 @@ def usable_cpus(cgroup_root='/sys/fs/cgroup', proc_cgroup='/proc/self/cgroup'):
 
 
 def set_threads(threads):
-    """torch's CPU threads in this process, and returns their number: threads where it is above 0,
-    else OMP_NUM_THREADS where it is set (torchrun sets 1), else the usable CPUs shared among this
-    node's processes."""
-    omp = os.environ.get('OMP_NUM_THREADS', '').split(',')[0]
+    """torch's CPU threads in this process: threads where it is above 0, else torch's own count
+    (OMP_NUM_THREADS where it is set, as torchrun sets 1; else the physical cores of its affinity)
+    capped by a container's CPU quota, which torch does not see (usable_cpus)."""
     if not threads:
-        threads = int(omp) if omp.isdigit() and int(omp) else \
-            max(1, usable_cpus() // int(os.environ.get('LOCAL_WORLD_SIZE', '1')))
+        threads = torch.get_num_threads()
+        threads = threads if os.environ.get('OMP_NUM_THREADS') else min(threads, usable_cpus())
     torch.set_num_threads(threads)
-    return threads
 
 
-def cpu_use():
-    """What meta.json records of the CPUs as a process starts: torch's threads, the CPUs it may use,
-    and the 1-minute load average (other work, before this process's own)."""
-    return {'threads': torch.get_num_threads(), 'usable': usable_cpus(),
-            'load_average': os.getloadavg()[0]}
+def cpu_use(seconds=0.2, stat='/proc/stat'):
+    """What meta.json records of the CPUs as a process starts, before its own work: the CPUs it may
+    use, and how many of them other work keeps busy (stat's busy time over `seconds`; None with one
+    thread, which cannot wait for another, or where there is no /proc/stat)."""
+    cpus = {'usable': usable_cpus(), 'busy': None}
+    if torch.get_num_threads() == 1:
+        return cpus
+
+    def times():  # {cpu: (all time, idle time)} in clock ticks
+        with open(stat) as f:
+            rows = [line.split() for line in f if line[:3] == 'cpu' and line[3].isdigit()]
+        return {int(r[0][3:]): (sum(map(int, r[1:])), int(r[4]) + int(r[5])) for r in rows}
+    try:
+        before = times()
+        time.sleep(seconds)
+        after = times()
+    except (OSError, ValueError, IndexError):
+        return cpus
+    busy = [1 - (after[c][1] - before[c][1]) / (after[c][0] - before[c][0])
+            for c in os.sched_getaffinity(0) if after[c][0] > before[c][0]]
+    return cpus | {'busy': round(sum(busy), 2)}
 
 
-def busy_warning(cpus):
-    """A line when other work already keeps the usable CPUs busy (cpus: cpu_use()) so that torch's
-    threads would wait for it, or ''. Waiting threads spin: runs were seen 6-13x slower."""
-    free = max(1, math.floor(cpus['usable'] - cpus['load_average'] + 0.5))
-    if cpus['threads'] <= free:
+def busy_warning(threads, cpus):
+    """A line when torch's threads outnumber the CPUs that other work leaves free (cpus: cpu_use()),
+    or ''. Threads that wait for a CPU spin: runs were seen 6-13x slower."""
+    free = max(1, math.floor(cpus['usable'] - (cpus['busy'] or 0) + 0.5))
+    if threads <= free:
         return ''
-    return (f"warning: the load average is {cpus['load_average']:.1f} on the {cpus['usable']} CPUs "
-            f"this process may use: other work is running, and {cpus['threads']} threads "
-            f"would wait for it (many times slower): use --threads={free}, or wait until the "
-            f"machine is free")
+    return (f"warning: {threads} threads, but {free} of the {cpus['usable']} CPUs this process may "
+            f"use are free ({cpus['busy'] or 0:.1f} busy with other work): threads that wait for a "
+            f"CPU spin, many times slower: use --threads={free}, or wait until the machine is free")
 
 
 def setup(device, local_rank, deterministic, backend, threads):

@@ -188,7 +188,7 @@ def announce(session, config, resumed, num_params):
     log(f"MFU is measured against {peak['per_process'] / 1e9:,.1f} GFLOP/s per process ({peak['how']})")
     if resumed and 'migrated' in resumed[1]:  # from an older format, by checkpoint.load
         log(resumed[1]['migrated'])
-    if busy := perf.busy_warning(session['cpus']):
+    if busy := perf.busy_warning(torch.get_num_threads(), session['cpus']):
         log(busy, sys.stderr)
     if resumed:
         changed = [f"{k} {old!r} -> {new!r} ({source})"

@@ -120,7 +120,7 @@ if __name__ == '__main__':
     except ValueError as e:
         fail(e)
     perf.set_threads(threads)
-    if busy := perf.busy_warning(perf.cpu_use()):
+    if busy := perf.busy_warning(torch.get_num_threads(), perf.cpu_use()):
         print(busy, file=sys.stderr)
 
     if start.startswith('FILE:'):

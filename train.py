@@ -156,6 +156,7 @@ try:  # the device, deterministic kernels when asked, and under torchrun the pro
                                      threads)
 except ValueError as e:  # may differ between nodes: every rank that fails says so
     fail(f"rank {rank}: {e}" if ddp else e)
+cpus = perf.cpu_use()  # how busy other work keeps this machine: measured before this process's own
 accum_steps = gradient_accumulation_steps // world_size  # micro-batches per optimizer step on this rank
 try:
     data_meta, splits, dataset_id = data.open_splits(data_dir, dataset, block_size, local_rank == 0)
@@ -284,7 +285,7 @@ run_record = {'config': config, 'model_args': dataclasses.asdict(model_config), 
               'pretrained': pretrained, 'dtype': dtype}  # in every checkpoint, beside the state
 session = {  # what this session is, for meta.json (beside the code, software and machine) and its first lines
     'seed': seed, 'dtype': dtype, 'dtype_choice': dtype_how, 'device': device, 'world_size': world_size,
-    'cpus': perf.cpu_use(),
+    'cpus': cpus,
     'backend': torch.distributed.get_backend() if ddp else None,
     'pretrained': pretrained, 'peak_flops': {'per_process': peak_flops, 'how': peak_how},
     'resumed_from': f"{ckpt_path} at iteration {iter_num}" if resuming else None,

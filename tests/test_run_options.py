@@ -91,10 +91,11 @@ def test_tensorboard_and_wandb_receive_every_number_of_metrics_jsonl(tmp_path, d
     assert tensorboard == wandb == expected
 
 
-def test_threads_follow_the_cpus_this_process_may_use(tmp_path, data_dir):
-    """A run takes as many threads as CPUs it may use (its affinity here; a container's quota, which
-    torch's default ignores, in test_units), or the threads key; meta.json records both. Fresh
-    interpreters: the fork server's torch has its threads set."""
+def test_threads_and_the_cpus_they_run_on_are_recorded_and_said(tmp_path, data_dir):
+    """A run on one CPU (its affinity) takes one thread; the threads key takes more, and two threads
+    on one CPU wait for each other: said once, with the fix. meta.json records the threads, the CPUs
+    this process may use and how busy other work kept them. Fresh interpreters: the fork server's
+    torch has its threads set."""
     cpus = sorted(os.sched_getaffinity(0))
     env = {k: v for k, v in os.environ.items() if k != 'OMP_NUM_THREADS'}
 
@@ -106,8 +107,9 @@ def test_threads_follow_the_cpus_this_process_may_use(tmp_path, data_dir):
                                 preexec_fn=lambda: os.sched_setaffinity(0, cpus[:1]))
         assert result.returncode == 0, result.stderr
         meta = json.load(open(tmp_path / name / 'meta.json'))
-        assert meta['cpus']['threads'] == meta['hardware']['torch_threads']
-        return meta['cpus']
-    alone = run('affinity')
-    assert alone['threads'] == alone['usable'] == 1
-    assert run('key', '--threads=2')['threads'] == 2
+        return meta['hardware']['torch_threads'], meta['cpus'], result.stderr
+    threads, used, stderr = run('affinity')
+    assert threads == used['usable'] == 1 and used['busy'] is None and 'warning: ' not in stderr
+    threads, used, stderr = run('key', '--threads=2')
+    assert threads == 2 and used['usable'] == 1 and 0 <= used['busy'] <= 1
+    assert 'warning: 2 threads, but 1 of the 1 CPUs this process may use are free' in stderr

@@ -266,22 +266,51 @@ def test_usable_cpus_are_the_affinity_capped_by_every_cgroup_quota_above(tmp_pat
     assert perf.usable_cpus(str(root), str(proc)) == affinity
 
 
-def test_thread_count_comes_from_the_key_then_omp_num_threads_then_the_usable_cpus(monkeypatch):
-    monkeypatch.setattr(torch, 'set_num_threads', lambda n: None)
-    monkeypatch.setattr(perf, 'usable_cpus', lambda: 8)
-    monkeypatch.setenv('OMP_NUM_THREADS', '2')
-    assert perf.set_threads(3) == 3 and perf.set_threads(0) == 2
-    monkeypatch.delenv('OMP_NUM_THREADS')
-    assert perf.set_threads(0) == 8
-    monkeypatch.setenv('LOCAL_WORLD_SIZE', '4')  # processes of this node share the CPUs
-    assert perf.set_threads(0) == 2
+def test_threads_are_the_key_s_else_torch_s_own_count_capped_by_a_container_s_quota(monkeypatch):
+    """torch's own count: OMP_NUM_THREADS where set (torchrun sets 1), else its affinity's cores,
+    which a cgroup quota (usable_cpus) does not cap."""
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv('OMP_NUM_THREADS')
+        for own, usable, threads in ((4, 8, 4), (4, 2, 2)):
+            torch.set_num_threads(own)
+            monkeypatch.setattr(perf, 'usable_cpus', lambda: usable)
+            perf.set_threads(0)
+            assert torch.get_num_threads() == threads
+        perf.set_threads(3)
+        assert torch.get_num_threads() == 3
+        monkeypatch.setenv('OMP_NUM_THREADS', '4')  # asked for: past the quota too
+        torch.set_num_threads(4)
+        perf.set_threads(0)
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize('threads, usable, load, fix', [
-    (2, 2, 1.9, 1), (8, 8, 6.0, 2), (2, 2, 0.3, None), (1, 2, 5.0, None), (4, 8, 3.0, None)])
-def test_cores_busy_with_other_work_are_said_once_with_the_fix(threads, usable, load, fix):
-    warning = perf.busy_warning({'threads': threads, 'usable': usable, 'load_average': load})
-    assert warning == '' if fix is None else (warning.startswith('warning: the load average is')
+def test_how_busy_other_work_keeps_the_cpus_is_measured_from_proc_stat(tmp_path, monkeypatch):
+    stat = tmp_path / 'stat'
+    cpus = sorted(os.sched_getaffinity(0))
+    # ticks: user nice system idle iowait irq softirq steal; each CPU 3/4 busy between the reads
+    rows = lambda busy, idle: ''.join(f'cpu{c} {busy} 0 0 {idle} 0 0 0 0\n' for c in cpus)
+    stat.write_text('cpu  0 0 0 0 0 0 0 0\n' + rows(100, 100))
+    monkeypatch.setattr(perf.time, 'sleep', lambda s: stat.write_text(rows(175, 125)))
+    monkeypatch.setattr(perf, 'usable_cpus', lambda: len(cpus))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert perf.cpu_use(stat=str(stat)) == {'usable': len(cpus), 'busy': 0.75 * len(cpus)}
+        torch.set_num_threads(1)  # one thread waits for no other: nothing to measure
+        assert perf.cpu_use(stat=str(stat)) == {'usable': len(cpus), 'busy': None}
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize('threads, usable, busy, fix', [
+    (2, 2, 0.9, 1), (8, 8, 6.0, 2), (2, 2, 0.3, None), (1, 2, 5.0, None), (4, 8, 3.0, None),
+    (8, 2, 0.0, 2), (2, 2, None, None)])
+def test_threads_beyond_the_free_cpus_are_said_once_with_the_fix(threads, usable, busy, fix):
+    warning = perf.busy_warning(threads, {'usable': usable, 'busy': busy})
+    assert warning == '' if fix is None else (warning.startswith(f'warning: {threads} threads, but ')
                                               and warning.endswith(f'use --threads={fix}, or wait '
                                                                    f'until the machine is free'))
 
