@@ -5,7 +5,8 @@ Train a GPT. One process:
 
 Data parallel on several processes or machines (gloo on CPU, nccl on GPUs):
 
-    torchrun --standalone --nproc_per_node=2 train.py config/tiny.py --gradient_accumulation_steps=2
+    torchrun --standalone --nproc_per_node=2 train.py config/tiny.py --batch_size=8 \
+        --gradient_accumulation_steps=2
 
 The defaults below keep nanoGPT's names and meanings; config files and --key=value override them
 (configurator.py). A run writes to out_dir: config.json, meta.json, train.log, metrics.jsonl, best.pt (lowest
