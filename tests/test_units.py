@@ -411,3 +411,24 @@ def test_checkpoints_that_cannot_be_migrated_are_refused_in_one_line(tmp_path):
         with pytest.raises(checkpoint.CheckpointError, match=message) as e:
             checkpoint.load(str(tmp_path / 'last.pt'))
         assert '\n' not in str(e.value)
+
+
+def test_a_step_faster_than_the_peak_has_it_measured_again_once_a_run_then_raised(monkeypatch):
+    """Measuring takes seconds: once a run, on a CPU; after that, and on a GPU (its datasheet), the
+    interval's own FLOP/s is the peak. MFU never passes 100%."""
+    measured = []
+    monkeypatch.setattr(perf, 'peak_flops', lambda device, dtype, beaten: measured.append(beaten)
+                        or (2 * beaten, 'measured again'))
+    for device in ('cpu', 'cuda:0'):
+        measured.clear()
+        speed = perf.Speedometer(0, 10, 1, 1000, 1e3, 1e3, 1, device, torch.float32)
+        speed.since -= 1.0  # 1,000 tokens of 1e3 FLOPs in a second: 1e6 FLOP/s, past the 1e3 peak
+        _, mfu, _, new_peak = speed.interval(1)
+        if device == 'cpu':
+            assert measured and new_peak == (2 * measured[0], 'measured again') and mfu == 0.5
+        else:
+            assert not measured and new_peak[1] == "a training step's, at iteration 1" and mfu == 1
+        speed.since -= 0.01  # 100x faster: past the new peak too
+        _, mfu, _, new_peak = speed.interval(2)
+        assert len(measured) == (device == 'cpu') and mfu == 1
+        assert new_peak[1] == "a training step's, at iteration 2"
