@@ -43,15 +43,16 @@ def tell_torchrun(line):
 
 
 def config_files(missing):
-    """What the config files beside a missing one are: its folder's, the closest name first."""
-    folder = os.path.dirname(missing) or '.'
-    names = (sorted(f for f in os.listdir(folder) if f.endswith('.py')) if os.path.isdir(folder)
-             else [])
-    if not names:
-        return f"no config file is in {folder}/"
-    close = difflib.get_close_matches(os.path.basename(missing), names, n=1, cutoff=0.6)
-    hint = f"did you mean {os.path.join(os.path.dirname(missing), close[0])}? " if close else ''
-    return f"{hint}{folder}/ holds {', '.join(names)}"
+    """What config files a missing one may have meant: those in config/ (the scripts run from the
+    repo's root) and in the folder it names, the closest name first."""
+    found = {folder: sorted(f for f in os.listdir(folder) if f.endswith('.py'))
+             for folder in dict.fromkeys((os.path.dirname(missing), 'config')) if os.path.isdir(folder)}
+    paths = {name: os.path.join(folder, name) for folder, names in found.items() for name in names}
+    if not paths:
+        return f"no config file is in {os.path.dirname(missing) or 'config'}/"
+    close = difflib.get_close_matches(os.path.basename(missing), list(paths), n=1, cutoff=0.6)
+    return (f"did you mean {paths[close[0]]}? " if close else '') + '; '.join(
+        f"{folder}/ holds {', '.join(names)}" for folder, names in found.items())
 
 
 def _unknown(key, defaults):

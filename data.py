@@ -139,7 +139,9 @@ def open_dataset(data_dir, dataset):
     if not os.path.exists(meta_path):
         prepared = sorted(os.path.basename(os.path.dirname(p))
                           for p in glob.glob(os.path.join(glob.escape(data_dir), '*', 'meta.json')))
-        close = difflib.get_close_matches(dataset, prepared, n=1, cutoff=0.6)
+        # a prepared one, or one prepare.py makes (train.py prepares pystdlib_char itself)
+        close = difflib.get_close_matches(dataset, prepared + list(prepare.KNOWN_DATASETS), n=1,
+                                          cutoff=0.6)
         hint = (f"did you mean '{close[0]}'? " if close else '') + \
             (f"{data_dir} holds {', '.join(prepared)}; " if prepared else '')
         raise DataError(f"dataset '{dataset}' has no {meta_path}: {hint}run python prepare.py "

@@ -315,15 +315,21 @@ def test_threads_beyond_the_free_cpus_are_said_once_with_the_fix(threads, usable
                                                                    f'until the machine is free'))
 
 
-def test_a_missing_config_file_names_its_folder_s_files_and_the_closest(tmp_path):
-    (tmp_path / 'tiny.py').write_text('')
-    (tmp_path / 'big.py').write_text('')
-    with pytest.raises(ConfigError) as e:
-        configure({'n': 1}, [str(tmp_path / 'tinny.py')])
-    assert str(e.value).endswith(f"(did you mean {tmp_path / 'tiny.py'}? "
-                                 f"{tmp_path}/ holds big.py, tiny.py)")
-    with pytest.raises(ConfigError, match=r'\(no config file is in .*nowhere/\)$'):
-        configure({'n': 1}, [str(tmp_path / 'nowhere' / 'x.py')])
+def test_a_missing_config_file_names_config_s_files_and_the_closest(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the repo's root, as the scripts run
+    (tmp_path / 'config').mkdir()
+    (tmp_path / 'config' / 'tiny.py').write_text('')
+    (tmp_path / 'mine').mkdir()
+    (tmp_path / 'mine' / 'big.py').write_text('')
+    for missing, hint in (('tinny.py', "did you mean config/tiny.py? config/ holds tiny.py"),
+                          ('mine/bigg.py', "did you mean mine/big.py? mine/ holds big.py; "
+                                           "config/ holds tiny.py")):
+        with pytest.raises(ConfigError) as e:
+            configure({'n': 1}, [missing])
+        assert str(e.value) == f"cannot read config file {missing}: No such file or directory ({hint})"
+    monkeypatch.chdir(tmp_path / 'mine')
+    with pytest.raises(ConfigError, match=r'\(no config file is in nowhere/\)$'):
+        configure({'n': 1}, ['nowhere/x.py'])
 
 
 def test_a_misspelt_dataset_names_the_closest_prepared_one(tmp_path):
@@ -334,6 +340,9 @@ def test_a_misspelt_dataset_names_the_closest_prepared_one(tmp_path):
                                              f"shakespeare_char, toy; run python prepare.py "
                                              f"shakespear_char"):
         data.open_dataset(str(tmp_path), 'shakespear_char')
+    with pytest.raises(data.DataError, match="did you mean 'pystdlib_char'\\? .* run python prepare.py "
+                                             "pystdlib_chr"):  # not prepared: one prepare.py makes
+        data.open_dataset(str(tmp_path), 'pystdlib_chr')
 
 
 def test_times_left_read_in_one_set_of_units():
