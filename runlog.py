@@ -52,21 +52,23 @@ def progress(items, label, total=None, every=10.0):
     has got once they take long: nothing for the first `every` seconds, then every `every` seconds a
     line (log()) or, on a terminal, a bar redrawn in place. No host sync: it counts what it hands
     on."""
-    total = total or len(items)
+    total = len(items) if total is None else total
     start = last = time.time()
     terminal = master and sys.stdout.isatty()
-    for done, item in enumerate(items, 1):
-        yield item
-        if master and time.time() - last >= every:
-            last = time.time()
-            if terminal:
-                bar = '#' * (20 * done // total)
-                print(f"\r{label}: [{bar:<20}] {done}/{total}, {last - start:.0f} s", end='',
-                      flush=True)
-            else:
-                log(f"{label}: {done}/{total} in {last - start:.0f} s")
-    if terminal and last > start:
-        print()  # the redrawn line ends
+    try:
+        for done, item in enumerate(items, 1):
+            yield item
+            if master and time.time() - last >= every:
+                last = time.time()
+                if terminal:
+                    bar = '#' * (20 * done // total)
+                    print(f"\r{label}: [{bar:<20}] {done}/{total}, {last - start:.0f} s", end='',
+                          flush=True)
+                else:
+                    log(f"{label}: {done}/{total} in {last - start:.0f} s")
+    finally:
+        if terminal and last > start:
+            print()  # the redrawn line ends, also where the loop did not
 
 
 def log_pieces(pieces):

@@ -290,8 +290,7 @@ session = {  # what this session is, for meta.json (beside the code, software an
     'backend': torch.distributed.get_backend() if ddp else None,
     'pretrained': pretrained, 'peak_flops': {'per_process': peak_flops, 'how': peak_how},
     'resumed_from': f"{ckpt_path} at iteration {iter_num}" if resuming else None,
-    # a resume says what it changes: a key left out of the command can change the rest of the
-    # schedule
+    # a resume says what it changes: a key left out of the command can change the schedule
     'changed_on_resume': {k: [old, new, config_sources[k]] for k, (old, new)
                           in checkpoint.changed_settings(ckpt, config, defaults).items()
                           if k not in ('init_from', 'resume_from')} if resuming else None,

@@ -52,8 +52,7 @@ if 'PROBE_FSIZE' in os.environ:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
     resource.setrlimit(resource.RLIMIT_FSIZE, (int(os.environ['PROBE_FSIZE']),) * 2)
 if 'PROBE_CUDA_MEMORY' in os.environ:  # not before: a GPU missing from perf.GPU_PEAKS is measured
-    # perf, the repo's
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # perf's folder
     import perf
     reset_peak_memory = perf.reset_peak_memory
 

@@ -1,5 +1,7 @@
 """Unit tests: the model's contract, the samplers' coverage and sharding, the configurator's errors,
 older checkpoints migrated."""
+import contextlib
+import functools
 import itertools
 import math
 import os
@@ -441,3 +443,19 @@ def test_a_step_faster_than_the_peak_has_it_measured_again_once_a_run_then_raise
         _, mfu, _, new_peak = speed.interval(2)
         assert len(measured) == (device == 'cpu') and mfu == 1
         assert new_peak[1] == "a training step's, at iteration 2"
+
+
+def test_evaluations_and_task_scores_say_how_far_they_have_got(token_file, capsys, monkeypatch):
+    """evaluate.loss and evaluate.score go through runlog.progress (lines every 10 s; here at once)."""
+    import evaluate
+    import runlog
+    monkeypatch.setattr(evaluate, 'progress', functools.partial(runlog.progress, every=0))
+    windows = data.TokenWindows(token_file[0], 8)
+    loader = data.make_loader(windows, data.EvalSampler(windows.num_tokens, 8, 4, 0), 0, 0, False)
+    model = tiny_gpt(block_size=8)
+    evaluate.loss(model, loader, 'cpu', contextlib.nullcontext(), 'eval val')
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f'eval val: {i}/{len(loader)} in 0 s' for i in range(1, len(loader) + 1)]
+    examples = [evaluate.Example([[1, 2, 3], [1, 2, 4]], [1, 1], 0)] * 3
+    evaluate.score(model, examples, 2, 'cpu', contextlib.nullcontext())
+    assert capsys.readouterr().out.splitlines() == ['tasks: 1/2 in 0 s', 'tasks: 2/2 in 0 s']
