@@ -312,9 +312,11 @@ def test_how_busy_other_work_keeps_the_cpus_is_measured_from_proc_stat(tmp_path,
     (8, 2, 0.0, 2), (2, 2, None, None)])
 def test_threads_beyond_the_free_cpus_are_said_once_with_the_fix(threads, usable, busy, fix):
     warning = perf.busy_warning(threads, {'usable': usable, 'busy': busy})
-    assert warning == '' if fix is None else (warning.startswith(f'warning: {threads} threads, but ')
-                                              and warning.endswith(f'use --threads={fix}, or wait '
-                                                                   f'until the machine is free'))
+    if fix is None:
+        assert warning == ''
+    else:
+        assert warning.startswith(f'warning: {threads} threads, but ')
+        assert warning.endswith(f'use --threads={fix}, or wait until the machine is free')
 
 
 def test_a_missing_config_file_names_config_s_files_and_the_closest(tmp_path, monkeypatch):
@@ -328,7 +330,8 @@ def test_a_missing_config_file_names_config_s_files_and_the_closest(tmp_path, mo
                                            "config/ holds tiny.py")):
         with pytest.raises(ConfigError) as e:
             configure({'n': 1}, [missing])
-        assert str(e.value) == f"cannot read config file {missing}: No such file or directory ({hint})"
+        assert str(e.value) == (f"cannot read config file {missing}: No such file or directory "
+                                f"({hint})")
     monkeypatch.chdir(tmp_path / 'mine')
     with pytest.raises(ConfigError, match=r'\(no config file is in nowhere/\)$'):
         configure({'n': 1}, ['nowhere/x.py'])
@@ -342,8 +345,8 @@ def test_a_misspelt_dataset_names_the_closest_prepared_one(tmp_path):
                                              f"shakespeare_char, toy; run python prepare.py "
                                              f"shakespear_char"):
         data.open_dataset(str(tmp_path), 'shakespear_char')
-    with pytest.raises(data.DataError, match="did you mean 'pystdlib_char'\\? .* run python prepare.py "
-                                             "pystdlib_chr"):  # not prepared: one prepare.py makes
+    with pytest.raises(data.DataError, match="did you mean 'pystdlib_char'\\? .* run python "
+                                             "prepare.py pystdlib_chr"):  # one prepare.py makes
         data.open_dataset(str(tmp_path), 'pystdlib_chr')
 
 
@@ -446,7 +449,8 @@ def test_a_step_faster_than_the_peak_has_it_measured_again_once_a_run_then_raise
 
 
 def test_evaluations_and_task_scores_say_how_far_they_have_got(token_file, capsys, monkeypatch):
-    """evaluate.loss and evaluate.score go through runlog.progress (lines every 10 s; here at once)."""
+    """evaluate.loss and evaluate.score go through runlog.progress (a line every 10 s; here, at
+    once)."""
     import evaluate
     import runlog
     monkeypatch.setattr(evaluate, 'progress', functools.partial(runlog.progress, every=0))
