@@ -45,8 +45,9 @@ def tell_torchrun(line):
 def config_files(missing):
     """What config files a missing one may have meant: those in config/ (the scripts run from the
     repo's root) and in the folder it names, the closest name first."""
+    folders = dict.fromkeys((os.path.dirname(missing), 'config'))  # in this order, once each
     found = {folder: sorted(f for f in os.listdir(folder) if f.endswith('.py'))
-             for folder in dict.fromkeys((os.path.dirname(missing), 'config')) if os.path.isdir(folder)}
+             for folder in folders if os.path.isdir(folder)}
     paths = {name: os.path.join(folder, name) for folder, names in found.items() for name in names}
     if not paths:
         return f"no config file is in {os.path.dirname(missing) or 'config'}/"

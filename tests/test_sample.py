@@ -106,7 +106,7 @@ def test_a_sample_leaves_the_global_rng_and_train_mode_and_builds_no_graph(run_d
         lambda module, args, out: inference.append(torch.is_inference_mode_enabled()))
     text = ''.join(sample.sample_pieces(model, tok, 'the ', 20, 1.0, 200, 7, 'cpu'))
     hook.remove()
-    # a graph would keep every step's, the KV cache's too: memory growing with the square of the tokens
+    # a graph would keep every step's, the KV cache's too: memory growing with the tokens' square
     assert len(inference) == 20 and all(inference)
     assert torch.equal(torch.get_rng_state(), rng) and model.training
     assert text.startswith('the ') and len(text) == 24
