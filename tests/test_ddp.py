@@ -141,9 +141,10 @@ def test_readme_s_multi_process_command_runs_as_written(tmp_path, data_dir):
         (script if script or arg.endswith('.py') else options).append(arg)
     out = str(tmp_path / 'run')
     nproc = int(options.pop().removeprefix('--nproc_per_node='))
-    result = ok(torchrun_script(*script, f'--data_dir={data_dir}', '--dataset=toy', f'--out_dir={out}',
-                                '--max_iters=2', '--eval_interval=2', '--eval_iters=1',
-                                '--sample_tokens=0', nproc=nproc, torchrun_args=options))
+    result = ok(torchrun_script(*script, f'--data_dir={data_dir}', '--dataset=toy',
+                                f'--out_dir={out}', '--max_iters=2', '--eval_interval=2',
+                                '--eval_iters=1', '--sample_tokens=0', nproc=nproc,
+                                torchrun_args=options))
     # README: a step still sees config/tiny.py's 16 windows of 128 tokens
     assert '2,048 tokens per iteration (2 x 8 x 128)' in result.stdout
     assert json.load(open(os.path.join(out, 'meta.json')))['world_size'] == 2
