@@ -224,7 +224,7 @@ def test_a_step_faster_than_the_cached_peak_has_it_measured_again(tmp_path, data
     step that beats it has it measured again (at least that step's FLOP/s), cached, and named in
     meta.json."""
     env = {**os.environ, 'HONESTGPT_CACHE': str(tmp_path / 'cache')}
-    run_train(str(tmp_path / 'first'), data_dir, '--max_iters=2', '--eval_interval=2',
+    run_train(str(tmp_path / 'first'), data_dir, '--max_iters=1', '--eval_interval=1',
               '--dtype=float32', env=env)
     cache = tmp_path / 'cache' / 'perf.json'
     entries = json.loads(cache.read_text())
