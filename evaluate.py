@@ -48,7 +48,7 @@ max_examples = 0  # > 0: only the first max_examples of each file, the same ones
 batch_size = 8  # examples per forward, each with all its endings
 device = 'auto'  # 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...
 dtype = 'auto'  # 'auto' (train.py's choice for this model on this device), 'float32', 'bfloat16', 'float16'
-threads = 0  # torch's CPU threads; 0: OMP_NUM_THREADS, else the CPUs this process may use
+threads = 0  # torch's CPU threads; 0: its own count, capped by a container's CPU quota
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]

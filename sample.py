@@ -34,7 +34,7 @@ temperature = 0.8  # below 1 sharpens the distribution, above 1 flattens it
 top_k = 200  # sample among the k likeliest tokens only; 1 is greedy decoding
 seed = 1337  # sample i uses seed + i, so it does not depend on num_samples
 device = 'auto'  # 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...
-threads = 0  # torch's CPU threads; 0: OMP_NUM_THREADS, else the CPUs this process may use
+threads = 0  # torch's CPU threads; 0: its own count, capped by a container's CPU quota
 # 'auto' (as train.py decides it, for this model on this device), 'float32', 'bfloat16', 'float16'
 dtype = 'auto'
 # write the weights to this single .pt file (e.g. from an fsdp run's shards) and exit without sampling

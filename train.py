@@ -111,7 +111,7 @@ activation_checkpointing = False  # recompute activations in backward, block by 
 init_scale = 65536.0  # float16 GradScaler's first loss scale
 max_consecutive_skips = 20  # abort when float16 overflow skips this many optimizer steps in a row
 seed = 1337
-threads = 0  # torch's CPU threads per process; 0: OMP_NUM_THREADS, else the CPUs it may use
+threads = 0  # torch's CPU threads per process; 0: its own count, capped by a container's CPU quota
 deterministic = False  # torch.use_deterministic_algorithms: bitwise repeatable runs where kernels allow
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
