@@ -166,6 +166,8 @@ def migrate(ckpt, path):
         ckpt['scheduler'] = schedulers[0] | {k: [v for s in schedulers for v in s[k]]
                                              for k in ('base_lrs', '_last_lr', 'lr_lambdas')}
         changes.append("one LR scheduler state")
+    if 'muon_dtype' not in ckpt:  # written when torch's own Muon ran Newton-Schulz, in bfloat16
+        ckpt['muon_dtype'] = 'bfloat16'
     ckpt['format'] = FORMAT
     return f"migrated {path} from format {version}: {'; '.join(changes)}" if changes else ''
 

@@ -14,6 +14,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.optim._muon import _adjust_lr  # private, and the same in torch 2.11 to 2.15
 from torch.utils.checkpoint import checkpoint
 
 
@@ -233,6 +234,57 @@ class Optimizers(torch.optim.Optimizer):
             opt.load_state_dict(state)
 
 
+def newton_schulz(G, dtype, coefficients, steps, eps):
+    """G: (n, rows, cols), n matrices of one shape -> (n, rows, cols) in dtype, each orthogonalized:
+    torch's Muon's quintic iteration (torch.optim._muon._zeropower_via_newtonschulz) on all n at
+    once, three batched products per step instead of 3n, in dtype rather than always bfloat16."""
+    a, b, c = coefficients
+    X = G.to(dtype)  # (n, rows, cols)
+    tall = G.size(-2) > G.size(-1)
+    if tall:  # the Gram matrix of the shorter side is the smaller product
+        X = X.mT  # (n, cols, rows)
+    X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm at most 1
+    for _ in range(steps):
+        A = X @ X.mT  # (n, short, short)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A A
+        X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
+    return X.mT if tall else X
+
+
+class Muon(torch.optim.Muon):
+    """torch.optim.Muon (its settings, momentum, Nesterov, decoupled weight decay, learning-rate
+    adjustment and state_dict) with the Newton-Schulz iteration in ns_dtype, on the matrices of each
+    shape at once. torch's runs it in bfloat16, one matrix at a time: a CPU without bfloat16 units
+    emulates that, many times slower than float32 (docs/benchmarks.md), so train.py's
+    muon_dtype='auto' picks float32 there."""
+
+    def __init__(self, params, ns_dtype, **kwargs):
+        super().__init__(params, **kwargs)
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            params, grads, buffers = [], [], []
+            self._init_group(group, params, grads, buffers)  # torch's: momentum buffers made here
+            lr, momentum = group['lr'], group['momentum']
+            updates = []  # torch's momentum, with Nesterov's look-ahead
+            for grad, buffer in zip(grads, buffers):
+                buffer.lerp_(grad, 1 - momentum)
+                updates.append(grad.lerp(buffer, momentum) if group['nesterov'] else buffer)
+            by_shape = {}  # {shape: indices of the updates of that shape}
+            for i, update in enumerate(updates):
+                by_shape.setdefault(update.shape, []).append(i)
+            for indices in by_shape.values():
+                stacked = torch.stack([updates[i] for i in indices])  # (n, rows, cols)
+                orthogonal = newton_schulz(stacked, self.ns_dtype, group['ns_coefficients'],
+                                           group['ns_steps'], group['eps'])
+                for i, update in zip(indices, orthogonal):
+                    param = params[i]
+                    param.mul_(1 - lr * group['weight_decay'])
+                    param.add_(update, alpha=-_adjust_lr(lr, group['adjust_lr_fn'], param.shape))
+
+
 class GPT(nn.Module):
 
     def __init__(self, config):
@@ -324,30 +376,34 @@ class GPT(nn.Module):
         fully_shard(self, mesh=mesh, mp_policy=precision)
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, optimizer='adamw', muon_lr=0.02,
-                             muon_momentum=0.95):
+                             muon_momentum=0.95, muon_dtype='bfloat16'):
         """The optimizer train.py steps, schedules and saves. 'adamw': AdamW for every parameter. It decays
         the Linear matrices only: no biases, LayerNorm gains or embeddings (the token embedding may be the
         tied head: decaying it shrinks rare tokens' rows); fused: one kernel for all parameters, on CUDA and
-        CPU alike. 'muon': torch.optim.Muon for the blocks' 2-D matrices, where its orthogonalized update is
-        made for (not the embeddings, whose rows are looked up one by one, nor the head), at its own base rate
-        muon_lr, and AdamW at learning_rate for the rest. c_attn's fused (3C, C) matrix is orthogonalized as
-        one, q, k and v together (modded-nanogpt splits them), and torch's Muon scales each matrix's rate by
-        sqrt(max(1, rows / cols)): sqrt(3) x muon_lr for c_attn, 2x for c_fc, 1x for the projections. Another
-        optimizer goes here: build it, add it to the list, add its keys to train.py."""
-        def by_muon(name, p):
-            return optimizer == 'muon' and name.startswith('blocks.') and p.dim() == 2
-
+        CPU alike. 'muon': Muon (torch's, its Newton-Schulz in muon_dtype) for the blocks' 2-D
+        matrices, where its orthogonalized update is made for (not the embeddings, whose rows are
+        looked up one by one, nor the head), at its own base rate muon_lr, and AdamW at
+        learning_rate for the rest. c_attn's fused (3C, C) matrix is orthogonalized as one, q, k and
+        v together (modded-nanogpt splits them), and torch's Muon scales each matrix's rate by
+        sqrt(max(1, rows / cols)): sqrt(3) x muon_lr for c_attn, 2x for c_fc, 1x for the
+        projections. Another optimizer goes here: build it, add it to the list, add its keys to
+        train.py."""
         def decays(name, p):
             return p.dim() >= 2 and not name.startswith(('wte.', 'wpe.'))
-        params = list(self.named_parameters())  # tied weights appear once
-        adamw = [(n, p) for n, p in params if not by_muon(n, p)]
+        muon = self.muon_params() if optimizer == 'muon' else []
+        adamw = [(n, p) for n, p in self.named_parameters() if not any(p is q for _, q in muon)]
         groups = [{'params': [p for n, p in adamw if decays(n, p)], 'weight_decay': weight_decay},
                   {'params': [p for n, p in adamw if not decays(n, p)], 'weight_decay': 0.0}]
         optimizers = [torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)]
         if optimizer == 'muon':
-            optimizers.append(torch.optim.Muon([p for n, p in params if by_muon(n, p)], lr=muon_lr,
-                                               weight_decay=weight_decay, momentum=muon_momentum))
+            optimizers.append(Muon([p for _, p in muon], getattr(torch, muon_dtype), lr=muon_lr,
+                                   weight_decay=weight_decay, momentum=muon_momentum))
         return Optimizers(optimizers)
+
+    def muon_params(self):
+        """[(name, parameter)] of the blocks' 2-D matrices: Muon's, under optimizer='muon'."""
+        return [(n, p) for n, p in self.named_parameters()
+                if n.startswith('blocks.') and p.dim() == 2]
 
     def flops_per_token(self):
         """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12 L T C."""

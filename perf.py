@@ -25,9 +25,10 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS  # torch's Muon's defaults
 
 import checkpoint
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, newton_schulz
 
 # Dense (not sparse) peak FLOP/s from NVIDIA's datasheets, with float32 accumulation, keyed by the exact name
 # torch.cuda.get_device_name gives (llm.c's llmc/mfu.h matches the same way): a substring would let 'NVIDIA
@@ -324,26 +325,34 @@ def autocast(device_type, dtype):
     return nullcontext() if dtype == 'float32' else torch.autocast(device_type, DTYPES[dtype])
 
 
-def step_seconds(model_args, batch_size, device, dtypes, rounds=3):
+def fastest(runs, rounds=3):
+    """{name: seconds of the fastest of rounds calls of runs[name]()}, the runs called in turns
+    (A B A B ...) so that other load hits each alike, after a round that warms up."""
+    best = dict.fromkeys(runs, float('inf'))
+    for round in range(rounds + 1):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            if round:
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def step_seconds(model_args, batch_size, device, dtypes):
     """{dtype name: seconds of one forward+backward} of a fresh GPT of this shape on a micro-batch capped at
-    MEASURE_TOKENS, dtypes timed in turns (A B A B ...) so that other load hits each alike; the fastest round
-    counts. The global RNG (dropout's, the weights') is left as it was."""
+    MEASURE_TOKENS. The global RNG (dropout's, the weights') is left as it was."""
     with torch.random.fork_rng(devices=[]):
         model = GPT(GPTConfig(**model_args)).to(device)
         T = model_args['block_size']
         idx = (torch.arange(max(1, min(batch_size, MEASURE_TOKENS // T)) * T, device=device).view(-1, T)
                % model_args['vocab_size'])
-        best = {name: float('inf') for name in dtypes}
-        for round in range(rounds + 1):  # round 0 warms up
-            for name in dtypes:
-                start = time.perf_counter()
-                with autocast(torch.device(device).type, name):
-                    loss = model(idx, idx)
-                loss.backward()
-                model.zero_grad(set_to_none=True)
-                if round:
-                    best[name] = min(best[name], time.perf_counter() - start)
-    return best
+
+        def step(name):
+            with autocast(torch.device(device).type, name):
+                loss = model(idx, idx)
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+        return fastest({name: functools.partial(step, name) for name in dtypes})
 
 
 def resolve_dtype(dtype, device, model_args, batch_size, resumed=None):
@@ -351,15 +360,22 @@ def resolve_dtype(dtype, device, model_args, batch_size, resumed=None):
     keeps the dtype of the run a resume continues (resumed: (checkpoint path, its dtype)), whatever is
     measured now; otherwise rank 0 chooses (auto_dtype) for every rank. ValueError: HONESTGPT_AUTO_DTYPE
     names no dtype."""
-    if dtype != 'auto':
-        return dtype, {'rule': 'set in the config'}
-    if resumed:
-        return resumed[1], {'rule': f"dtype='auto' as resolved by the run in {resumed[0]}"}
-    first_rank = not dist.is_initialized() or dist.get_rank() == 0
-    dtype, how = gather(auto_dtype(device, model_args, batch_size) if first_rank else None)[0]
+    dtype, how = resolve(dtype, lambda: auto_dtype(device, model_args, batch_size), resumed)
     if dtype not in DTYPES:
         raise ValueError(f"HONESTGPT_AUTO_DTYPE={dtype}: use float32, bfloat16 or float16")
     return dtype, how
+
+
+def resolve(value, choose, resumed):
+    """(value, how it was chosen) for a setting that may be 'auto': as set; or the choice of the run
+    a resume continues (resumed: (checkpoint path, its choice)); or choose()'s on rank 0, for every
+    rank."""
+    if value != 'auto':
+        return value, {'rule': 'set in the config'}
+    if resumed:
+        return resumed[1], {'rule': f"'auto' as resolved by the run in {resumed[0]}"}
+    first_rank = not dist.is_initialized() or dist.get_rank() == 0
+    return tuple(gather(choose() if first_rank else None)[0])
 
 
 def auto_dtype(device, model_args, batch_size):
@@ -389,6 +405,29 @@ def auto_dtype(device, model_args, batch_size):
     dtype = min(seconds['seconds'], key=seconds['seconds'].get)
     return dtype, {'rule': 'the faster of float32 and bfloat16 for this model, measured (forward+backward '
                            'seconds)', **seconds}
+
+
+def auto_muon_dtype(device, shapes):
+    """(dtype name, how it was chosen) for Muon's Newton-Schulz under muon_dtype='auto'; shapes: its
+    matrices'. CUDA: bfloat16, torch's Muon's. CPU: float32 without bfloat16 matmul units, where
+    bfloat16 is emulated; with them, whichever was faster for one Newton-Schulz step on a matrix of
+    each shape, measured once per machine and set of shapes (small ones can lose to the casts)."""
+    if torch.device(device).type == 'cuda':
+        return 'bfloat16', {'rule': "CUDA: bfloat16, as torch's Muon"}
+    if not (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()):
+        return 'float32', {'rule': 'CPU without bfloat16 matmul units: bfloat16 would be emulated'}
+    shapes = sorted(set(map(tuple, shapes)))
+    matrices = [torch.full((1, *shape), 0.5, device=device) for shape in shapes]
+
+    def step(dtype):
+        for matrix in matrices:
+            newton_schulz(matrix, DTYPES[dtype], (DEFAULT_A, DEFAULT_B, DEFAULT_C), 1, EPS)
+    seconds = cached(f"newton-schulz {machine(device)} {shapes}",
+                     lambda: {'seconds': fastest({name: functools.partial(step, name)
+                                                  for name in ('float32', 'bfloat16')})})
+    dtype = min(seconds['seconds'], key=seconds['seconds'].get)
+    return dtype, {'rule': "the faster of float32 and bfloat16 for a Newton-Schulz step on Muon's "
+                           "matrices, measured (seconds)", **seconds}
 
 
 def float16_warning(device, model_config, batch_size):

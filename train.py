@@ -86,6 +86,7 @@ optimizer = 'adamw'
 learning_rate = 6e-4  # AdamW's
 muon_lr = 0.02  # Muon's base learning rate; the schedule scales it by the same factor as learning_rate
 muon_momentum = 0.95
+muon_dtype = 'auto'  # its Newton-Schulz's: 'auto', 'float32' or 'bfloat16' (perf.auto_muon_dtype)
 max_iters = 600000  # iterations: optimizer steps attempted, of gradient_accumulation_steps micro-batches each
 weight_decay = 1e-1
 beta1 = 0.9
@@ -122,7 +123,8 @@ rank, local_rank, world_size = (int(os.environ.get(k, default)) for k, default i
 master = runlog.master = rank == 0
 try:
     config, config_sources = configure(defaults, sys.argv[1:], choices={
-        'dtype': ('auto', *perf.DTYPES), 'backend': ('auto', 'nccl', 'gloo'), 'parallel': ('ddp', 'fsdp'),
+        'dtype': ('auto', *perf.DTYPES), 'muon_dtype': ('auto', 'float32', 'bfloat16'),
+        'backend': ('auto', 'nccl', 'gloo'), 'parallel': ('ddp', 'fsdp'),
         'optimizer': OPTIMIZERS, 'lr_schedule': ('cosine', 'wsd'), 'best_by': ('val_loss', 'acc_norm')},
         minimums=dict.fromkeys(('eval_interval', 'log_interval', 'gradient_accumulation_steps', 'batch_size',
                                 'max_iters', 'max_consecutive_skips', 'init_scale'), 1))  # any other: >= 0
@@ -236,8 +238,12 @@ if sharded:  # FSDP moves each block to the device as it shards it: no rank hold
     model.fully_shard(perf.DTYPES[dtype], device_type)
 else:
     model = model.to(device)
+if optimizer == 'muon':  # 'auto': the resumed run's choice, or rank 0's (measured on some CPUs)
+    muon_dtype, muon_dtype_how = perf.resolve(
+        muon_dtype, lambda: perf.auto_muon_dtype(device, [p.shape for _, p in model.muon_params()]),
+        (ckpt_path, ckpt['muon_dtype']) if resuming else None)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), config['optimizer'],
-                                       muon_lr, muon_momentum)
+                                       muon_lr, muon_momentum, muon_dtype)
 min_lr_factor = min_lr / learning_rate if learning_rate > 0 else 0.0
 decay_start = lr_decay_iters - wsd_decay_frac * (lr_decay_iters - warmup_iters)  # wsd's
 
@@ -283,9 +289,12 @@ if ddp and not sharded:  # buffers (rope's tables) are not broadcast in every fo
 log("measuring this machine's peak FLOP/s for MFU (once per machine and dtype: cached)")
 peak_flops, peak_how = perf.peak_flops(device, perf.DTYPES[dtype]) if master else (float('nan'), '')
 run_record = {'config': config, 'model_args': dataclasses.asdict(model_config), 'dataset': dataset_id,
-              'pretrained': pretrained, 'dtype': dtype}  # in every checkpoint, beside the state
+              'pretrained': pretrained, 'dtype': dtype,
+              'muon_dtype': muon_dtype}  # in every checkpoint, beside the state
 session = {  # what this session is, for meta.json (beside the code, software and machine) and its first lines
-    'seed': seed, 'dtype': dtype, 'dtype_choice': dtype_how, 'device': device, 'world_size': world_size,
+    'seed': seed, 'dtype': dtype, 'dtype_choice': dtype_how,
+    'muon_dtype': {'dtype': muon_dtype, **muon_dtype_how} if optimizer == 'muon' else None,
+    'device': device, 'world_size': world_size,
     'cpus': cpus,
     'backend': torch.distributed.get_backend() if ddp else None,
     'pretrained': pretrained, 'peak_flops': {'per_process': peak_flops, 'how': peak_how},

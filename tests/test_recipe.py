@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import hf
+import perf
 from conftest import ok, read_metrics, run_train, run_trains, torchrun
-from model import ACTIVATIONS, GPT, GPTConfig, rotate
+from model import ACTIVATIONS, GPT, GPTConfig, Muon, newton_schulz, rotate
 
 # every switch on, Muon's rate and the wsd decay share set apart from their defaults
 RECIPE = ['--optimizer=muon', '--muon_lr=0.03', '--pos_emb=rope', '--qk_norm=True', '--activation=relu2',
@@ -109,6 +110,74 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest_each_at_its_rate():
     assert [g['lr'] for opt in (adamw, muon) for g in opt.param_groups] == [0.5e-3, 0.5e-3, 0.015]
 
 
+def muon_steps(muon_class, ns_dtype=None, steps=3):
+    """A tiny GPT's blocks' matrices (two layers: each shape twice, batched) after steps of
+    muon_class (ns_dtype: ours' Newton-Schulz dtype) on the same seeded gradients, at the recipe's
+    rate, momentum 0.9 (Nesterov) and weight decay 0.1."""
+    model = tiny_gpt(tie_head=False)
+    params = [p for _, p in model.muon_params()]
+    dtype = {} if ns_dtype is None else {'ns_dtype': ns_dtype}
+    optimizer = muon_class(params, **dtype, lr=0.03, momentum=0.9, weight_decay=0.1)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator)
+        optimizer.step()
+    return params, optimizer
+
+
+def test_muon_is_torchs_with_newton_schulz_batched_in_the_dtype_it_names():
+    torchs, torch_optimizer = muon_steps(torch.optim.Muon)
+    ours, optimizer = muon_steps(Muon, torch.bfloat16)
+    assert {p.shape for p in ours} == {(96, 32), (32, 32), (128, 32), (32, 128)} and len(ours) == 8
+    # torch's momentum, Nesterov, weight decay and per-shape rate; its bfloat16 Newton-Schulz, one
+    # matrix at a time, to bfloat16's rounding of the update (2^-8 of it, times the rate)
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-4) for a, b in zip(ours, torchs))
+    # its state: a checkpoint of one loads into the other
+    assert optimizer.state_dict()['param_groups'] == torch_optimizer.state_dict()['param_groups']
+    torch_optimizer.load_state_dict(optimizer.state_dict())
+    assert all(torch.equal(torch_optimizer.state[a]['momentum_buffer'],
+                           optimizer.state[b]['momentum_buffer']) for a, b in zip(torchs, ours))
+    # float32 is float32: a float64 Newton-Schulz's to float32's rounding; bfloat16 misses it by far
+    exact, _ = muon_steps(Muon, torch.float64)
+    f32, _ = muon_steps(Muon, torch.float32)
+    f32_error, bf16_error = (max((a - b).abs().max().item() for a, b in zip(params, exact))
+                             for params in (f32, ours))
+    assert f32_error < 1e-6 and bf16_error > 1e-4, (f32_error, bf16_error)
+
+
+def test_newton_schulz_of_a_batch_is_each_matrix_orthogonalized_alone():
+    G = torch.randn(3, 48, 16, generator=torch.Generator().manual_seed(0))  # (3, rows, cols): tall
+    batched = newton_schulz(G, torch.float32, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    assert batched.shape == G.shape and batched.dtype == torch.float32
+    for g, o in zip(G, batched):
+        alone = newton_schulz(g[None], torch.float32, (3.4445, -4.7750, 2.0315), 5, 1e-7)[0]
+        assert torch.allclose(o, alone, atol=1e-6)
+        # nearly orthogonal: singular values in about (0.5, 1.5), as torch's iteration leaves them
+        assert ((torch.linalg.svdvals(o) - 1).abs() < 0.5).all()
+
+
+def test_muon_dtype_auto_is_bfloat16_where_native_float32_where_emulated_else_the_faster(
+        monkeypatch, tmp_path):
+    monkeypatch.setenv('HONESTGPT_CACHE', str(tmp_path))
+    shapes = [p.shape for _, p in tiny_gpt().muon_params()]
+    assert perf.auto_muon_dtype('cuda', shapes)[0] == 'bfloat16'
+    # a CPU with bfloat16 units: measured, and the faster kept
+    monkeypatch.setattr(perf, 'fastest', lambda runs: {'float32': 2e-3, 'bfloat16': 1e-3})
+    dtype, how = perf.auto_muon_dtype('cpu', shapes)
+    assert dtype == 'bfloat16' and how['seconds'] == {'float32': 2e-3, 'bfloat16': 1e-3}
+    # once per machine and shapes: a second run keeps the cached choice
+    monkeypatch.setattr(perf, 'fastest', lambda runs: {'float32': 1e-3, 'bfloat16': 2e-3})
+    assert perf.auto_muon_dtype('cpu', shapes)[0] == 'bfloat16'
+    assert perf.auto_muon_dtype('cpu', shapes[:1])[0] == 'float32'
+    # without bfloat16 units it would be emulated: float32, nothing measured
+    monkeypatch.setattr(perf, 'fastest', None)
+    monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: False)
+    monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: False)
+    assert perf.auto_muon_dtype('cpu', shapes) == ('float32', {
+        'rule': 'CPU without bfloat16 matmul units: bfloat16 would be emulated'})
+
+
 def test_export_refuses_what_gpt2_cannot_hold():
     for switch, phrase in (({'pos_emb': 'rope'}, "pos_emb='rope'"), ({'qk_norm': True}, 'qk_norm=True'),
                            ({'logit_softcap': 15.0}, 'logit_softcap=15.0')):
@@ -128,15 +197,16 @@ def wsd_factor(step, warmup=5, decay_iters=30, frac=0.5, min_factor=0.1):
 
 @pytest.mark.slow
 def test_muon_on_two_ranks_tracks_one_process(tmp_path, data_dir):
-    """Not test_ddp's equality over 30 steps: torch's Muon orthogonalizes in bfloat16, where the float32
-    rounding by which two ranks' gradient sums differ from one process's flips last bits, and training
-    amplifies the flips (measured on this run: loss 1e-6 apart at step 5, 1e-3 by step 15; with AdamW the same
-    run stays at 1e-7). So the first steps within test_ddp's RTOL, where gradients not all-reduced or a lost
-    micro-batch show at 1e-2, and the evaluations within 1%."""
+    """Not test_ddp's equality over 30 steps: Muon orthogonalizing in bfloat16 (torch's dtype, set
+    here whatever 'auto' picks on this CPU), where the float32 rounding by which two ranks' gradient
+    sums differ from one process's flips last bits, and training amplifies the flips (measured on
+    this run: loss 1e-6 apart at step 5, 1e-3 by step 15; with AdamW the same run stays at 1e-7). So
+    the first steps within test_ddp's RTOL, where gradients not all-reduced or a lost micro-batch
+    show at 1e-2, and the evaluations within 1%."""
     from test_ddp import SAME, close
     one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
-    run_train(one, data_dir, *SAME, *RECIPE)
-    ok(torchrun(two, data_dir, *SAME, *RECIPE))
+    run_train(one, data_dir, *SAME, *RECIPE, '--muon_dtype=bfloat16')
+    ok(torchrun(two, data_dir, *SAME, *RECIPE, '--muon_dtype=bfloat16'))
     steps1, steps2 = read_metrics(one, 'train'), read_metrics(two, 'train')
     assert [s['lr'] for s in steps1] == [s['lr'] for s in steps2] and len(steps1) == 30
     for s1, s2 in zip(steps1[:5], steps2[:5]):

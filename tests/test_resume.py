@@ -51,6 +51,11 @@ def test_bfloat16_resume_mid_epoch_between_evaluations_is_bitwise(tmp_path, data
     assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
     lrs = lambda ckpt: [g['lr'] for state in ckpt['optimizer'] for g in state['param_groups']]
     assert lrs(a) == lrs(b)  # each optimizer's groups resumed at their own rate: Muon's is not AdamW's
+    if recipe:  # Muon's Newton-Schulz dtype, 'auto': the straight run's choice, kept by the resume
+        chosen = [json.load(open(os.path.join(d, 'meta.json')))['muon_dtype']
+                  for d in (straight, split)]
+        assert chosen[1] == {'dtype': chosen[0]['dtype'],
+                             'rule': f"'auto' as resolved by the run in {split}/last.pt"}
 
 
 def test_float32_resume_after_evaluation_and_from_best_is_bitwise(tmp_path, data_dir):
@@ -201,6 +206,8 @@ def test_an_older_checkpoint_resumes_migrated_and_its_losses_continue_as_with_it
     line = f"migrated {out / 'last.pt'} from {migrated}"
     assert result.stdout.count('migrated') == 1 and line in result.stdout.splitlines()
     assert line in (out / 'train.log').read_text().splitlines()
+    if recipe:  # written when torch's own Muon ran Newton-Schulz in bfloat16: it goes on so
+        assert json.load(open(out / 'meta.json'))['muon_dtype']['dtype'] == 'bfloat16'
     # the run goes on as the old code went on from the same file, to rounding: not bitwise by
     # promise, since the head's matmuls have other shapes (64 rows, not 26), which a BLAS may split
     # otherwise
