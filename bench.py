@@ -12,6 +12,8 @@ where one iteration's time goes (train.py's profile_iter). Every figure printed 
         --reference='cd ../nanoGPT && python train.py config/train_shakespeare_char.py ...'
     python bench.py --loader=out/fineweb --bench_iters=2000   # the train loader of that run's config
     python bench.py --sample=out/tiny --new_tokens=1000        # generate() with the KV cache and without
+    python bench.py config/shakespeare_char_fast.py --whole=True --target=1.886 \
+        --reference='cd ../nanoGPT && python train.py config/train_shakespeare_char.py ...'
 
 Takes the keys below; every other argument goes to train.py as it is (train.py checks it). Each run of
 train.py gets a fresh out_dir in a temporary folder and bench_warmup + bench_iters iterations, each one
@@ -22,7 +24,10 @@ too; with reference, that shell command runs as B instead, timed by the lines it
 the machine hits both alike. With loader, no model runs: the batches/s of the train loader a run (its out_dir)
 used, built from its config.json in this process, over bench_iters batches. With sample, no training either:
 the tokens/s of model.generate() with the KV cache and without it, in turns, in this process, on the model of
-a run (its out_dir's last.pt), float32, batch 1, greedy from a 1-token prompt.
+a run (its out_dir's last.pt), float32, batch 1, greedy from a 1-token prompt. With whole, each
+setting (and the reference) runs as a user runs it, its own iterations, evaluations and end-of-run
+extras: the whole process's wall time and, with target, the second its val loss was first printed at
+or below target.
 """
 import difflib
 import glob
@@ -56,12 +61,21 @@ trace = ''
 json = ''  # write every figure to this file too; '' writes bench.json in the runs' temporary folder
 loader = ''  # a run's out_dir: time its train loader alone (is the data path ever the bottleneck?)
 sample = ''  # a run's out_dir: time generate() on its model, with the KV cache and without
+# run each setting as a user runs it (its own iterations, evaluations and end-of-run extras; no
+# bench iterations or profile): the whole process's wall time and, with target, when the val loss
+# reached it
+whole = False
+target = 0.0  # whole: the val loss to time (ours' 'eval N: ...' lines, nanoGPT's 'step N: ...')
 new_tokens = 200  # sample: tokens each generate() call adds
 bench_keys = ['bench_iters', 'bench_warmup', 'rounds', 'compare', 'reference', 'reference_tokens_per_iter',
-              'nproc', 'profile', 'trace', 'json', 'loader', 'sample', 'new_tokens']
+              'nproc', 'profile', 'trace', 'json', 'loader', 'sample', 'new_tokens', 'whole',
+              'target']
 folder = None  # the runs' temporary folder, once made
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')
 ITER_LINE = re.compile(r'^iter (\d+): loss [^,]*, time ([\d.]+) ?ms', re.M)  # nanoGPT's log line
+# an evaluation's val loss: ours', nanoGPT's
+VAL_LINE = re.compile(r'^(?:eval \d+: train [\d.]+, val'
+                      r'|step \d+: train loss [\d.]+, val loss) ([\d.]+)')
 
 
 def stop(message, code=2):
@@ -118,20 +132,25 @@ def train_argv(args, out_dir, iters, profile_iter):
 
 
 def run(command, log_path, shell=False):
-    """(wall seconds, stdout) of a command, start-up included; all its output goes to log_path. A mistake
+    """(wall seconds, output, [(seconds since the start, line)]) of a command, start-up included:
+    stdout and stderr as one, each line stamped as it came, all of it in log_path. A mistake
     train.py reports (exit code 2) is one line, passed on as it is."""
-    start = time.perf_counter()
-    result = subprocess.run(command, shell=shell, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
+    start, stamped = time.perf_counter(), []
+    # unbuffered: each line comes as it is printed, not when a buffer fills
+    with subprocess.Popen(command, shell=shell, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env=os.environ | {'PYTHONUNBUFFERED': '1'}) as process:
+        for line in process.stdout:
+            stamped.append((time.perf_counter() - start, line))
+    seconds, output = time.perf_counter() - start, ''.join(line for _, line in stamped)
     with open(log_path, 'w') as f:
-        f.write(result.stdout + result.stderr)
-    if result.returncode == 2 and not shell and result.stderr.startswith('error: '):
-        stop(result.stderr.strip().removeprefix('error: '))
-    if result.returncode:
-        last_lines = '\n'.join((result.stdout + result.stderr).strip().splitlines()[-5:])
-        stop(f"{command if shell else 'train.py'} failed with exit code {result.returncode}; its output "
-             f"ends:\n{last_lines}\n(all of it in {log_path})", 1)
-    return seconds, result.stdout
+        f.writelines(f"{t:8.2f} {line}" for t, line in stamped)
+    if process.returncode == 2 and not shell and output.startswith('error: '):
+        stop(output.strip().removeprefix('error: '))
+    if process.returncode:
+        last_lines = '\n'.join(output.strip().splitlines()[-5:])
+        stop(f"{command if shell else 'train.py'} failed with exit code {process.returncode}; its "
+             f"output ends:\n{last_lines}\n(all of it in {log_path})", 1)
+    return seconds, output, stamped
 
 
 def read_json(path):
@@ -147,8 +166,8 @@ def run_ours(name, round):
                                     f'--nproc_per_node={nproc}'] if nproc > 1 else [])
     iters = bench_warmup + bench_iters + 1
     profile_iter = iters if profile and round == 1 and nproc == 1 else 0
-    wall_seconds, _ = run(launcher + train_argv(settings[name], out_dir, iters, profile_iter),
-                          out_dir + '.log')
+    wall_seconds, _, _ = run(launcher + train_argv(settings[name], out_dir, iters, profile_iter),
+                             out_dir + '.log')
     for path in glob.glob(os.path.join(out_dir, '*.pt')) + glob.glob(os.path.join(out_dir, 'shards-*')):
         # a big model's checkpoints take gigabytes
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
@@ -182,8 +201,8 @@ def run_ours(name, round):
 def run_reference(round):
     """One run of the reference command: the times of its iterations after the warm-up, from its log lines."""
     log_path = os.path.join(folder, f'reference{round}.log')
-    wall_seconds, stdout = run(reference, log_path, shell=True)
-    ms = [float(t) for _, t in ITER_LINE.findall(stdout)]
+    wall_seconds, output, _ = run(reference, log_path, shell=True)
+    ms = [float(t) for _, t in ITER_LINE.findall(output)]
     if len(ms) <= bench_warmup:  # exit code 1, so that its log stays
         stop(f"the reference printed {len(ms)} lines like 'iter N: loss X, time Y ms' (its output: "
              f"{log_path}), and the first bench_warmup={bench_warmup} are dropped: run it with "
@@ -308,11 +327,67 @@ def measure_sampling():
     print(f"all figures: {json}")
 
 
+def run_whole(name, round):
+    """One run as a user runs it: the whole process's wall time, each evaluation's val loss with the
+    second it was printed, and the first second at which it was at most target."""
+    out_dir = os.path.join(folder, f'{name}{round}')
+    command = reference if name == 'reference' else [sys.executable, TRAIN, *settings[name],
+                                                     f'--out_dir={out_dir}']
+    wall_seconds, _, stamped = run(command, out_dir + '.log', shell=name == 'reference')
+    evals = [(t, float(match[1])) for t, line in stamped if (match := VAL_LINE.match(line))]
+    return {'wall_seconds': wall_seconds, 'evals': evals, 'out_dir': out_dir,
+            'target_seconds': next((t for t, val in evals if val <= target), None)}
+
+
+def measure_whole():
+    """The settings' whole processes in turns, rounds times: wall time, val loss, time to target;
+    with two settings, the first's speed over the other's, round by round."""
+    print(f"{len(names)} setting(s) run whole, {rounds} round(s) in turns; load average "
+          f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; runs in {folder}")
+    runs = {name: [] for name in names}
+    for round in range(1, rounds + 1):
+        for name in names:
+            run = run_whole(name, round)
+            runs[name].append(run)
+            last = f", last val {run['evals'][-1][1]:.4f}" if run['evals'] else ''
+            reached = (f", val <= {target} at {run['target_seconds']:.1f} s"
+                       if run['target_seconds'] is not None else f", val {target} not reached")
+            print(f"round {round}/{rounds}, {name}: the process {run['wall_seconds']:.1f} s{last}"
+                  + (reached if target else ''), flush=True)
+    import torch  # here: a mistake in the arguments fails at once
+    from perf import cpu_name
+    report = {'command': sys.argv, 'cpu': cpu_name(), 'torch': torch.__version__, 'rounds': rounds,
+              'target': target, 'settings': {name: {'runs': runs[name]} for name in names}}
+    for name, setting in report['settings'].items():
+        for key in ('wall_seconds', 'target_seconds'):
+            times = [run[key] for run in runs[name]]
+            setting[key] = statistics.median(times) if None not in times else None
+    if len(names) == 2:  # how many times as fast the first is: the other's seconds over its own
+        first, other = names
+        for key in ('wall_seconds', 'target_seconds'):
+            pairs = [(a[key], b[key]) for a, b in zip(runs[first], runs[other])]
+            if all(a is not None and b is not None for a, b in pairs):
+                ratios = [b / a for a, b in pairs]
+                report[f"{key.removesuffix('_seconds')}_speed_ratios"] = ratios
+                medians = [report['settings'][name][key] for name in names]
+                what = 'whole process' if key == 'wall_seconds' else f'to val {target}'
+                print(f"{what}: {first} {medians[0]:.1f} s, {other} {medians[1]:.1f} s (medians); "
+                      f"{first} {statistics.median(ratios):.2f}x as fast (rounds "
+                      + ', '.join(f'{r:.2f}' for r in ratios) + ')')
+    print(f"on {report['cpu']}, torch {report['torch']}")
+    with open(json, 'w') as f:
+        dump(report, f, indent=1)
+    print(f"all figures: {json}")
+
+
 if loader:
     measure_loader()
     sys.exit(0)
 if sample:
     measure_sampling()
+    sys.exit(0)
+if whole:
+    measure_whole()
     sys.exit(0)
 load_average = os.getloadavg()[0]
 print(f"{len(names)} setting(s), {rounds} round(s) of {bench_warmup} + {bench_iters} iterations, {nproc} "

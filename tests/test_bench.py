@@ -131,6 +131,39 @@ def test_bench_against_a_reference_command_in_rounds(tmp_path, data_dir):
                                              for tokens in ours['round_tokens_per_sec']])
 
 
+FAKE_NANOGPT_EVALS = '''
+import time
+# nanoGPT's evaluation lines
+print("step 0: train loss 4.1000, val loss 4.2000", flush=True)
+time.sleep(0.4)
+print("step 10: train loss 2.9000, val loss 3.0000", flush=True)
+'''
+
+
+@pytest.mark.slow
+def test_bench_whole_runs_time_the_process_and_the_val_loss_against_a_reference(tmp_path, data_dir):
+    fake = tmp_path / 'fake_nanogpt.py'
+    fake.write_text(FAKE_NANOGPT_EVALS)
+    report = run_bench(tmp_path, data_dir, '--whole=True', '--target=3.5', '--rounds=2',
+                       f'--reference={sys.executable} {fake}', '--max_iters=6', '--eval_interval=3',
+                       '--eval_iters=2', '--lr_decay_iters=6')
+    ours, ref = report['settings']['A'], report['settings']['reference']
+    for run in ours['runs']:  # its evaluations, as train.py recorded them, in order
+        recorded = read_metrics(run['out_dir'], 'eval')
+        assert [round(r['val_loss'], 4) for r in recorded] == [val for _, val in run['evals']]
+        assert [r['step'] for r in recorded] == [3, 6]
+        stamps = [t for t, _ in run['evals']]
+        assert 0 < stamps[0] < stamps[1] < run['wall_seconds']
+        reached = next((t for t, val in run['evals'] if val <= 3.5), None)
+        assert run['target_seconds'] == reached
+    for run in ref['runs']:  # the second line came after the sleep
+        assert [val for _, val in run['evals']] == [4.2, 3.0]
+        assert 0.4 <= run['target_seconds'] == run['evals'][1][0] <= run['wall_seconds']
+    assert ref['wall_seconds'] == statistics.median(run['wall_seconds'] for run in ref['runs'])
+    assert report['wall_speed_ratios'] == pytest.approx(
+        [b['wall_seconds'] / a['wall_seconds'] for a, b in zip(ours['runs'], ref['runs'])])
+
+
 @pytest.mark.slow
 def test_bench_sample_mode_times_generate_with_and_without_the_cache(tmp_path, data_dir):
     # 40 new tokens from 1 at block_size 32: decoding, then a sliding window; greedy, so both give the same
