@@ -294,7 +294,8 @@ run_record = {'config': config, 'model_args': dataclasses.asdict(model_config), 
               'muon_dtype': muon_dtype}  # in every checkpoint, beside the state
 session = {  # what this session is, for meta.json (beside the code, software and machine) and its first lines
     'seed': seed, 'dtype': dtype, 'dtype_choice': dtype_how,
-    'muon_dtype': {'dtype': muon_dtype, **muon_dtype_how} if optimizer == 'muon' else None,
+    'muon_dtype': ({'dtype': muon_dtype, **muon_dtype_how} if config['optimizer'] == 'muon'
+                   else None),
     'device': device, 'world_size': world_size,
     'cpus': cpus,
     'backend': torch.distributed.get_backend() if ddp else None,
