@@ -129,17 +129,11 @@ def task_names(evals):
     return [k.removesuffix('/acc_norm') for k in (evals[-1] if evals else {}) if k.endswith('/acc_norm')]
 
 
-def pyplot():
-    """matplotlib.pyplot, drawing to files only. Imported here, not at the top: train.py imports
-    this module, and a run stopped at start-up should not pay 0.5 s for it."""
+def plot_curves(train, evals, path, title, log_interval):
+    # here: train.py imports this module, and a run stopped at start-up should not pay 0.8 s for it
     import matplotlib
     matplotlib.use('Agg')  # files only, no display
-    import matplotlib.pyplot
-    return matplotlib.pyplot
-
-
-def plot_curves(train, evals, path, title, log_interval):
-    plt = pyplot()
+    import matplotlib.pyplot as plt
     tasks = task_names(evals)
     fig, axes = plt.subplots(2 + bool(tasks), 1, sharex=True, figsize=(8, 6 + 2 * bool(tasks)),
                              height_ratios=[3, 1] + [2] * bool(tasks))

@@ -18,7 +18,6 @@ import platform
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -232,13 +231,6 @@ def done(test, first_iter):
     log(f"done: {sessions} (checkpoint saves {test['save_seconds'] / seconds:.1%} of this session), best "
         f"val loss {test['best_val_loss']:.4f} at iteration {test['best_iter']}{tested}; checkpoints in "
         f"{run_dir}")
-
-
-def start_report():
-    """At the loop's end: matplotlib imported in a thread (0.5 s) while the test split and the
-    sample compute, for finish() to plot with."""
-    if master and with_report:
-        threading.Thread(target=report.pyplot, daemon=True).start()
 
 
 def finish():

@@ -506,7 +506,6 @@ if overfit_one_batch and first_loss is not None:  # None: a finished run resumed
 best = os.path.join(out_dir, 'best.pt')
 if best_iter > 0 and (test_eval or sample_tokens):  # last.pt holds the trained weights: now load the best
     checkpoint.load_weights(checkpoint.load(best), best, raw_model)
-runlog.start_report()
 test_loss = split_loss('test') if test_eval else None
 runlog.done({'kind': 'test', 'step': iter_num, 'best_iter': best_iter, 'best_val_loss': best_val_loss,
              'test_loss': test_loss, 'wall_seconds': session_seconds, 'save_seconds': save_seconds,
