@@ -104,8 +104,8 @@ except ConfigError as e:
 if compare and reference:
     stop("compare and reference are both set: give one, a setting B (compare) or a command to run as B "
          "(reference)")
-if loader and sample:
-    stop("loader and sample are both set: give one")
+if sum(map(bool, (loader, sample, whole))) > 1:
+    stop("more than one of loader, sample and whole is set: give one")
 train_args = [a for a in sys.argv[1:] if not is_bench_key(a)]
 if (loader or sample) and train_args:  # they rebuild what the run used, from its out_dir
     stop(f"{'loader' if loader else 'sample'} reads a run's out_dir and takes no train.py arguments: drop "
@@ -144,8 +144,9 @@ def run(command, log_path, shell=False):
     seconds, output = time.perf_counter() - start, ''.join(line for _, line in stamped)
     with open(log_path, 'w') as f:
         f.writelines(f"{t:8.2f} {line}" for t, line in stamped)
-    if process.returncode == 2 and not shell and output.startswith('error: '):
-        stop(output.strip().removeprefix('error: '))
+    last_line = output.strip().splitlines()[-1] if output.strip() else ''
+    if process.returncode == 2 and not shell and last_line.startswith('error: '):
+        stop(last_line.removeprefix('error: '))
     if process.returncode:
         last_lines = '\n'.join(output.strip().splitlines()[-5:])
         stop(f"{command if shell else 'train.py'} failed with exit code {process.returncode}; its "
@@ -158,6 +159,13 @@ def read_json(path):
         return load(f)
 
 
+def remove_checkpoints(out_dir):
+    """A run's checkpoints, gone: a big model's take gigabytes a run."""
+    paths = glob.glob(os.path.join(out_dir, '*.pt')) + glob.glob(os.path.join(out_dir, 'shards-*'))
+    for path in paths:
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
 def run_ours(name, round):
     """One run of train.py: its iteration times after the warm-up and what it recorded. The first round also
     profiles the iteration after the timed ones."""
@@ -168,9 +176,7 @@ def run_ours(name, round):
     profile_iter = iters if profile and round == 1 and nproc == 1 else 0
     wall_seconds, _, _ = run(launcher + train_argv(settings[name], out_dir, iters, profile_iter),
                              out_dir + '.log')
-    for path in glob.glob(os.path.join(out_dir, '*.pt')) + glob.glob(os.path.join(out_dir, 'shards-*')):
-        # a big model's checkpoints take gigabytes
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    remove_checkpoints(out_dir)
     with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
         records = [loads(line) for line in f]
     meta = read_json(os.path.join(out_dir, 'meta.json'))
@@ -334,6 +340,7 @@ def run_whole(name, round):
     command = reference if name == 'reference' else [sys.executable, TRAIN, *settings[name],
                                                      f'--out_dir={out_dir}']
     wall_seconds, _, stamped = run(command, out_dir + '.log', shell=name == 'reference')
+    remove_checkpoints(out_dir)
     evals = [(t, float(match[1])) for t, line in stamped if (match := VAL_LINE.match(line))]
     return {'wall_seconds': wall_seconds, 'evals': evals, 'out_dir': out_dir,
             'target_seconds': next((t for t, val in evals if val <= target), None)}

@@ -25,7 +25,8 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS  # torch's Muon's defaults
+# torch's Muon's defaults: Newton-Schulz's coefficients, steps and epsilon
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
 
 import checkpoint
 from model import GPT, GPTConfig, newton_schulz
@@ -396,10 +397,8 @@ def auto_dtype(device, model_args, batch_size):
         return 'float32', {'rule': 'CPU without bfloat16 matmul units: bfloat16 would be emulated, many '
                                    'times slower'}
     shape = {k: model_args[k] for k in sorted(model_args) if k != 'dropout'}
-    # model.py's contents are part of the key: an edit to the model can change which dtype is faster
-    with open(inspect.getsourcefile(GPT), 'rb') as f:
-        code = hashlib.sha256(f.read()).hexdigest()[:12]
-    seconds = cached(f"step {machine(device)} model.py {code} {json.dumps(shape)} batch {batch_size}",
+    key = f"step {machine(device)} {model_code()} {json.dumps(shape)} batch {batch_size}"
+    seconds = cached(key,
                      lambda: {'seconds': step_seconds(model_args, batch_size, device,
                                                       ('float32', 'bfloat16'))})
     dtype = min(seconds['seconds'], key=seconds['seconds'].get)
@@ -407,13 +406,24 @@ def auto_dtype(device, model_args, batch_size):
                            'seconds)', **seconds}
 
 
+def model_code():
+    """model.py's contents, hashed, for the keys of cached choices: an edit to the model (or to
+    newton_schulz) can change which dtype is faster."""
+    with open(inspect.getsourcefile(GPT), 'rb') as f:
+        return f"model.py {hashlib.sha256(f.read()).hexdigest()[:12]}"
+
+
 def auto_muon_dtype(device, shapes):
     """(dtype name, how it was chosen) for Muon's Newton-Schulz under muon_dtype='auto'; shapes: its
-    matrices'. CUDA: bfloat16, torch's Muon's. CPU: float32 without bfloat16 matmul units, where
-    bfloat16 is emulated; with them, whichever was faster for one Newton-Schulz step on a matrix of
-    each shape, measured once per machine and set of shapes (small ones can lose to the casts)."""
+    matrices'. CUDA: bfloat16 (torch's Muon's) from compute capability 8.0, float32 below. CPU:
+    float32 without bfloat16 matmul units, where bfloat16 is emulated; with them, whichever was
+    faster for Muon's Newton-Schulz iteration on a matrix of each shape, measured once per machine,
+    shapes and model.py (small matrices can lose to the casts)."""
     if torch.device(device).type == 'cuda':
-        return 'bfloat16', {'rule': "CUDA: bfloat16, as torch's Muon"}
+        capability = torch.cuda.get_device_capability(device)
+        dtype = 'bfloat16' if capability >= (8, 0) else 'float32'
+        return dtype, {'rule': f"CUDA compute capability {capability[0]}.{capability[1]}: "
+                               f"bfloat16 from 8.0 on, else float32"}
     if not (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()):
         return 'float32', {'rule': 'CPU without bfloat16 matmul units: bfloat16 would be emulated'}
     shapes = sorted(set(map(tuple, shapes)))
@@ -421,12 +431,13 @@ def auto_muon_dtype(device, shapes):
 
     def step(dtype):
         for matrix in matrices:
-            newton_schulz(matrix, DTYPES[dtype], (DEFAULT_A, DEFAULT_B, DEFAULT_C), 1, EPS)
-    seconds = cached(f"newton-schulz {machine(device)} {shapes}",
+            newton_schulz(matrix, DTYPES[dtype], (DEFAULT_A, DEFAULT_B, DEFAULT_C),
+                          DEFAULT_NS_STEPS, EPS)
+    seconds = cached(f"newton-schulz {machine(device)} {model_code()} {shapes}",
                      lambda: {'seconds': fastest({name: functools.partial(step, name)
                                                   for name in ('float32', 'bfloat16')})})
     dtype = min(seconds['seconds'], key=seconds['seconds'].get)
-    return dtype, {'rule': "the faster of float32 and bfloat16 for a Newton-Schulz step on Muon's "
+    return dtype, {'rule': "the faster of float32 and bfloat16 for Newton-Schulz on Muon's "
                            "matrices, measured (seconds)", **seconds}
 
 

@@ -171,6 +171,8 @@ def close_logs():
     for f in files.values():
         f.close()
     files.clear()  # a line logged after this is printed only
+    if tensorboard:  # its last events are buffered until then
+        tensorboard.close()
 
 
 def announce(session, config, resumed, num_params):

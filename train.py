@@ -240,6 +240,8 @@ if sharded:  # FSDP moves each block to the device as it shards it: no rank hold
 else:
     model = model.to(device)
 if optimizer == 'muon':  # 'auto': the resumed run's choice, or rank 0's (measured on some CPUs)
+    if muon_dtype == 'auto' and not resuming:
+        log("choosing Muon's Newton-Schulz dtype for muon_dtype='auto'")
     muon_dtype, muon_dtype_how = perf.resolve(
         muon_dtype, lambda: perf.auto_muon_dtype(device, [p.shape for _, p in model.muon_params()]),
         (ckpt_path, ckpt['muon_dtype']) if resuming else None)

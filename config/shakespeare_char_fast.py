@@ -1,5 +1,6 @@
-# shakespeare_char on a CPU, fast: nanoGPT's val loss 1.886 in a fifth to a third of the time of nanoGPT's
-# own CPU recipe beside it (docs/benchmarks.md: 5.1x with bfloat16 units, 3.8x with AVX2 alone).
+# shakespeare_char on a CPU, fast: nanoGPT's val loss 1.886 in a fifth to a third of the time of
+# nanoGPT's own CPU recipe beside it (docs/benchmarks.md: 5.1x with bfloat16 units, 3.8x with AVX2
+# alone, emulated).
 # config/shakespeare_char_cpu.py's shape, with the modern recipe: Muon for
 # the blocks' matrices, rotary positions, QK-norm, an untied zero-initialized head, soft-capped logits,
 # warmup-stable-decay.

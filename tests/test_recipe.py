@@ -161,8 +161,12 @@ def test_muon_dtype_auto_is_bfloat16_where_native_float32_where_emulated_else_th
         monkeypatch, tmp_path):
     monkeypatch.setenv('HONESTGPT_CACHE', str(tmp_path))
     shapes = [p.shape for _, p in tiny_gpt().muon_params()]
-    assert perf.auto_muon_dtype('cuda', shapes)[0] == 'bfloat16'
-    # a CPU with bfloat16 units: measured, and the faster kept
+    for capability, dtype in (((9, 0), 'bfloat16'), ((8, 0), 'bfloat16'), ((7, 5), 'float32')):
+        monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device: capability)
+        assert perf.auto_muon_dtype('cuda', shapes)[0] == dtype
+    # a CPU with bfloat16 units (whatever this one has): measured, and the faster kept
+    monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: False)
+    monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: True)
     monkeypatch.setattr(perf, 'fastest', lambda runs: {'float32': 2e-3, 'bfloat16': 1e-3})
     dtype, how = perf.auto_muon_dtype('cpu', shapes)
     assert dtype == 'bfloat16' and how['seconds'] == {'float32': 2e-3, 'bfloat16': 1e-3}
@@ -172,7 +176,6 @@ def test_muon_dtype_auto_is_bfloat16_where_native_float32_where_emulated_else_th
     assert perf.auto_muon_dtype('cpu', shapes[:1])[0] == 'float32'
     # without bfloat16 units it would be emulated: float32, nothing measured
     monkeypatch.setattr(perf, 'fastest', None)
-    monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: False)
     monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: False)
     assert perf.auto_muon_dtype('cpu', shapes) == ('float32', {
         'rule': 'CPU without bfloat16 matmul units: bfloat16 would be emulated'})
