@@ -6,6 +6,7 @@ import re
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,9 +147,9 @@ def test_bench_whole_runs_time_the_process_and_the_val_loss_against_a_reference(
     fake.write_text(FAKE_NANOGPT_EVALS)
     # without PYTHONUNBUFFERED from here: bench.py sets it for the runs it times
     env = {k: v for k, v in os.environ.items() if k != 'PYTHONUNBUFFERED'}
-    report = run_bench(tmp_path, data_dir, '--whole=True', '--target=3.5', '--rounds=2',
-                       f'--reference={sys.executable} {fake}', '--max_iters=6', '--eval_interval=3',
-                       '--eval_iters=2', '--lr_decay_iters=6', env=env)
+    whole = ['--whole=True', '--target=3.5', f'--reference={sys.executable} {fake}', '--max_iters=6',
+             '--eval_interval=3', '--eval_iters=2', '--lr_decay_iters=6']
+    report = run_bench(tmp_path, data_dir, *whole, env=env)
     ours, ref = report['settings']['A'], report['settings']['reference']
     for run in ours['runs']:  # its evaluations, as train.py recorded them, in order
         recorded = read_metrics(run['out_dir'], 'eval')
@@ -165,6 +166,15 @@ def test_bench_whole_runs_time_the_process_and_the_val_loss_against_a_reference(
     assert ref['wall_seconds'] == statistics.median(run['wall_seconds'] for run in ref['runs'])
     assert report['wall_speed_ratios'] == pytest.approx(
         [b['wall_seconds'] / a['wall_seconds'] for a, b in zip(ours['runs'], ref['runs'])])
+    # the runs' checkpoints gone: a big model's take gigabytes a round
+    assert all(not list(Path(run['out_dir']).glob('*.pt')) for run in ours['runs'])
+    # a mistake train.py finds after printing a line of its own: still its one line, exit code 2
+    result = subprocess.run([sys.executable, 'bench.py', RUN_CONFIG, f'--data_dir={data_dir}', *whole,
+                             '--dtype=auto'],
+                            cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, 'HONESTGPT_AUTO_DTYPE': 'f64'})
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr == "error: HONESTGPT_AUTO_DTYPE=f64: use float32, bfloat16 or float16\n"
 
 
 @pytest.mark.slow
@@ -193,7 +203,7 @@ def test_bench_sample_mode_times_generate_with_and_without_the_cache(tmp_path, d
                                             / report['uncached']['tokens_per_sec'])
 
 
-def test_bench_mistakes_fail_in_one_line(tmp_path, data_dir):
+def test_bench_mistakes_fail_in_one_line(tmp_path):
     # its own keys before any run; train.py's in train.py's words, from the first run
     for args, message in ((['--bench_itres=5'], "unknown config key 'bench_itres': did you mean bench_iters"),
                           (['--batch_sise=4'], "unknown config key 'batch_sise': did you mean batch_size"),
@@ -215,14 +225,6 @@ def test_bench_mistakes_fail_in_one_line(tmp_path, data_dir):
     result = subprocess.run([sys.executable, 'bench.py', f"--loader={tmp_path / 'none'}"], cwd=REPO,
                             env={**os.environ, 'TMPDIR': str(tmp_path)}, capture_output=True, text=True)
     assert result.returncode == 2 and result.stderr.count('\n') == 1, result.stderr
-    assert not list(tmp_path.glob('bench-*'))
-    # one that train.py finds after printing a line of its own: still its one line
-    result = subprocess.run([sys.executable, 'bench.py', RUN_CONFIG, f'--data_dir={data_dir}',
-                             '--dtype=auto'], cwd=REPO, capture_output=True, text=True,
-                            env={**os.environ, 'TMPDIR': str(tmp_path),
-                                 'HONESTGPT_AUTO_DTYPE': 'f64'})
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stderr == "error: HONESTGPT_AUTO_DTYPE=f64: use float32, bfloat16 or float16\n"
     assert not list(tmp_path.glob('bench-*'))
 
 
