@@ -147,8 +147,8 @@ def test_bench_whole_runs_time_the_process_and_the_val_loss_against_a_reference(
     fake.write_text(FAKE_NANOGPT_EVALS)
     # without PYTHONUNBUFFERED from here: bench.py sets it for the runs it times
     env = {k: v for k, v in os.environ.items() if k != 'PYTHONUNBUFFERED'}
-    whole = ['--whole=True', '--target=3.5', f'--reference={sys.executable} {fake}', '--max_iters=6',
-             '--eval_interval=3', '--eval_iters=2', '--lr_decay_iters=6']
+    whole = ['--whole=True', '--target=3.5', f'--reference={sys.executable} {fake}',
+             '--max_iters=6', '--eval_interval=3', '--eval_iters=2', '--lr_decay_iters=6']
     report = run_bench(tmp_path, data_dir, *whole, env=env)
     ours, ref = report['settings']['A'], report['settings']['reference']
     for run in ours['runs']:  # its evaluations, as train.py recorded them, in order
@@ -169,8 +169,8 @@ def test_bench_whole_runs_time_the_process_and_the_val_loss_against_a_reference(
     # the runs' checkpoints gone: a big model's take gigabytes a round
     assert all(not list(Path(run['out_dir']).glob('*.pt')) for run in ours['runs'])
     # a mistake train.py finds after printing a line of its own: still its one line, exit code 2
-    result = subprocess.run([sys.executable, 'bench.py', RUN_CONFIG, f'--data_dir={data_dir}', *whole,
-                             '--dtype=auto'],
+    result = subprocess.run([sys.executable, 'bench.py', RUN_CONFIG, f'--data_dir={data_dir}',
+                             *whole, '--dtype=auto'],
                             cwd=REPO, capture_output=True, text=True,
                             env={**os.environ, 'HONESTGPT_AUTO_DTYPE': 'f64'})
     assert result.returncode == 2, result.stdout + result.stderr
