@@ -347,9 +347,9 @@ def write_meta(out_dir, run):
     })
 
 
-def git_state():
-    """(commit SHA, whether the work tree has uncommitted changes) of this code, or ('unknown', None)."""
-    repo = os.path.dirname(os.path.abspath(__file__))
+def git_state(repo=os.path.dirname(os.path.abspath(__file__))):
+    """(commit SHA, whether the work tree has uncommitted or untracked changes) of the code in repo
+    (this code's, by default), or ('unknown', None) outside a git repository."""
     try:
         sha = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=repo, capture_output=True, text=True,
                              check=True).stdout.strip()

@@ -6,6 +6,7 @@ import itertools
 import math
 import os
 import re
+import subprocess
 import sys
 import tracemalloc
 
@@ -18,6 +19,7 @@ import data
 import evaluate
 import perf
 import prepare
+import runlog
 from configurator import ConfigError, configure
 from conftest import OLD_CHECKPOINTS, epoch_batches
 from model import GPT, GPTConfig
@@ -463,3 +465,20 @@ def test_evaluations_and_task_scores_say_how_far_they_have_got(token_file, capsy
     examples = [evaluate.Example([[1, 2, 3], [1, 2, 4]], [1, 1], 0)] * 3
     evaluate.score(model, examples, 2, 'cpu', contextlib.nullcontext())
     assert capsys.readouterr().out.splitlines() == ['tasks: 1/2 in 0 s', 'tasks: 2/2 in 0 s']
+
+
+def test_git_state_is_the_checkout_s_commit_and_whether_anything_changed(tmp_path):
+    def git(*args):
+        return subprocess.run(['git', '-c', 'user.name=t', '-c', 'user.email=t@t', *args], cwd=tmp_path,
+                              capture_output=True, text=True, check=True).stdout.strip()
+    assert runlog.git_state(str(tmp_path)) == ('unknown', None)  # not a repository
+    git('init', '-q')
+    (tmp_path / 'train.py').write_text('x = 1\n')
+    git('add', '.')
+    git('commit', '-qm', 'one')
+    assert runlog.git_state(str(tmp_path)) == (git('rev-parse', 'HEAD'), False)
+    (tmp_path / 'train.py').write_text('x = 2\n')  # an edit
+    assert runlog.git_state(str(tmp_path)) == (git('rev-parse', 'HEAD'), True)
+    git('checkout', '-q', 'train.py')
+    (tmp_path / 'model.py').write_text('')  # a file git does not track yet
+    assert runlog.git_state(str(tmp_path)) == (git('rev-parse', 'HEAD'), True)
