@@ -46,7 +46,7 @@ def test_run_learns_and_records_everything(tmp_path, data_dir, device):
     meta = json.load(open(os.path.join(out, 'meta.json')))
     assert {'git_sha', 'git_dirty', 'command', 'versions', 'hardware', 'seed', 'start_time'} <= meta.keys()
     assert meta['versions']['torch'] == torch.__version__
-    # this checkout's commit, and whether it has changes (test_units checks a repository made for it)
+    # this checkout's commit, and whether it has changes (test_units: a repository made for it)
     git = [subprocess.run(['git', *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
            for args in (['rev-parse', 'HEAD'], ['status', '--porcelain'])]
     assert (meta['git_sha'], meta['git_dirty']) == (git[0], bool(git[1]))
