@@ -469,8 +469,9 @@ def test_evaluations_and_task_scores_say_how_far_they_have_got(token_file, capsy
 
 def test_git_state_is_the_checkout_s_commit_and_whether_anything_changed(tmp_path):
     def git(*args):
-        return subprocess.run(['git', '-c', 'user.name=t', '-c', 'user.email=t@t', *args],
-                              cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+        result = subprocess.run(['git', '-c', 'user.name=t', '-c', 'user.email=t@t', *args],
+                                cwd=tmp_path, capture_output=True, text=True, check=True)
+        return result.stdout.strip()
     assert runlog.git_state(str(tmp_path)) == ('unknown', None)  # not a repository
     git('init', '-q')
     (tmp_path / 'train.py').write_text('x = 1\n')
