@@ -106,6 +106,9 @@ if compare and reference:
          "(reference)")
 if sum(map(bool, (loader, sample, whole))) > 1:
     stop("more than one of loader, sample and whole is set: give one")
+if whole and nproc > 1:
+    stop(f"whole runs train.py in one process, not nproc={nproc}: time torchrun's command as a "
+         f"--reference instead")
 train_args = [a for a in sys.argv[1:] if not is_bench_key(a)]
 if (loader or sample) and train_args:  # they rebuild what the run used, from its out_dir
     stop(f"{'loader' if loader else 'sample'} reads a run's out_dir and takes no train.py arguments: drop "

@@ -211,6 +211,7 @@ def test_bench_mistakes_fail_in_one_line(tmp_path):
                            "compare and reference are both set"),
                           (['--sample=out', '--loader=out'], "more than one of loader, sample and"),
                           (['--whole=True', '--loader=out'], "more than one of loader, sample and"),
+                          (['--whole=True', '--nproc=2'], "whole runs train.py in one process"),
                           (['--sample=out', '--new_tokens=0'], "new_tokens=0 must be at least 1"),
                           (['--sample=out'], "sample reads a run's out_dir and takes no train.py arguments"),
                           ([f"--json={tmp_path}/no/b.json"],
