@@ -110,14 +110,15 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest_each_at_its_rate():
     assert [g['lr'] for opt in (adamw, muon) for g in opt.param_groups] == [0.5e-3, 0.5e-3, 0.015]
 
 
-def muon_steps(muon_class, ns_dtype=None, steps=3):
+def muon_steps(muon_class, ns_dtype=None, steps=3, nesterov=True):
     """A tiny GPT's blocks' matrices (two layers: each shape twice, batched) after steps of
     muon_class (ns_dtype: ours' Newton-Schulz dtype) on the same seeded gradients, at the recipe's
     rate, momentum 0.9 (Nesterov) and weight decay 0.1."""
     model = tiny_gpt(tie_head=False)
     params = [p for _, p in model.muon_params()]
     dtype = {} if ns_dtype is None else {'ns_dtype': ns_dtype}
-    optimizer = muon_class(params, **dtype, lr=0.03, momentum=0.9, weight_decay=0.1)
+    optimizer = muon_class(params, **dtype, lr=0.03, momentum=0.9, weight_decay=0.1,
+                           nesterov=nesterov)
     generator = torch.Generator().manual_seed(1)
     for _ in range(steps):
         for p in params:
@@ -133,6 +134,10 @@ def test_muon_is_torchs_with_newton_schulz_batched_in_the_dtype_it_names():
     # torch's momentum, Nesterov, weight decay and per-shape rate; its bfloat16 Newton-Schulz, one
     # matrix at a time, to bfloat16's rounding of the update (2^-8 of it, times the rate)
     assert all(torch.allclose(a, b, rtol=0, atol=1e-4) for a, b in zip(ours, torchs))
+    plain = [muon_steps(make, dtype, nesterov=False)[0]  # momentum without the look-ahead
+             for make, dtype in ((torch.optim.Muon, None), (Muon, torch.bfloat16))]
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-4) for a, b in zip(*plain))
+    assert not all(torch.allclose(a, b, rtol=0, atol=1e-4) for a, b in zip(plain[1], ours))
     # its state: a checkpoint of one loads into the other
     assert optimizer.state_dict()['param_groups'] == torch_optimizer.state_dict()['param_groups']
     torch_optimizer.load_state_dict(optimizer.state_dict())
