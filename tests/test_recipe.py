@@ -113,7 +113,7 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest_each_at_its_rate():
 def muon_steps(muon_class, ns_dtype=None, steps=3, nesterov=True):
     """A tiny GPT's blocks' matrices (two layers: each shape twice, batched) after steps of
     muon_class (ns_dtype: ours' Newton-Schulz dtype) on the same seeded gradients, at the recipe's
-    rate, momentum 0.9 (Nesterov) and weight decay 0.1."""
+    rate, momentum 0.9 (with Nesterov's look-ahead unless nesterov=False) and weight decay 0.1."""
     model = tiny_gpt(tie_head=False)
     params = [p for _, p in model.muon_params()]
     dtype = {} if ns_dtype is None else {'ns_dtype': ns_dtype}
