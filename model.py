@@ -391,7 +391,8 @@ class GPT(nn.Module):
         def decays(name, p):
             return p.dim() >= 2 and not name.startswith(('wte.', 'wpe.'))
         muon = self.muon_params() if optimizer == 'muon' else []
-        adamw = [(n, p) for n, p in self.named_parameters() if not any(p is q for _, q in muon)]
+        muon_names = {n for n, _ in muon}
+        adamw = [(n, p) for n, p in self.named_parameters() if n not in muon_names]
         groups = [{'params': [p for n, p in adamw if decays(n, p)], 'weight_decay': weight_decay},
                   {'params': [p for n, p in adamw if not decays(n, p)], 'weight_decay': 0.0}]
         optimizers = [torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)]
