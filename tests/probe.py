@@ -157,6 +157,9 @@ if 'PROBE_LOGGERS' in os.environ:
 
         def add_scalar(self, tag, value, step):
             log_call('add_scalar', tag, value, step)
+
+        def close(self):
+            log_call('SummaryWriter.close')
     fake_module('tensorboard')
     fake_module('torch.utils.tensorboard', SummaryWriter=SummaryWriter)
     fake_module('wandb', init=lambda **kwargs: log_call('wandb.init', kwargs),

@@ -89,6 +89,9 @@ def test_tensorboard_and_wandb_receive_every_number_of_metrics_jsonl(tmp_path, d
     wandb = {(tag, value, call[2]) for call in calls if call[0] == 'wandb.log'
              for tag, value in call[1].items()}
     assert tensorboard == wandb == expected
+    # closed at exit, after its last value: a writer's buffered tail is written then
+    assert [call[0] for call in calls if call[0] != 'wandb.log'][-2:] == ['add_scalar',
+                                                                         'SummaryWriter.close']
 
 
 def test_threads_and_the_cpus_they_run_on_are_recorded_and_said(tmp_path, data_dir):
