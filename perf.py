@@ -499,11 +499,11 @@ def measure_flops(device, dtype, budget=0.1, trials=3):
             n *= 2
 
 
-def peak_flops(device, dtype, beaten=0.0):
+def peak_flops(device, dtype, beaten=0.0, announce=lambda: None):
     """(FLOP/s, how and when it was obtained) for a torch dtype: the datasheet on known GPUs, else
     measured once per machine. beaten: the FLOP/s a training step achieved, above the cached peak,
     which was then measured while other work ran: it is measured again, raised to at least beaten,
-    and cached anew."""
+    and cached anew. announce() is called just before a measurement, which takes seconds."""
     if torch.device(device).type == 'cuda':
         name = torch.cuda.get_device_name(device)
         peak = table_peak(name, dtype)
@@ -511,6 +511,7 @@ def peak_flops(device, dtype, beaten=0.0):
             return peak, f"datasheet: {name}, {str(dtype).removeprefix('torch.')} dense"
 
     def measure():
+        announce()
         flops, how = measure_flops(device, dtype)
         raised = (f"; a training step's {beaten / 1e9:,.1f} GFLOP/s, above it" if beaten > flops
                   else '')
@@ -614,7 +615,8 @@ PHASES = ('data', 'forward', 'backward', 'optimizer')  # train.py's record_funct
 def start_profiler(device_type):
     activities = ([torch.profiler.ProfilerActivity.CPU]
                   + [torch.profiler.ProfilerActivity.CUDA] * (device_type == 'cuda'))
-    profiler = torch.profiler.profile(activities=activities)
+    # one cycle: acc_events changes nothing but torch 2.11's warning that a cycle's events are cleared
+    profiler = torch.profiler.profile(activities=activities, acc_events=True)
     profiler.start()
     return profiler
 

@@ -289,8 +289,10 @@ eval_model = model  # evaluation needs no gradient sync: the compiled model with
 if ddp and not sharded:  # buffers (rope's tables) are not broadcast in every forward: none changes
     model = perf.data_parallel(model, [local_rank] if device_type == 'cuda' else None)
 # the run folder: created only now that the config, data and checkpoint are known to be good
-log("measuring this machine's peak FLOP/s for MFU (once per machine and dtype: cached)")
-peak_flops, peak_how = perf.peak_flops(device, perf.DTYPES[dtype]) if master else (float('nan'), '')
+peak_flops, peak_how = float('nan'), ''
+if master:  # MFU's denominator: a known GPU's datasheet, else measured (seconds) once per machine
+    peak_flops, peak_how = perf.peak_flops(device, perf.DTYPES[dtype], announce=lambda: log(
+        "measuring this machine's peak FLOP/s for MFU (once per machine and dtype: cached)"))
 run_record = {'config': config, 'model_args': dataclasses.asdict(model_config), 'dataset': dataset_id,
               'pretrained': pretrained, 'dtype': dtype,
               'muon_dtype': muon_dtype}  # in every checkpoint, beside the state

@@ -483,3 +483,18 @@ def test_git_state_is_the_checkout_s_commit_and_whether_anything_changed(tmp_pat
     git('checkout', '-q', 'train.py')
     (tmp_path / 'model.py').write_text('')  # a file git does not track yet
     assert runlog.git_state(str(tmp_path)) == (git('rev-parse', 'HEAD'), True)
+
+
+def test_a_profiled_iteration_warns_of_nothing():
+    """torch 2.11 warns on a profiler's first start that each cycle's events are cleared: a line in
+    every profiled run's log that means nothing for the one cycle profiled. A fresh interpreter: the
+    warning is shown once per process."""
+    code = ("import torch, perf\n"
+            "profiler = perf.start_profiler('cpu')\n"
+            "with torch.profiler.record_function('forward'):\n"
+            "    torch.ones(64, 64) @ torch.ones(64, 64)\n"
+            "print(perf.stop_profiler(profiler, 'cpu', None)['forward'] > 0)\n")
+    result = subprocess.run([sys.executable, '-W', 'error::UserWarning', '-c', code],
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout) == (0, 'True\n'), result.stderr
