@@ -15,6 +15,7 @@ loop counter that a checkpoint's code did not have yet takes its default on resu
 defaults to the old behaviour.
 """
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -38,9 +39,19 @@ RESUMABLE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'max_iters', 'ev
              'cost_per_hour', 'test_eval', 'sample_tokens', 'write_report', 'eval_tasks',
              'eval_tasks_examples', 'learning_rate', 'muon_lr', 'decay_lr', 'lr_schedule', 'wsd_decay_frac',
              'warmup_iters', 'lr_decay_iters', 'min_lr', 'grad_clip'}
-# the loop's counters, saved and restored as they are
-PROGRESS = ('iter_num', 'best_val_loss', 'best_acc_norm', 'best_iter', 'evals_since_best', 'skipped_steps',
-            'consecutive_skips', 'train_seconds')
+
+
+@dataclasses.dataclass
+class Progress:
+    """The training loop's counters: saved in every checkpoint and restored whole on resume."""
+    iter_num: int = 0  # optimizer iterations done, float16's skipped ones included
+    best_val_loss: float = float('inf')
+    best_acc_norm: float = 0.0  # for best_by='acc_norm'
+    best_iter: int = 0  # where best.pt was written; 0: not yet
+    evals_since_best: int = 0  # for patience
+    skipped_steps: int = 0  # float16 overflows the scaler skipped
+    consecutive_skips: int = 0
+    train_seconds: float = 0.0  # wall time trained in all sessions, as of the last save
 
 
 class CheckpointError(Exception):
@@ -223,18 +234,18 @@ OTHER_PARTS = ('scheduler', 'scaler', 'sampler')
 def state(parts, rng, progress, run, shards=None):
     """The checkpoint: weights and optimizer state (in fsdp mode, the name of the shards folder that holds
     them), the schedule, the loss scale, the data position, every rank's RNG state (rng, in rank order), the
-    loop's counters (progress: PROGRESS) and what the run is (run: config, model_args, dataset, dtype,
-    ...)."""
+    loop's counters (progress: a Progress) and what the run is (run: config, model_args, dataset,
+    dtype, ...)."""
     weights = ({'shards': shards} if shards
                else {'model': parts['model'].state_dict(), 'optimizer': parts['optimizer'].state_dict()})
-    return {'format': FORMAT, **run, **progress, **weights,
+    return {'format': FORMAT, **run, **dataclasses.asdict(progress), **weights,
             **{name: parts[name].state_dict() for name in OTHER_PARTS}, 'rng': rng}
 
 
 def resume(ckpt, path, parts, rank, world_size, device):
-    """Apply a checkpoint to a run built from the same config; returns the loop's counters
-    (PROGRESS) it holds: one added after its code was written (best_acc_norm) keeps the caller's
-    start value. The LR schedule is this config's: each group's base rate comes from the config,
+    """Apply a checkpoint to a run built from the same config; returns the loop's counters (a
+    Progress) it holds: one added after its code was written (best_acc_norm) keeps its default.
+    The LR schedule is this config's: each group's base rate comes from the config,
     not the file, so a lowered learning_rate applies from here on. RNG states are restored only on
     the number of processes that wrote them."""
     optimizer, scheduler = parts['optimizer'], parts['scheduler']
@@ -247,7 +258,8 @@ def resume(ckpt, path, parts, rank, world_size, device):
         group['lr'] = base_lr * factor(scheduler.last_epoch)
     if len(ckpt['rng']) == world_size:
         set_rng_state(ckpt['rng'][rank], device)
-    return {k: ckpt[k] for k in PROGRESS if k in ckpt}
+    names = [field.name for field in dataclasses.fields(Progress)]
+    return Progress(**{name: ckpt[name] for name in names if name in ckpt})
 
 
 def load_weights(ckpt, path, model, optimizer=None):
@@ -284,7 +296,7 @@ def save(names, out_dir, parts, rng, progress, run, sharded, master):
         shards = None
         if sharded:
             import torch.distributed.checkpoint as dcp
-            shards = f"shards-{progress['iter_num']}"
+            shards = f"shards-{progress.iter_num}"
             dcp.save(sharded_state(parts['model'], parts['optimizer']),
                      checkpoint_id=os.path.join(out_dir, shards))
         if not master:

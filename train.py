@@ -14,6 +14,7 @@ val loss), last.pt (the latest state, for resuming), report.md and curves.png.
 """
 import dataclasses
 import gc
+import itertools
 import math
 import os
 import sys
@@ -273,15 +274,14 @@ parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scale
 
 # -----------------------------------------------------------------------------
 # resume (everything that decides the rest of the run comes from the checkpoint), the wrappers, the run folder
-progress = dict(zip(checkpoint.PROGRESS, (0, float('inf'), 0.0, 0, 0, 0, 0, 0.0)))
+progress = checkpoint.Progress()  # the loop's counters: a checkpoint saves and restores them whole
 if resuming:
-    progress |= checkpoint.resume(ckpt, ckpt_path, parts, rank, world_size, device)
-    check(progress['iter_num'] < max_iters or init_from == 'auto',
-          f"{ckpt_path} is at iteration {progress['iter_num']}: max_iters={max_iters} leaves nothing to do: "
-          f"raise max_iters (README, Resume, says what the learning rate does then)")
-(iter_num, best_val_loss, best_acc_norm, best_iter, evals_since_best, skipped_steps, consecutive_skips,
- seconds_before) = progress.values()
-start_iter = last_saved = iter_num
+    progress = checkpoint.resume(ckpt, ckpt_path, parts, rank, world_size, device)
+    check(progress.iter_num < max_iters or init_from == 'auto',
+          f"{ckpt_path} is at iteration {progress.iter_num}: max_iters={max_iters} leaves "
+          f"nothing to do: raise max_iters (README, Resume, says what the learning rate does then)")
+start_iter = last_saved = progress.iter_num
+seconds_before = progress.train_seconds
 raw_model = model  # the plain GPT whose state_dict is saved: no '_orig_mod.' or 'module.' prefixes
 if compile:
     model = torch.compile(model)
@@ -304,7 +304,7 @@ session = {  # what this session is, for meta.json (beside the code, software an
     'cpus': cpus,
     'backend': torch.distributed.get_backend() if ddp else None,
     'pretrained': pretrained, 'peak_flops': {'per_process': peak_flops, 'how': peak_how},
-    'resumed_from': f"{ckpt_path} at iteration {iter_num}" if resuming else None,
+    'resumed_from': f"{ckpt_path} at iteration {progress.iter_num}" if resuming else None,
     # a resume says what it changes: a key left out of the command can change the schedule
     'changed_on_resume': {k: [old, new, config_sources[k]] for k, (old, new)
                           in checkpoint.changed_settings(ckpt, config, defaults).items()
@@ -314,17 +314,18 @@ session = {  # what this session is, for meta.json (beside the code, software an
 runlog.start(out_dir, (ckpt_path, ckpt) if resuming else None, config, config_sources, session,
              raw_model.num_params())  # every rank: out_dir that cannot be written stops them all here
 # out of memory anywhere: one line that says what to change instead of a traceback (the exit code stays 1)
-sys.excepthook = lambda *exc: runlog.explain_out_of_memory(exc, iter_num + 1, batch_size, block_size, dtype,
-                                                           device)
+sys.excepthook = lambda *exc: runlog.explain_out_of_memory(exc, progress.iter_num + 1, batch_size,
+                                                           block_size, dtype, device)
 runlog.catch_stop_signals()  # Ctrl-C or SIGTERM: save last.pt after the step under way, then exit
 
 # -----------------------------------------------------------------------------
 # the training loop, in named parts: the step, logging, evaluation and saving, stopping
 batches = data.TrainBatches(splits['train'], train_sampler, num_workers, seed + rank, device_type == 'cuda')
-micro_batches = iter(lambda batch=next(batches): batch, None) if overfit_one_batch else batches
+micro_batches = itertools.repeat(next(batches)) if overfit_one_batch else batches
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
-speed = perf.Speedometer(iter_num, max_iters, accum_steps, tokens_per_iter, raw_model.flops_per_token(),
-                         peak_flops, world_size, device, perf.DTYPES[dtype])
+speed = perf.Speedometer(progress.iter_num, max_iters, accum_steps, tokens_per_iter,
+                         raw_model.flops_per_token(), peak_flops, world_size, device,
+                         perf.DTYPES[dtype])
 
 def train_step():
     """One optimizer step's gradients: zero_grad, then per micro-batch forward (autocast), loss / accum_steps
@@ -371,9 +372,10 @@ def agree_or_abort(loss_sum, grad_norm, starts, lr):
     synced = torch.stack([loss_sum / gradient_accumulation_steps, grad_norm.float(), stops, faults])
     loss, grad_norm, stops, faults = synced.tolist()
     if faults:
-        data_fault(iter_num + 1, next(m for m in gather(batches.fault) if m))
+        data_fault(progress.iter_num + 1, next(m for m in gather(batches.fault) if m))
     if not math.isfinite(loss) or not (math.isfinite(grad_norm) or scaler.is_enabled()):
-        abort(iter_num + 1, runlog.non_finite(iter_num + 1, loss, grad_norm, lr, starts))
+        step = progress.iter_num + 1
+        abort(step, runlog.non_finite(step, loss, grad_norm, lr, starts))
     return loss, grad_norm, stops
 
 def log_step(loss, grad_norm, lr, skipped, scale, profiler):
@@ -381,29 +383,33 @@ def log_step(loss, grad_norm, lr, skipped, scale, profiler):
     the start-up estimate, the memory each rank holds and the profiled iteration's phases."""
     if profiler:
         trace = os.path.join(out_dir, 'trace.json') if master else None
-        record({'kind': 'profile', 'step': iter_num, 'ms': perf.stop_profiler(profiler, device_type, trace)})
-    if iter_num == start_iter + 1:  # what each rank holds: every rank gets here
-        record({'kind': 'memory', 'step': iter_num,
+        record({'kind': 'profile', 'step': progress.iter_num,
+                'ms': perf.stop_profiler(profiler, device_type, trace)})
+    if progress.iter_num == start_iter + 1:  # what each rank holds: every rank gets here
+        record({'kind': 'memory', 'step': progress.iter_num,
                 'ranks': gather(perf.memory_held(raw_model, optimizer, device))})
-    estimate, left = speed.startup_estimate(), max_iters - iter_num  # seconds per iteration, once
+    estimate = speed.startup_estimate()  # seconds per iteration, once
+    left = max_iters - progress.iter_num
     if estimate is not None:
-        record({'kind': 'estimate', 'step': iter_num, 'seconds_per_iter': estimate})
+        record({'kind': 'estimate', 'step': progress.iter_num, 'seconds_per_iter': estimate})
         log(f"a micro-batch after the first took {estimate / accum_steps:.2f} s: about {estimate:.2f} s per "
             f"iteration, {runlog.duration(estimate * left)} for the {left} left")
-    if iter_num % log_interval and iter_num != max_iters:
+    if progress.iter_num % log_interval and progress.iter_num != max_iters:
         return
-    tokens_per_sec, mfu, eta, new_peak = speed.interval(iter_num)
+    tokens_per_sec, mfu, eta, new_peak = speed.interval(progress.iter_num)
     if new_peak:  # a step beat the peak measured at start: measured again, MFU is against it now
-        runlog.new_peak(iter_num, *new_peak)
+        runlog.new_peak(progress.iter_num, *new_peak)
     memory = perf.peak_memory_mb(device)
-    record({'kind': 'train', 'step': iter_num, 'time': time.time(), 'loss': loss, 'lr': lr,
+    record({'kind': 'train', 'step': progress.iter_num, 'time': time.time(), 'loss': loss, 'lr': lr,
             'grad_norm': grad_norm, 'tokens_per_sec': tokens_per_sec, 'mfu': mfu, 'peak_mem_mb': memory,
-            'eta_seconds': eta, 'skipped': skipped, 'skipped_total': skipped_steps, 'scale': scale,
+            'eta_seconds': eta, 'skipped': skipped, 'skipped_total': progress.skipped_steps,
+            'scale': scale,
             'epoch': train_sampler.epoch})
-    log(f"iter {iter_num}/{max_iters}: loss {loss:.4f}, lr {lr:.3e}, grad norm {grad_norm:.3f}, "
+    log(f"iter {progress.iter_num}/{max_iters}: loss {loss:.4f}, lr {lr:.3e}, "
+        f"grad norm {grad_norm:.3f}, "
         f"{tokens_per_sec:,.0f} tok/s, MFU {mfu:.1%}, mem {memory:,.0f} MB, "
         f"ETA {'?' if eta is None else runlog.duration(eta)}"
-        f"{', step skipped (float16 overflow)' * skipped}")
+        f"{', step skipped (float16 overflow)' if skipped else ''}")
 
 def split_loss(split):
     """The mean loss over a split's evaluation windows. A shard changed under the run ends the run
@@ -411,53 +417,57 @@ def split_loss(split):
     try:
         return evaluate.loss(eval_model, eval_loaders[split], device, autocast, f"eval {split}")
     except data.DataError as e:  # every rank raises it, having met in evaluate.loss's all-reduce
-        data_fault(iter_num, e)
+        data_fault(progress.iter_num, e)
 
 def evaluate_and_choose_saves():
     """Train and val loss, each task's accuracy, the best so far (by best_by), and which files to write:
     best.pt at a new best, last.pt at every evaluation (without always_save_checkpoint only with a new
     best.pt, so that init_from=auto resumes from there)."""
-    global best_val_loss, best_acc_norm, best_iter, evals_since_best
     train_loss, val_loss = split_loss('train'), split_loss('val')
     accuracy, acc_norm = evaluate.score_tasks(eval_model, tasks, batch_size, device, autocast, rank,
                                               world_size)
-    improved = val_loss < best_val_loss if best_by == 'val_loss' else acc_norm > best_acc_norm
+    if best_by == 'val_loss':
+        improved = val_loss < progress.best_val_loss
+    else:
+        improved = acc_norm > progress.best_acc_norm
     if improved:
-        best_val_loss, best_acc_norm, best_iter = val_loss, acc_norm, iter_num
-    evals_since_best = 0 if improved else evals_since_best + 1
-    record({'kind': 'eval', 'step': iter_num, 'train_loss': train_loss, 'val_loss': val_loss,
-            'best_val_loss': best_val_loss, 'val_bits_per_token': val_loss / math.log(2),
+        progress.best_val_loss, progress.best_acc_norm = val_loss, acc_norm
+        progress.best_iter = progress.iter_num
+    progress.evals_since_best = 0 if improved else progress.evals_since_best + 1
+    record({'kind': 'eval', 'step': progress.iter_num, 'train_loss': train_loss,
+            'val_loss': val_loss,
+            'best_val_loss': progress.best_val_loss, 'val_bits_per_token': val_loss / math.log(2),
             **evaluate.task_fields(accuracy)})
-    best = best_val_loss if best_by == 'val_loss' else best_acc_norm
-    log(f"eval {iter_num}: train {train_loss:.4f}, val {val_loss:.4f} (gap {val_loss - train_loss:+.4f})"
-        f"{evaluate.tasks_line(accuracy)}, best {best:.4f} at {best_iter}{' *saved best.pt' * improved}")
-    return ['best.pt'] * improved + ['last.pt'] * (always_save_checkpoint or improved)
+    best = progress.best_val_loss if best_by == 'val_loss' else progress.best_acc_norm
+    log(f"eval {progress.iter_num}: train {train_loss:.4f}, val {val_loss:.4f} "
+        f"(gap {val_loss - train_loss:+.4f}){evaluate.tasks_line(accuracy)}, best {best:.4f} at "
+        f"{progress.best_iter}{' *saved best.pt' if improved else ''}")
+    if improved:
+        return ['best.pt', 'last.pt']
+    return ['last.pt'] if always_save_checkpoint else []
 
 def save(names, rng):
     """Write names (best.pt before last.pt: a kill in between leaves last.pt older, never ahead of best.pt),
     then agree with the other ranks on how it went: a save that failed anywhere (a full disk) ends every rank
-    here, with every file on disk whole. Logs and counts the seconds it took."""
-    global last_saved, save_seconds
+    here, with every file on disk whole. Logs and returns the seconds it took."""
     assert rng is not None, "an iteration that saves gathers the RNG states: add its reason to the rng line"
     start = time.time()
-    progress = dict(zip(checkpoint.PROGRESS, (iter_num, best_val_loss, best_acc_norm, best_iter,
-                                              evals_since_best, skipped_steps, consecutive_skips,
-                                              seconds_before + time.time() - t_start)))
+    progress.train_seconds = seconds_before + time.time() - t_start
     run = run_record | {'log_bytes': runlog.log_bytes()}
     failed = checkpoint.save(names, out_dir, parts, rng, progress, run, sharded, master)
     if any_rank(failed, device):
-        abort(iter_num, checkpoint.save_failure(names, iter_num, failed, out_dir, last_saved))
-    last_saved = iter_num if 'last.pt' in names else last_saved
+        abort(progress.iter_num,
+              checkpoint.save_failure(names, progress.iter_num, failed, out_dir, last_saved))
     seconds = time.time() - start
-    save_seconds += seconds
     log(f"saved {' and '.join(names)} in {seconds:.2f} s")
+    return seconds
 
 perf.reset_peak_memory(device)  # the loop's peak, not the FLOP/s measurement's
 t_start, save_seconds, first_loss = time.time(), 0.0, None
-while iter_num < max_iters:
+while progress.iter_num < max_iters:
     # the step
     lr = optimizer.param_groups[0]['lr']  # AdamW's, learning_rate's schedule
-    profiler = perf.start_profiler(device_type) if iter_num + 1 == profile_iter else None
+    profiler = perf.start_profiler(device_type) if progress.iter_num + 1 == profile_iter else None
     loss_sum, grad_norm, starts = train_step()
     loss, grad_norm, stops = agree_or_abort(loss_sum, grad_norm, starts, lr)
     first_loss = loss if first_loss is None else first_loss  # for overfit_one_batch's last line
@@ -468,15 +478,17 @@ while iter_num < max_iters:
     scaler.update()  # lowers the scale after an overflow
     if not skipped:
         scheduler.step()  # the schedule counts optimizer steps that really happened
-    iter_num += 1
-    skipped_steps, consecutive_skips = skipped_steps + skipped, (consecutive_skips + 1) * skipped
-    if consecutive_skips >= max_consecutive_skips:  # the scaler cannot back off far enough: stop
-        abort(iter_num, runlog.overflowed(consecutive_skips, iter_num, scaler.get_scale()))
+    progress.iter_num += 1
+    progress.skipped_steps += 1 if skipped else 0
+    progress.consecutive_skips = progress.consecutive_skips + 1 if skipped else 0
+    if progress.consecutive_skips >= max_consecutive_skips:  # the scaler can't back off more: stop
+        abort(progress.iter_num, runlog.overflowed(progress.consecutive_skips, progress.iter_num,
+                                                   scaler.get_scale()))
 
-    evaluating = iter_num % eval_interval == 0 or iter_num == max_iters
-    interval = checkpoint_interval and iter_num % checkpoint_interval == 0
+    evaluating = progress.iter_num % eval_interval == 0 or progress.iter_num == max_iters
+    interval = checkpoint_interval and progress.iter_num % checkpoint_interval == 0
     opt_step = scheduler.last_epoch  # optimizer steps taken; stable_end: wsd's decay begins
-    stable_end = lr_schedule == 'wsd' and lr_factor(opt_step) < 1 == lr_factor(opt_step - 1)
+    stable_end = lr_schedule == 'wsd' and lr_factor(opt_step) < 1 and lr_factor(opt_step - 1) == 1
     # right after the step, where a resume restores them; a collective, so only where a save may follow
     rng = gather(checkpoint.rng_state(device)) if evaluating or interval or stops or stable_end else None
 
@@ -485,21 +497,25 @@ while iter_num < max_iters:
 
     # evaluation and saving
     saves = evaluate_and_choose_saves() if evaluating else []
-    stopping_early = evaluating and patience > 0 and evals_since_best >= patience
-    if (iter_num == max_iters or stops or stopping_early or interval) and 'last.pt' not in saves:
+    stopping_early = evaluating and patience > 0 and progress.evals_since_best >= patience
+    ending = progress.iter_num == max_iters or stops or stopping_early
+    if (ending or interval) and 'last.pt' not in saves:
         saves.append('last.pt')
     if stable_end:
         saves.append('stable.pt')  # the stable phase's end: resume_from it to cool down anew, later
     if saves:
-        save(saves, rng)
+        save_seconds += save(saves, rng)
+    if 'last.pt' in saves:
+        last_saved = progress.iter_num
     if evaluating or saves:
-        speed.restart(iter_num)  # evaluation and save time is not training throughput
+        speed.restart(progress.iter_num)  # evaluation and save time is not training throughput
 
     # stopping
     if stops:  # every rank saw the same count: all saved above and stop here
-        runlog.exit_on_signal(iter_num, world_size)
+        runlog.exit_on_signal(progress.iter_num, world_size)
     if stopping_early:
-        log(f"early stop: no better val loss in {patience} evaluations since iteration {best_iter}")
+        log(f"early stop: no better val loss in {patience} evaluations since iteration "
+            f"{progress.best_iter}")
         break
 
 # -----------------------------------------------------------------------------
@@ -508,11 +524,13 @@ session_seconds = time.time() - t_start
 if overfit_one_batch and first_loss is not None:  # None: a finished run resumed, no step taken
     log(f"overfit one batch: loss {first_loss:.4f} -> {loss:.4f}")
 best = os.path.join(out_dir, 'best.pt')
-if best_iter > 0 and (test_eval or sample_tokens):  # last.pt holds the trained weights: now load the best
+# last.pt holds the trained weights: now load the best
+if progress.best_iter > 0 and (test_eval or sample_tokens):
     checkpoint.load_weights(checkpoint.load(best), best, raw_model)
 test_loss = split_loss('test') if test_eval else None
-runlog.done({'kind': 'test', 'step': iter_num, 'best_iter': best_iter, 'best_val_loss': best_val_loss,
-             'test_loss': test_loss, 'wall_seconds': session_seconds, 'save_seconds': save_seconds,
+runlog.done({'kind': 'test', 'step': progress.iter_num, 'best_iter': progress.best_iter,
+             'best_val_loss': progress.best_val_loss, 'test_loss': test_loss,
+             'wall_seconds': session_seconds, 'save_seconds': save_seconds,
              'total_seconds': seconds_before + session_seconds}, start_iter)
 if sample_tokens and (master or sharded):  # a sharded model's forward needs every rank
     try:  # only now: GPT-2's tokenizer is a one-time download, which an offline GPU node may lack
