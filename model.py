@@ -196,35 +196,23 @@ OPTIMIZERS = ('adamw', 'muon')  # what GPT.configure_optimizers builds
 
 class Optimizers(torch.optim.Optimizer):
     """Several optimizers as one: train.py zero-grads, unscales, steps, schedules and saves it without
-    counting them. Its param_groups and state are the members' own, read through each time (a member's
-    load_state_dict replaces its group dicts, so a copy would go stale): a learning rate set here, by one LR
-    scheduler, is theirs, each group keeping its own base rate. Its state_dict is the list of theirs."""
+    counting them. Its param_groups are the members' own group dicts, so a learning rate set here, by
+    one LR scheduler, is theirs, each group keeping its own base rate; its state is theirs, merged.
+    Both are gathered again after a step (a member adds a parameter's state at its first step) and a
+    load (a member's load_state_dict replaces its group dicts). Its state_dict is the list of theirs."""
 
     def __init__(self, optimizers):
         self.optimizers = optimizers
-        # the hooks and settings torch.optim expects; no groups of its own
-        super().__init__([{'params': []}], {})
+        super().__init__([group for opt in optimizers for group in opt.param_groups], {})
 
-    @property
-    def param_groups(self):
-        return [group for opt in self.optimizers for group in opt.param_groups]
-
-    @param_groups.setter
-    def param_groups(self, groups):
-        # Optimizer.__init__ starts a list of its own: the members hold the groups
-        pass
-
-    @property
-    def state(self):  # a merged copy: a ChainMap of their defaultdicts would add a key to the first it asks
-        return {p: state for opt in self.optimizers for p, state in opt.state.items()}
-
-    @state.setter
-    def state(self, state):  # likewise
-        pass
+    def gather(self):
+        self.param_groups = [group for opt in self.optimizers for group in opt.param_groups]
+        self.state = {p: state for opt in self.optimizers for p, state in opt.state.items()}
 
     def step(self, closure=None):
         for opt in self.optimizers:
             opt.step()
+        self.gather()
 
     def state_dict(self):
         return [opt.state_dict() for opt in self.optimizers]
@@ -232,6 +220,7 @@ class Optimizers(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         for opt, state in zip(self.optimizers, state_dict, strict=True):
             opt.load_state_dict(state)
+        self.gather()
 
 
 def newton_schulz(G, dtype, coefficients, steps, eps):
