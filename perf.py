@@ -116,15 +116,21 @@ def init_process_group(device, backend):
     """Join torchrun's group on group_backend's backend, bound to device under nccl. torchrun keeps its store
     across --max-restarts, so each attempt's addresses get a prefix a restarted group cannot confuse with the
     dead one's. The timeout is 30 minutes (gloo's default): NCCL's 10 would end ranks waiting for rank 0's
-    save of a large model. At exit, on every path, a pause comes before the group is destroyed: gloo's threads
-    free a finished collective's tensors after the caller moved on, and a thread taking the GIL at interpreter
-    shutdown aborts the process."""
+    save of a large model. At exit, on every path, the group is destroyed (destroy_process_group)."""
     store, _, _ = next(dist.rendezvous('env://'))
     store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     backend, device_id = group_backend(device, backend)
     dist.init_process_group(backend=backend, store=store, rank=int(os.environ['RANK']), device_id=device_id,
                             world_size=int(os.environ['WORLD_SIZE']), timeout=datetime.timedelta(minutes=30))
-    atexit.register(lambda: time.sleep(0.1) or dist.destroy_process_group())
+    atexit.register(destroy_process_group)
+
+
+def destroy_process_group():
+    """At exit: a pause, then the group's end. gloo's threads free a finished collective's tensors
+    after the caller moved on, and such a thread taking the GIL at interpreter shutdown aborts the
+    process."""
+    time.sleep(0.1)
+    dist.destroy_process_group()
 
 
 def usable_cpus(cgroup_root='/sys/fs/cgroup', proc_cgroup='/proc/self/cgroup'):
@@ -326,16 +332,20 @@ def autocast(device_type, dtype):
     return nullcontext() if dtype == 'float32' else torch.autocast(device_type, DTYPES[dtype])
 
 
-def fastest(runs, rounds=3):
-    """{name: seconds of the fastest of rounds calls of runs[name]()}, the runs called in turns
-    (A B A B ...) so that other load hits each alike, after a round that warms up."""
+def fastest(runs, rounds=3, budget=0.0):
+    """{name: seconds of the fastest call of runs[name]()}, the runs called in turns (A B A B ...)
+    so that other load hits each alike, after a round that warms up: rounds rounds, and more while
+    the timed calls have taken less than budget seconds (short calls: more chances at a quiet one)."""
     best = dict.fromkeys(runs, float('inf'))
-    for round in range(rounds + 1):
+    round, spent = 0, 0.0
+    while round <= rounds or spent < budget:
         for name, run in runs.items():
             start = time.perf_counter()
             run()
             if round:
                 best[name] = min(best[name], time.perf_counter() - start)
+                spent += time.perf_counter() - start
+        round += 1
     return best
 
 
@@ -447,15 +457,21 @@ def float16_warning(device, model_config, batch_size):
     and float32."""
     if torch.device(device).type != 'cpu':
         return ''
-    n_embd, tokens = model_config.n_embd, batch_size * model_config.block_size
-    a16 = torch.full((tokens, n_embd), 0.5, dtype=torch.float16)
-    b16 = torch.full((n_embd, 4 * n_embd), 0.25, dtype=torch.float16)
-    slow, fast = best_seconds(a16, b16, 0.05), best_seconds(a16.float(), b16.float(), 0.05)
+    slow, fast = float16_float32_seconds(batch_size * model_config.block_size, model_config.n_embd)
     if slow < 1.5 * fast:
         return ''
     return (f"warning: dtype=float16 on this CPU is emulated: an MLP matmul of this model took "
             f"{slow * 1e3:.1f} ms in float16 against {fast * 1e3:.1f} ms in float32 ({slow / fast:.0f}x "
             f"slower): use dtype=bfloat16 or float32")
+
+
+def float16_float32_seconds(tokens, n_embd):
+    """The fastest seconds of the MLP's (tokens, C) x (C, 4C) product in float16 and in float32,
+    timed in turns: other work on the machine slows both alike."""
+    a, b = torch.full((tokens, n_embd), 0.5), torch.full((n_embd, 4 * n_embd), 0.25)
+    a16, b16 = a.half(), b.half()
+    best = fastest({'float16': lambda: a16 @ b16, 'float32': lambda: a @ b}, rounds=1, budget=0.1)
+    return best['float16'], best['float32']
 
 
 # -----------------------------------------------------------------------------
@@ -613,8 +629,9 @@ PHASES = ('data', 'forward', 'backward', 'optimizer')  # train.py's record_funct
 
 
 def start_profiler(device_type):
-    activities = ([torch.profiler.ProfilerActivity.CPU]
-                  + [torch.profiler.ProfilerActivity.CUDA] * (device_type == 'cuda'))
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device_type == 'cuda':
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
     # one cycle: acc_events changes nothing but torch 2.11's warning that a cycle's events are cleared
     profiler = torch.profiler.profile(activities=activities, acc_events=True)
     profiler.start()

@@ -274,7 +274,8 @@ def non_finite(step, loss, grad_norm, lr, starts):
     (start positions in the train split) that produced them."""
     what = 'loss' if not math.isfinite(loss) else 'gradient norm'
     return (f"non-finite {what} at iteration {step}: loss {loss}, lr {lr:.3e}, grad norm {grad_norm}, batch "
-            f"windows (start positions in the train split) {starts[:16]}{' ...' * (len(starts) > 16)}; the "
+            f"windows (start positions in the train split) {starts[:16]}"
+            f"{' ...' if len(starts) > 16 else ''}; the "
             f"last checkpoints are untouched: lower learning_rate or raise warmup_iters, then resume")
 
 

@@ -67,8 +67,8 @@ def load_model(path, device):
         # checkpoints saved from a torch.compile or DDP wrapper elsewhere carry these prefixes
         model.load_state_dict({re.sub(r'^((_orig_mod|module)\.)+', '', k): v
                                for k, v in saved['model'].items()})
-        # every use needs the dataset's tokenizer: missing, the file is not ours
-        saved['dataset']['tokenizer']['kind']
+        if 'kind' not in saved['dataset']['tokenizer']:  # every use needs the dataset's tokenizer
+            raise KeyError('tokenizer')
     except (KeyError, TypeError, ValueError, RuntimeError) as e:  # ValueError: GPTConfig's checks
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise checkpoint.CheckpointError(f"{path} is not a train.py checkpoint ({first_line}): "

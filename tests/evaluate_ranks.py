@@ -7,7 +7,6 @@ collective of all ranks. Rank 0 prints score()'s result as JSON."""
 import json
 import os
 import sys
-import time
 from contextlib import nullcontext
 
 import torch
@@ -15,6 +14,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, for evaluate
 import evaluate  # noqa: E402
+import perf  # noqa: E402
 
 folder, tokenizer, task, batch_size, rank, world_size, store, parallel = sys.argv[1:]
 batch_size, rank, world_size = int(batch_size), int(rank), int(world_size)
@@ -26,5 +26,4 @@ examples = evaluate.read_task(task, encode, model.config.block_size)
 result = evaluate.score(model, examples, batch_size, 'cpu', nullcontext(), rank, world_size)
 if rank == 0:
     print(json.dumps(result))
-time.sleep(0.1)  # gloo frees the last collective's tensors late: train.py's shut_down_process_group says why
-dist.destroy_process_group()
+perf.destroy_process_group()  # after a pause: gloo frees the last collective's tensors late

@@ -94,20 +94,18 @@ def test_auto_dtype_is_measured_on_cpu_and_can_be_forced(tmp_path, data_dir):
 
 def test_float16_on_cpu_warns_with_the_measured_slowdown(tmp_path, data_dir, monkeypatch):
     config = GPTConfig(n_layer=2, n_head=2, n_embd=128, block_size=32, vocab_size=64)
-    monkeypatch.setattr(perf, 'best_seconds',
-                        lambda a, b, budget: 0.012 if a.dtype == torch.float16 else 1e-3)
+    monkeypatch.setattr(perf, 'float16_float32_seconds', lambda tokens, n_embd: (0.012, 1e-3))
     emulated = perf.float16_warning('cpu', config, 8)
     assert 'emulated' in emulated and '(12x slower)' in emulated
     assert 'use dtype=bfloat16' in emulated
     assert perf.float16_warning('cuda:0', config, 8) == ''
     # float16 as fast as float32: AVX512-FP16 (Sapphire Rapids) runs it natively
-    monkeypatch.setattr(perf, 'best_seconds', lambda a, b, budget: 1e-3)
+    monkeypatch.setattr(perf, 'float16_float32_seconds', lambda tokens, n_embd: (1e-3, 1e-3))
     assert perf.float16_warning('cpu', config, 8) == ''
     monkeypatch.undo()
     # train.py says it, once, where float16 is clearly emulated, and not where it is clearly native
-    a16 = torch.full((256, 128), 0.5, dtype=torch.float16)
-    b16 = torch.full((128, 512), 0.25, dtype=torch.float16)
-    slowdown = perf.best_seconds(a16, b16, 0.05) / perf.best_seconds(a16.float(), b16.float(), 0.05)
+    float16, float32 = perf.float16_float32_seconds(8 * 32, 128)  # the run's micro-batch and width
+    slowdown = float16 / float32
     result = run_train(str(tmp_path / 'fp16'), data_dir, '--dtype=float16', '--device=cpu', '--n_embd=128',
                        '--max_iters=1', '--eval_interval=1')
     warning = [line for line in result.stderr.splitlines()
