@@ -173,7 +173,12 @@ def cpu_use(seconds=0.2, stat='/proc/stat'):
     cpus = {'usable': usable_cpus(), 'busy': None}
     if torch.get_num_threads() == 1:
         return cpus
+    return cpus | {'busy': cpus_busy(seconds, stat)}
 
+
+def cpus_busy(seconds=0.2, stat='/proc/stat'):
+    """How many of this process's CPUs were busy over the next seconds, while it sleeps (stat's
+    busy time), or None where there is no /proc/stat."""
     def times():  # {cpu: (all time, idle time)} in clock ticks
         with open(stat) as f:
             rows = [line.split() for line in f if line[:3] == 'cpu' and line[3].isdigit()]
@@ -183,10 +188,10 @@ def cpu_use(seconds=0.2, stat='/proc/stat'):
         time.sleep(seconds)
         after = times()
     except (OSError, ValueError, IndexError):
-        return cpus
+        return None
     busy = [1 - (after[c][1] - before[c][1]) / (after[c][0] - before[c][0])
             for c in os.sched_getaffinity(0) if after[c][0] > before[c][0]]
-    return cpus | {'busy': round(sum(busy), 2)}
+    return round(sum(busy), 2)
 
 
 def busy_warning(threads, cpus):
@@ -567,12 +572,17 @@ def memory_held(model, optimizer, device):
 # -----------------------------------------------------------------------------
 # training speed, and the time left
 
+IDLE_INTERVALS = 3  # log intervals in a row below IDLE_BUSY that make a run say why, once
+IDLE_BUSY = 0.5
+
+
 class Speedometer:
-    """Tokens/s and MFU over each log interval, and the time left: before the second interval, the start-up
-    estimate from the second micro-batch (the first holds one-time work: compilation); then the mean time per
-    iteration over the last 10 intervals (the session's first, with its one-time work, left out).
-    MFU never passes 100%: an interval faster than the peak has it measured again on a CPU, once a
-    run (peak_flops: seconds), and raised to the interval's FLOP/s where that is still above it."""
+    """Tokens/s, MFU and how busy the device was over each log interval, and the time left:
+    before the second interval, the start-up estimate from the second micro-batch (the first holds
+    one-time work: compilation); then the mean time per iteration over the last 10 intervals (the
+    session's first, with its one-time work, left out). MFU never passes 100%: an interval faster
+    than the peak has it measured again on a CPU, once a run (peak_flops: seconds), and raised to
+    the interval's FLOP/s where that is still above it."""
 
     def __init__(self, iter_num, max_iters, accum_steps, tokens_per_iter, flops_per_token,
                  peak_flops, processes, device, dtype):
@@ -586,11 +596,13 @@ class Speedometer:
         self.clock = []  # the synced end times of the session's first two micro-batches (train.py's step)
         self.estimate = None  # seconds per iteration, once the clock has two times
         self.recent = collections.deque(maxlen=10)  # (seconds, iterations) of the last intervals
+        self.threads = torch.get_num_threads()
+        self.idle_intervals = 0  # in a row, below IDLE_BUSY; None once said
         self.restart(iter_num)
 
     def restart(self, iter_num):
         """The next interval starts now: evaluation and save time is not training throughput."""
-        self.since, self.since_iter = time.time(), iter_num
+        self.since, self.since_iter, self.cpu_since = time.time(), iter_num, time.process_time()
 
     def startup_estimate(self):
         """Seconds per iteration from the second micro-batch, once it has run; None before and after."""
@@ -599,10 +611,45 @@ class Speedometer:
         self.estimate = (self.clock[1] - self.clock[0]) * self.accum_steps
         return self.estimate
 
+    def utilization(self, elapsed):
+        """The device's busy share over the interval, or None. A GPU's: NVML's share of its last
+        sample period (1/6 to 1 s) in which a kernel ran (torch.cuda.utilization), None without
+        nvidia-ml-py. A CPU's: this process's CPU time over the wall time of torch's threads (its
+        other threads, the loader's pinning one, can take it past 1)."""
+        if torch.device(self.device).type != 'cuda':
+            return (time.process_time() - self.cpu_since) / (elapsed * self.threads)
+        try:
+            return torch.cuda.utilization(self.device) / 100
+        except Exception:  # ModuleNotFoundError without nvidia-ml-py; NVMLError without NVML
+            return None
+
+    def idle_warning(self, busy):
+        """The line a run says once when its device stays idle (IDLE_INTERVALS intervals in a row
+        below IDLE_BUSY, the session's first left out), with the likely cause; else ''."""
+        if self.idle_intervals is None or self.since_iter == self.first_iter:
+            return ''
+        idle = busy is not None and busy < IDLE_BUSY
+        self.idle_intervals = self.idle_intervals + 1 if idle else 0
+        if self.idle_intervals < IDLE_INTERVALS:
+            return ''
+        self.idle_intervals = None
+        if torch.device(self.device).type == 'cuda':
+            return (f"warning: the GPU was busy {busy:.0%} of the time for {IDLE_INTERVALS} log "
+                    f"intervals: it waits for the host, for the data loader (raise num_workers), "
+                    f"for other work on the CPUs, or on micro-batches too small (raise batch_size)")
+        other = cpus_busy()  # while this process sleeps: other work, and its loader workers
+        cause = (f"other work keeps {other:.1f} CPUs busy" if other is not None and other >= 0.5
+                 else "its threads wait, for the data loader (raise num_workers) or the disk")
+        return (f"warning: torch's {self.threads} thread(s) were busy {busy:.0%} of the time for "
+                f"{IDLE_INTERVALS} log intervals: {cause}")
+
     def interval(self, iter_num):
-        """(tokens/s, MFU, seconds left or None, the new peak (FLOP/s, how) or None) of the interval
-        ending at iter_num; the next starts now."""
+        """The interval ending at iter_num: tokens_per_sec, mfu, eta_seconds (None before an
+        estimate), utilization (None where unknown), new_peak ((FLOP/s, how) or None) and
+        idle_warning ('' or, once, a line); the next interval starts now."""
         elapsed, iters = time.time() - self.since, iter_num - self.since_iter
+        utilization = self.utilization(elapsed)
+        idle_warning = self.idle_warning(utilization)
         if self.since_iter > self.first_iter:
             self.recent.append((elapsed, iters))
         per_iter = sum(s for s, _ in self.recent) / sum(n for _, n in self.recent) if self.recent \
@@ -618,8 +665,9 @@ class Speedometer:
                 new_peak = achieved, f"a training step's, at iteration {iter_num}"
             self.peak_flops = new_peak[0]
         self.restart(iter_num)
-        return (tokens_per_sec, achieved / self.peak_flops,
-                None if per_iter is None else (self.max_iters - iter_num) * per_iter, new_peak)
+        return {'tokens_per_sec': tokens_per_sec, 'mfu': achieved / self.peak_flops,
+                'eta_seconds': None if per_iter is None else (self.max_iters - iter_num) * per_iter,
+                'utilization': utilization, 'new_peak': new_peak, 'idle_warning': idle_warning}
 
 
 # -----------------------------------------------------------------------------

@@ -210,6 +210,12 @@ def throughput_lines(records, train, config, meta):
     mfus = [r['mfu'] for r in train if r.get('mfu') is not None]
     if mfus:
         lines.append(f"- median MFU {statistics.median(mfus):.1%}")
+    busy = [r['utilization'] for r in train if r.get('utilization') is not None]
+    if busy:  # perf.Speedometer.utilization says what it is on each device
+        what = ("the GPU's busy share (NVML) at each log line on rank 0"
+                if config['resolved']['device'].startswith('cuda') else
+                "rank 0's CPU time over the wall time of torch's threads, per log interval")
+        lines.append(f"- mean utilization {statistics.mean(busy):.0%}: {what}")
     mems = [r['peak_mem_mb'] for r in train if r.get('peak_mem_mb') is not None]
     if mems:
         what = ("the CUDA allocator's peak on rank 0" if config['resolved']['device'].startswith('cuda') else

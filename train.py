@@ -396,20 +396,23 @@ def log_step(loss, grad_norm, lr, skipped, scale, profiler):
             f"iteration, {runlog.duration(estimate * left)} for the {left} left")
     if progress.iter_num % log_interval and progress.iter_num != max_iters:
         return
-    tokens_per_sec, mfu, eta, new_peak = speed.interval(progress.iter_num)
-    if new_peak:  # a step beat the peak measured at start: measured again, MFU is against it now
-        runlog.new_peak(progress.iter_num, *new_peak)
+    interval = speed.interval(progress.iter_num)
+    if interval['new_peak']:  # a step beat the peak measured at start: MFU is against it now
+        runlog.new_peak(progress.iter_num, *interval['new_peak'])
     memory = perf.peak_memory_mb(device)
     record({'kind': 'train', 'step': progress.iter_num, 'time': time.time(), 'loss': loss, 'lr': lr,
-            'grad_norm': grad_norm, 'tokens_per_sec': tokens_per_sec, 'mfu': mfu, 'peak_mem_mb': memory,
-            'eta_seconds': eta, 'skipped': skipped, 'skipped_total': progress.skipped_steps,
-            'scale': scale,
-            'epoch': train_sampler.epoch})
+            'grad_norm': grad_norm, 'tokens_per_sec': interval['tokens_per_sec'],
+            'mfu': interval['mfu'], 'utilization': interval['utilization'], 'peak_mem_mb': memory,
+            'eta_seconds': interval['eta_seconds'], 'skipped': skipped,
+            'skipped_total': progress.skipped_steps, 'scale': scale, 'epoch': train_sampler.epoch})
+    utilization, eta = interval['utilization'], interval['eta_seconds']
     log(f"iter {progress.iter_num}/{max_iters}: loss {loss:.4f}, lr {lr:.3e}, "
-        f"grad norm {grad_norm:.3f}, "
-        f"{tokens_per_sec:,.0f} tok/s, MFU {mfu:.1%}, mem {memory:,.0f} MB, "
-        f"ETA {'?' if eta is None else runlog.duration(eta)}"
+        f"grad norm {grad_norm:.3f}, {interval['tokens_per_sec']:,.0f} tok/s, "
+        f"MFU {interval['mfu']:.1%}, {'' if utilization is None else f'util {utilization:.0%}, '}"
+        f"mem {memory:,.0f} MB, ETA {'?' if eta is None else runlog.duration(eta)}"
         f"{', step skipped (float16 overflow)' if skipped else ''}")
+    if interval['idle_warning']:
+        log(interval['idle_warning'], sys.stderr)
 
 def split_loss(split):
     """The mean loss over a split's evaluation windows. A shard changed under the run ends the run

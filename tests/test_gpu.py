@@ -2,6 +2,8 @@
 small function tested with the values a GPU host would give it (device counts, compute capabilities, device
 names), and torch's own checks are called where they run without CUDA."""
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -83,6 +85,24 @@ def test_rng_state_holds_and_restores_only_this_process_s_gpu(monkeypatch):
 ])
 def test_auto_dtype_on_a_gpu_follows_its_compute_capability(gpu, capability, dtype):
     assert perf.cuda_autocast_dtype(capability) == dtype
+
+
+def test_a_gpu_s_utilization_is_nvml_s_and_its_idle_line_names_the_host(monkeypatch):
+    speed = perf.Speedometer(0, 100, 1, 1000, 1e3, 1e15, 1, 'cuda:0', torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, 'utilization', lambda device: 37)
+    monkeypatch.setattr(time, 'time', lambda: speed.since + 1.0)  # each interval 1 s
+    for step in range(1, 5):  # the first interval is left out; the next three idle
+        interval = speed.interval(step)
+        assert interval['utilization'] == 0.37
+        assert bool(interval['idle_warning']) == (step == 4), interval['idle_warning']
+    assert interval['idle_warning'].startswith(
+        "warning: the GPU was busy 37% of the time for 3 log intervals: it waits for the host")
+    assert not speed.interval(5)['idle_warning']  # once a run
+
+    def no_nvml(device):
+        raise ModuleNotFoundError("nvidia-ml-py does not seem to be installed")
+    monkeypatch.setattr(torch.cuda, 'utilization', no_nvml)
+    assert speed.interval(6)['utilization'] is None  # not shown, not a failure
 
 
 def test_peak_table_matches_the_exact_gpu_name_and_records_the_entry(monkeypatch):

@@ -109,7 +109,7 @@ def train_record(step, time):
     return {'kind': 'train', 'step': step, 'loss': 2.0, 'lr': 1e-3,
             'grad_norm': {12: float('inf'), 25: 50.0}.get(step, 1.0),
             'tokens_per_sec': 1000.0, 'skipped': step == 12, 'skipped_total': int(step >= 12), 'time': time,
-            'mfu': 0.25, 'peak_mem_mb': 123.0}
+            'mfu': 0.25, 'utilization': 0.5 + 0.2 * (step % 2), 'peak_mem_mb': 123.0}
 
 
 def test_diagnoses_from_made_up_metrics(tmp_path):
@@ -141,7 +141,8 @@ def test_diagnoses_from_made_up_metrics(tmp_path):
     text = read_report(out)
     assert 'Status: **early-stopped**: at iteration 40 of 100' in text
     assert 'overfitting from iteration 20' in text and 'leakage' not in text
-    assert ('median MFU 25.0%' in text
+    assert ('median MFU 25.0%' in text and "mean utilization 60%: rank 0's CPU time over the wall "
+            "time of torch's threads" in text
             and "peak memory 123 MB by the last training log line: rank 0's peak resident set" in text)
     assert 'test loss sits well below val loss: with a single text, test is its first 5%' in text
     assert '(40 s), 0.02 compute hours (2 process(es))' in text and 'estimated cost 0.08' in text

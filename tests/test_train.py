@@ -33,6 +33,10 @@ def test_run_learns_and_records_everything(tmp_path, data_dir, device):
         assert ({'loss', 'lr', 'grad_norm', 'tokens_per_sec'} <= s.keys() and math.isfinite(s['loss'])
                 and s['tokens_per_sec'] > 0)
     assert steps[0]['lr'] < steps[5]['lr'] and steps[-1]['lr'] < steps[20]['lr']  # warmup, then decay
+    # how busy the device was; a GPU's from NVML, where nvidia-ml-py is (the GPU image has it)
+    if device == 'cpu' or importlib.util.find_spec('pynvml'):
+        busy = [s['utilization'] for s in steps]
+        assert min(busy) >= 0 and max(busy) > 0
     test = read_metrics(out, 'test')[0]
     assert (test['best_iter'] == min(evals, key=lambda e: e['val_loss'])['step']
             and math.isfinite(test['test_loss']))
@@ -238,10 +242,11 @@ def test_start_up_says_what_it_does_and_how_long_the_run_will_take(short_run):
 def test_live_log_line(short_run):
     out, result = short_run
     line = next(l for l in result.stdout.splitlines() if l.startswith('iter 5/30'))
-    for part in ('loss', 'lr', 'grad norm', 'tok/s', 'MFU', 'mem', 'MB', 'ETA'):
+    for part in ('loss', 'lr', 'grad norm', 'tok/s', 'MFU', 'util', 'mem', 'MB', 'ETA'):
         assert part in line, line
     record = read_metrics(out, 'train')[4]
-    assert 0 < record['mfu'] < 1 and record['peak_mem_mb'] > 0
+    assert 0 < record['mfu'] < 1 and record['peak_mem_mb'] > 0 and record['utilization'] > 0
+    assert f"util {record['utilization']:.0%}," in line
 
 
 @pytest.mark.slow
@@ -272,6 +277,25 @@ def test_one_time_work_in_the_first_micro_batch_is_left_out_of_estimate_and_eta(
     assert read_metrics(out, 'estimate')[0]['seconds_per_iter'] < 1
     # 3 s x 5 iterations left, were it in
     assert all(r['eta_seconds'] < 5 for r in read_metrics(out, 'train')[1:])
+
+
+@pytest.mark.slow
+def test_a_device_left_idle_is_said_once_with_the_likely_cause(tmp_path, data_dir):
+    """Each train record carries how busy the device was over its interval; on a CPU, the process's
+    CPU time over the wall time of torch's threads. A run whose device stays idle (here a 0.2 s wait
+    in each of iterations 3 to 8, as a slow loader would make, tests/probe.py) says so once, with
+    the likely cause."""
+    out = str(tmp_path / 'idle')
+    result = forked.run(PROBE, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out}',
+                        '--max_iters=8', '--eval_interval=8',
+                        env={**os.environ, 'PROBE_SLEEP': '3-8:0.2'})
+    assert result.returncode == 0, result.stderr
+    assert all(r['utilization'] < 0.5 for r in read_metrics(out, 'train')[2:])  # steps take ms
+    said = [line for line in result.stderr.splitlines() if 'time for 3 log intervals' in line]
+    assert len(said) == 1 and re.fullmatch(
+        r"warning: torch's 1 thread\(s\) were busy \d+% of the time for 3 log intervals: "
+        r"(other work keeps [\d.]+ CPUs busy|its threads wait, for the data loader \(raise "
+        r"num_workers\) or the disk)", said[0]), result.stderr
 
 
 @pytest.mark.slow

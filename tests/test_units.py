@@ -439,13 +439,15 @@ def test_a_step_faster_than_the_peak_has_it_measured_again_once_a_run_then_raise
         measured.clear()
         speed = perf.Speedometer(0, 10, 1, 1000, 1e3, 1e3, 1, device, torch.float32)
         speed.since -= 1.0  # 1,000 tokens of 1e3 FLOPs in a second: 1e6 FLOP/s, past the 1e3 peak
-        _, mfu, _, new_peak = speed.interval(1)
+        interval = speed.interval(1)
+        mfu, new_peak = interval['mfu'], interval['new_peak']
         if device == 'cpu':
             assert measured and new_peak == (2 * measured[0], 'measured again') and mfu == 0.5
         else:
             assert not measured and new_peak[1] == "a training step's, at iteration 1" and mfu == 1
         speed.since -= 0.01  # 100x faster: past the new peak too
-        _, mfu, _, new_peak = speed.interval(2)
+        interval = speed.interval(2)
+        mfu, new_peak = interval['mfu'], interval['new_peak']
         assert len(measured) == (device == 'cpu') and mfu == 1
         assert new_peak[1] == "a training step's, at iteration 2"
 
