@@ -365,7 +365,7 @@ class GPT(nn.Module):
         fully_shard(self, mesh=mesh, mp_policy=precision)
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, optimizer='adamw', muon_lr=0.02,
-                             muon_momentum=0.95, muon_dtype='bfloat16'):
+                             muon_momentum=0.95, muon_dtype='bfloat16', layer_lr_decay=1.0):
         """The optimizer train.py steps, schedules and saves. 'adamw': AdamW for every parameter. It decays
         the Linear matrices only: no biases, LayerNorm gains or embeddings (the token embedding may be the
         tied head: decaying it shrinks rare tokens' rows); fused: one kernel for all parameters, on CUDA and
@@ -375,20 +375,37 @@ class GPT(nn.Module):
         learning_rate for the rest. c_attn's fused (3C, C) matrix is orthogonalized as one, q, k and
         v together (modded-nanogpt splits them), and torch's Muon scales each matrix's rate by
         sqrt(max(1, rows / cols)): sqrt(3) x muon_lr for c_attn, 2x for c_fc, 1x for the
-        projections. Another optimizer goes here: build it, add it to the list, add its keys to
-        train.py."""
+        projections. layer_lr_decay < 1 gives each depth its own groups, at lr_scale's multiple of
+        both rates; the groups at 1x come first (train.py logs group 0's rate). Another optimizer
+        goes here: build it, add it to the list, add its keys to train.py."""
         def decays(name, p):
             return p.dim() >= 2 and not name.startswith(('wte.', 'wpe.'))
         muon = self.muon_params() if optimizer == 'muon' else []
         muon_names = {n for n, _ in muon}
         adamw = [(n, p) for n, p in self.named_parameters() if n not in muon_names]
-        groups = [{'params': [p for n, p in adamw if decays(n, p)], 'weight_decay': weight_decay},
-                  {'params': [p for n, p in adamw if not decays(n, p)], 'weight_decay': 0.0}]
+        scale = {n: self.lr_scale(n, layer_lr_decay) for n, _ in self.named_parameters()}
+        scales = sorted(set(scale.values()) | {1.0}, reverse=True)  # one, two per depth if decayed
+        groups = [{'params': [p for n, p in adamw if decays(n, p) == decayed and scale[n] == s],
+                   'weight_decay': weight_decay if decayed else 0.0, 'lr': learning_rate * s}
+                  for s in scales for decayed in (True, False)]
         optimizers = [torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)]
         if optimizer == 'muon':
-            optimizers.append(Muon([p for _, p in muon], getattr(torch, muon_dtype), lr=muon_lr,
+            groups = [{'params': [p for n, p in muon if scale[n] == s], 'lr': muon_lr * s}
+                      for s in scales if any(scale[n] == s for n, _ in muon)]
+            optimizers.append(Muon(groups, getattr(torch, muon_dtype), lr=muon_lr,
                                    weight_decay=weight_decay, momentum=muon_momentum))
         return Optimizers(optimizers)
+
+    def lr_scale(self, name, layer_lr_decay):
+        """A parameter's multiple of its optimizer's rate under layer-wise decay, for fine-tuning:
+        the layers nearest the output adapt most. Block i's: decay^(n_layer - i); the embeddings'
+        (a tied head's too: it is the token embedding): decay^(n_layer + 1); the final norm's and an
+        untied head's: 1."""
+        if name.startswith('blocks.'):
+            return layer_lr_decay ** (self.config.n_layer - int(name.split('.')[1]))
+        if name.startswith(('wte.', 'wpe.')):
+            return layer_lr_decay ** (self.config.n_layer + 1)
+        return 1.0
 
     def muon_params(self):
         """[(name, parameter)] of the blocks' 2-D matrices: Muon's, under optimizer='muon'."""

@@ -89,6 +89,7 @@ learning_rate = 6e-4  # AdamW's
 muon_lr = 0.02  # Muon's base learning rate; the schedule scales it by the same factor as learning_rate
 muon_momentum = 0.95
 muon_dtype = 'auto'  # its Newton-Schulz's: 'auto', 'float32' or 'bfloat16' (perf.auto_muon_dtype)
+layer_lr_decay = 1.0  # < 1, for fine-tuning: block i's rates x decay^(n_layer - i) (GPT.lr_scale)
 max_iters = 600000  # iterations: optimizer steps attempted, of gradient_accumulation_steps micro-batches each
 weight_decay = 1e-1
 beta1 = 0.9
@@ -142,6 +143,7 @@ check(best_by == 'val_loss' or eval_tasks, "best_by='acc_norm' needs eval_tasks:
 check(not decay_lr or lr_decay_iters > warmup_iters,
       f"lr_decay_iters={lr_decay_iters} must exceed warmup_iters={warmup_iters}")
 check(0 < wsd_decay_frac <= 1, f"wsd_decay_frac={wsd_decay_frac} must be in (0, 1]")
+check(0 < layer_lr_decay <= 1, f"layer_lr_decay={layer_lr_decay} must be in (0, 1]: 1 is off")
 check(all(0 <= b < 1 for b in (beta1, beta2, muon_momentum)),
       f"beta1={beta1}, beta2={beta2} and muon_momentum={muon_momentum} must each be in [0, 1)")
 check(gradient_accumulation_steps % world_size == 0,
@@ -247,7 +249,7 @@ if optimizer == 'muon':  # 'auto': the resumed run's choice, or rank 0's (measur
         muon_dtype, lambda: perf.auto_muon_dtype(device, [p.shape for _, p in model.muon_params()]),
         (ckpt_path, ckpt['muon_dtype']) if resuming else None)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), config['optimizer'],
-                                       muon_lr, muon_momentum, muon_dtype)
+                                       muon_lr, muon_momentum, muon_dtype, layer_lr_decay)
 min_lr_factor = min_lr / learning_rate if learning_rate > 0 else 0.0
 decay_start = lr_decay_iters - wsd_decay_frac * (lr_decay_iters - warmup_iters)  # wsd's
 

@@ -23,3 +23,5 @@ max_iters = 20
 # finetune at constant LR
 learning_rate = 3e-5
 decay_lr = False
+# the last of gpt2-xl's 48 blocks at 0.95x that rate, the first at 0.09x, the embeddings at 0.08x
+layer_lr_decay = 0.95

@@ -110,6 +110,53 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest_each_at_its_rate():
     assert [g['lr'] for opt in (adamw, muon) for g in opt.param_groups] == [0.5e-3, 0.5e-3, 0.015]
 
 
+@pytest.mark.parametrize('optimizer', ['adamw', 'muon'])
+def test_layer_lr_decay_gives_each_depth_its_rate(optimizer):
+    """Block i at decay^(n_layer - i), the embeddings (a tied head too) at decay^(n_layer + 1), the
+    final norm at 1, for AdamW's rate and Muon's; weight decay as without it; off, the groups are
+    the ones older checkpoints hold."""
+    model = tiny_gpt()  # 2 blocks, tied head
+    n_layer, decay, rates = 2, 0.5, {'adamw': 1e-3, 'muon': 0.03}
+    expected = {n: decay ** (n_layer - int(n.split('.')[1]))
+                for n, _ in model.named_parameters() if n.startswith('blocks.')}
+    expected |= {'wte.weight': decay ** 3, 'wpe.weight': decay ** 3, 'ln_f.weight': 1.0,
+                 'ln_f.bias': 1.0}
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = {}  # {name: (optimizer, rate, weight decay)}
+    for off, layer_lr_decay in ((True, 1.0), (False, decay)):
+        members = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), optimizer, 0.03, 0.9,
+                                             'float32', layer_lr_decay).optimizers
+        kinds = ['adamw', 'muon'][:len(members)]
+        found = {names[id(p)]: (kind, g['lr'], g['weight_decay'])
+                 for kind, member in zip(kinds, members) for g in member.param_groups
+                 for p in g['params']}
+        assert sorted(found) == sorted(names.values())  # every parameter, once
+        if off:
+            groups = found
+            assert [len(m.param_groups) for m in members] == [2, 1][:len(members)]
+            continue
+        for name, (kind, lr, weight_decay) in found.items():
+            kind_off, _, weight_decay_off = groups[name]
+            assert (kind, weight_decay) == (kind_off, weight_decay_off)
+            assert lr == pytest.approx(rates[kind] * expected[name]), name
+        assert members[0].param_groups[0]['lr'] == 1e-3  # the rate train.py logs: the full one
+
+
+@pytest.mark.slow
+def test_a_run_trains_each_depth_at_its_rate_and_keeps_the_decay_on_resume(tmp_path, data_dir):
+    out = str(tmp_path / 'run')
+    run_train(out, data_dir, '--layer_lr_decay=0.5', '--decay_lr=False', '--learning_rate=1e-3',
+              '--max_iters=2', '--eval_interval=2')
+    [adamw] = torch.load(os.path.join(out, 'last.pt'))['optimizer']  # AdamW alone: its state_dict
+    # the groups: 1x (final norm), then blocks 1 and 0 at 0.5x and 0.25x, then the embeddings
+    # (and the tied head) at 0.125x, each as a decayed and an undecayed group
+    assert [g['lr'] for g in adamw['param_groups']] == pytest.approx(
+        [1e-3 * 0.5 ** k for k in (0, 0, 1, 1, 2, 2, 3, 3)])
+    result = run_train(out, data_dir, '--init_from=resume', '--layer_lr_decay=0.8',
+                       '--max_iters=4', check=False)
+    assert result.returncode == 2 and 'layer_lr_decay' in result.stderr, result.stderr
+
+
 def muon_steps(muon_class, ns_dtype=None, steps=3, nesterov=True):
     """A tiny GPT's blocks' matrices (two layers: each shape twice, batched) after steps of
     muon_class (ns_dtype: ours' Newton-Schulz dtype) on the same seeded gradients, at the recipe's
