@@ -572,8 +572,9 @@ def memory_held(model, optimizer, device):
 # -----------------------------------------------------------------------------
 # training speed, and the time left
 
-IDLE_INTERVALS = 3  # log intervals in a row below IDLE_BUSY that make a run say why, once
-IDLE_BUSY = 0.5
+IDLE_BUSY = 0.5  # below it for IDLE_INTERVALS log intervals and IDLE_SECONDS: a run says why
+IDLE_INTERVALS = 3
+IDLE_SECONDS = 5.0
 
 
 class Speedometer:
@@ -597,7 +598,7 @@ class Speedometer:
         self.estimate = None  # seconds per iteration, once the clock has two times
         self.recent = collections.deque(maxlen=10)  # (seconds, iterations) of the last intervals
         self.threads = torch.get_num_threads()
-        self.idle_intervals = 0  # in a row, below IDLE_BUSY; None once said
+        self.idle = []  # the seconds of the idle intervals in a row so far; None once said
         self.restart(iter_num)
 
     def restart(self, iter_num):
@@ -623,25 +624,30 @@ class Speedometer:
         except Exception:  # ModuleNotFoundError without nvidia-ml-py; NVMLError without NVML
             return None
 
-    def idle_warning(self, busy):
-        """The line a run says once when its device stays idle (IDLE_INTERVALS intervals in a row
-        below IDLE_BUSY, the session's first left out), with the likely cause; else ''."""
-        if self.idle_intervals is None or self.since_iter == self.first_iter:
+    def idle_warning(self, busy, elapsed):
+        """The line a run says once when its device stays idle: below IDLE_BUSY for IDLE_INTERVALS
+        log intervals in a row and IDLE_SECONDS of training (the session's first interval left
+        out: milliseconds-long intervals judge nothing alone), with the likely cause; else ''."""
+        if self.idle is None or self.since_iter == self.first_iter:
             return ''
-        idle = busy is not None and busy < IDLE_BUSY
-        self.idle_intervals = self.idle_intervals + 1 if idle else 0
-        if self.idle_intervals < IDLE_INTERVALS:
+        if busy is None or busy >= IDLE_BUSY:
+            self.idle = []
             return ''
-        self.idle_intervals = None
+        self.idle.append(elapsed)
+        if len(self.idle) < IDLE_INTERVALS or sum(self.idle) < IDLE_SECONDS:
+            return ''
+        stretch = f"{len(self.idle)} log intervals in a row ({sum(self.idle):.0f} s)"
+        self.idle = None
         if torch.device(self.device).type == 'cuda':
-            return (f"warning: the GPU was busy {busy:.0%} of the time for {IDLE_INTERVALS} log "
-                    f"intervals: it waits for the host, for the data loader (raise num_workers), "
-                    f"for other work on the CPUs, or on micro-batches too small (raise batch_size)")
+            return (f"the GPU was busy less than {IDLE_BUSY:.0%} of the time for {stretch}, "
+                    f"{busy:.0%} in the last: it waits for the host, for the data loader (raise "
+                    f"num_workers), for other work on the CPUs, or on micro-batches too small "
+                    f"(raise batch_size)")
         other = cpus_busy()  # while this process sleeps: other work, and its loader workers
         cause = (f"other work keeps {other:.1f} CPUs busy" if other is not None and other >= 0.5
                  else "its threads wait, for the data loader (raise num_workers) or the disk")
-        return (f"warning: torch's {self.threads} thread(s) were busy {busy:.0%} of the time for "
-                f"{IDLE_INTERVALS} log intervals: {cause}")
+        return (f"torch's {self.threads} thread(s) were busy less than {IDLE_BUSY:.0%} of the time "
+                f"for {stretch}, {busy:.0%} in the last: {cause}")
 
     def interval(self, iter_num):
         """The interval ending at iter_num: tokens_per_sec, mfu, eta_seconds (None before an
@@ -649,7 +655,7 @@ class Speedometer:
         idle_warning ('' or, once, a line); the next interval starts now."""
         elapsed, iters = time.time() - self.since, iter_num - self.since_iter
         utilization = self.utilization(elapsed)
-        idle_warning = self.idle_warning(utilization)
+        idle_warning = self.idle_warning(utilization, elapsed)
         if self.since_iter > self.first_iter:
             self.recent.append((elapsed, iters))
         per_iter = sum(s for s, _ in self.recent) / sum(n for _, n in self.recent) if self.recent \

@@ -413,8 +413,8 @@ def log_step(loss, grad_norm, lr, skipped, scale, profiler):
         f"MFU {interval['mfu']:.1%}, {'' if utilization is None else f'util {utilization:.0%}, '}"
         f"mem {memory:,.0f} MB, ETA {'?' if eta is None else runlog.duration(eta)}"
         f"{', step skipped (float16 overflow)' if skipped else ''}")
-    if interval['idle_warning']:
-        log(interval['idle_warning'], sys.stderr)
+    if interval['idle_warning']:  # a log line: advice, not a fault of the run
+        log(interval['idle_warning'])
 
 def split_loss(split):
     """The mean loss over a split's evaluation windows. A shard changed under the run ends the run

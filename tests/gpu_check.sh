@@ -32,7 +32,8 @@ step() {
     } >>"$REPORT"
 }
 
-{ echo "# GPU check: $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD)"
+# the commit, '-dirty' when the tree that ran differs from it (a copy of a working tree, say)
+{ echo "# GPU check: $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git describe --always --dirty)"
   echo; echo '```'
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || echo "no nvidia-smi"
   echo "C compiler: $(command -v cc gcc clang | head -n 1)"

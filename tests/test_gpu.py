@@ -91,18 +91,20 @@ def test_a_gpu_s_utilization_is_nvml_s_and_its_idle_line_names_the_host(monkeypa
     speed = perf.Speedometer(0, 100, 1, 1000, 1e3, 1e15, 1, 'cuda:0', torch.bfloat16)
     monkeypatch.setattr(torch.cuda, 'utilization', lambda device: 37)
     monkeypatch.setattr(time, 'time', lambda: speed.since + 1.0)  # each interval 1 s
-    for step in range(1, 5):  # the first interval is left out; the next three idle
+    # the first interval is left out; three idle ones are 3 s, not yet the 5 s a stretch needs
+    for step in range(1, 7):
         interval = speed.interval(step)
         assert interval['utilization'] == 0.37
-        assert bool(interval['idle_warning']) == (step == 4), interval['idle_warning']
+        assert bool(interval['idle_warning']) == (step == 6), interval['idle_warning']
     assert interval['idle_warning'].startswith(
-        "warning: the GPU was busy 37% of the time for 3 log intervals: it waits for the host")
-    assert not speed.interval(5)['idle_warning']  # once a run
+        "the GPU was busy less than 50% of the time for 5 log intervals in a row (5 s), 37% in "
+        "the last: it waits for the host")
+    assert not speed.interval(7)['idle_warning']  # once a run
 
     def no_nvml(device):
         raise ModuleNotFoundError("nvidia-ml-py does not seem to be installed")
     monkeypatch.setattr(torch.cuda, 'utilization', no_nvml)
-    assert speed.interval(6)['utilization'] is None  # not shown, not a failure
+    assert speed.interval(8)['utilization'] is None  # not shown, not a failure
 
 
 def test_peak_table_matches_the_exact_gpu_name_and_records_the_entry(monkeypatch):

@@ -64,10 +64,13 @@ def test_run_learns_and_records_everything(tmp_path, data_dir, device):
             assert gpu[key], gpu
     else:
         assert meta['hardware']['gpu'] is None
-    log = open(os.path.join(out, 'train.log')).read()
+    log = open(os.path.join(out, 'train.log')).read().strip().splitlines()
     stdout = result.stdout.strip().splitlines()  # start-up lines come before the run directory exists
-    assert log.strip().splitlines() == stdout[next(i for i, l in enumerate(stdout)
-                                                   if l.startswith('starting from scratch')):]
+    # warnings go to stderr and the log (a tiny model leaves a GPU idle: it says so)
+    warnings = [line for line in log if line.startswith('warning: ')]
+    assert all(line in result.stderr for line in warnings)
+    assert [line for line in log if line not in warnings] == stdout[
+        next(i for i, l in enumerate(stdout) if l.startswith('starting from scratch')):]
     best = torch.load(os.path.join(out, 'best.pt'), weights_only=True)
     last = torch.load(os.path.join(out, 'last.pt'), weights_only=True)
     assert last['iter_num'] == 60 and best['iter_num'] == test['best_iter']
@@ -282,20 +285,20 @@ def test_one_time_work_in_the_first_micro_batch_is_left_out_of_estimate_and_eta(
 @pytest.mark.slow
 def test_a_device_left_idle_is_said_once_with_the_likely_cause(tmp_path, data_dir):
     """Each train record carries how busy the device was over its interval; on a CPU, the process's
-    CPU time over the wall time of torch's threads. A run whose device stays idle (here a 0.2 s wait
-    in each of iterations 3 to 8, as a slow loader would make, tests/probe.py) says so once, with
-    the likely cause."""
+    CPU time over the wall time of torch's threads. A run whose device stays idle for 3 log
+    intervals and 5 s (here a 1 s wait in each of iterations 3 to 9, as a slow loader would make,
+    tests/probe.py) says so once, with the likely cause."""
     out = str(tmp_path / 'idle')
     result = forked.run(PROBE, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out}',
-                        '--max_iters=8', '--eval_interval=8',
-                        env={**os.environ, 'PROBE_SLEEP': '3-8:0.2'})
+                        '--max_iters=9', '--eval_interval=9',
+                        env={**os.environ, 'PROBE_SLEEP': '3-9:1'})
     assert result.returncode == 0, result.stderr
     assert all(r['utilization'] < 0.5 for r in read_metrics(out, 'train')[2:])  # steps take ms
-    said = [line for line in result.stderr.splitlines() if 'time for 3 log intervals' in line]
+    said = [line for line in result.stdout.splitlines() if 'of the time for' in line]
     assert len(said) == 1 and re.fullmatch(
-        r"warning: torch's 1 thread\(s\) were busy \d+% of the time for 3 log intervals: "
-        r"(other work keeps [\d.]+ CPUs busy|its threads wait, for the data loader \(raise "
-        r"num_workers\) or the disk)", said[0]), result.stderr
+        r"torch's 1 thread\(s\) were busy less than 50% of the time for [5-7] log intervals in a "
+        r"row \([5-7] s\), \d+% in the last: (other work keeps [\d.]+ CPUs busy|its threads "
+        r"wait, for the data loader \(raise num_workers\) or the disk)", said[0]), result.stdout
 
 
 @pytest.mark.slow
