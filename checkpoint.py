@@ -15,6 +15,7 @@ loop counter that a checkpoint's code did not have yet takes its default on resu
 defaults to the old behaviour.
 """
 import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -29,14 +30,14 @@ from model import GPT, GPTConfig
 
 FORMAT = 4
 # train.py's keys that may change on resume: how long, how often to evaluate, log and save, where to write,
-# speed knobs, the end-of-run extras, and the learning-rate schedule and clipping from here on (how a user
+# speed knobs, the start's and end's extras, and the learning-rate schedule and clipping from here on (how a user
 # recovers from a blow-up; past steps keep their rates). Any other change is refused: it would be another run.
 RESUMABLE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'max_iters', 'eval_interval', 'log_interval',
              'eval_iters', 'always_save_checkpoint', 'checkpoint_interval', 'patience', 'num_workers',
              'compile', 'device', 'backend', 'threads',
              'max_consecutive_skips', 'activation_checkpointing',
              'profile_iter', 'tensorboard_log', 'wandb_log', 'wandb_project', 'wandb_run_name',
-             'cost_per_hour', 'test_eval', 'sample_tokens', 'write_report', 'eval_tasks',
+             'cost_per_hour', 'smoke_steps', 'test_eval', 'sample_tokens', 'write_report', 'eval_tasks',
              'eval_tasks_examples', 'learning_rate', 'muon_lr', 'decay_lr', 'lr_schedule', 'wsd_decay_frac',
              'warmup_iters', 'lr_decay_iters', 'min_lr', 'grad_clip'}
 
@@ -336,6 +337,19 @@ def seed_rngs(seed):
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # CUDA's generators too
+
+
+def snapshot(parts, device):
+    """Every part's state and this process's RNG states, copied (on the device: no host round
+    trip; a model's weights take their size again meanwhile): what restore puts back."""
+    return {'parts': copy.deepcopy({name: part.state_dict() for name, part in parts.items()}),
+            'rng': rng_state(device)}
+
+
+def restore(parts, saved, device):
+    for name, part in parts.items():
+        part.load_state_dict(saved['parts'][name])
+    set_rng_state(saved['rng'], device)
 
 
 def rng_state(device):

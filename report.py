@@ -242,7 +242,13 @@ def write_report(out_dir):
     train, evals = [r for r in records if r['kind'] == 'train'], [r for r in records if r['kind'] == 'eval']
     test = next((r for r in reversed(records) if r['kind'] == 'test'), None)
     word, detail = status(records, config['max_iters']['value'])
-    lines = [f"# {out_dir}", "", f"Status: **{word}**: {detail}", ""] + config_lines(config) + [""]
+    lines = [f"# {out_dir}", "", f"Status: **{word}**: {detail}", ""]
+    for smoke in (r for r in records if r['kind'] == 'smoke'):  # before the first step (smoke.py)
+        verdict = 'passed' if smoke['passed'] else 'FAILED'
+        losses = f"{smoke['first_loss']:.4f} -> {smoke['last_loss']:.4f}"
+        lines += [f"Smoke test: {verdict}, {smoke['steps']} steps on one batch, loss {losses} in "
+                  f"{smoke['seconds']:.1f} s", ""]
+    lines += config_lines(config) + [""]
     lines += (loss_lines(evals, test, meta.get('dataset', {}).get('split_rule', '')) + [""]
               + throughput_lines(records, train, config, meta) + [""])
 

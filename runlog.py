@@ -247,13 +247,18 @@ def finish():
 
 
 def check(ok, message):
-    """A mistake in the settings, the same on every rank: rank 0 says it in one line; all exit 2. The other
-    ranks wait for torchrun to stop them: one that exited first would have torchrun stop rank 0 before it
-    spoke."""
-    if not ok:
-        if not master:
-            time.sleep(60)
-        fail(message) if master else sys.exit(2)
+    """A mistake in the settings, the same on every rank: rank 0 says it in one line (in
+    train.log too, once the run folder is open); all exit 2. The other ranks wait for torchrun to
+    stop them: one that exited first would have torchrun stop rank 0 before it spoke."""
+    if ok:
+        return
+    if not master:
+        time.sleep(60)
+        sys.exit(2)
+    if files:
+        files['train.log'].write(f"error: {message}\n")
+        files['train.log'].flush()
+    fail(message)
 
 
 def abort(step, message):

@@ -23,6 +23,7 @@ import time
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
+from torch.utils.data import default_collate
 
 import checkpoint
 import data
@@ -32,6 +33,7 @@ import perf
 import prepare
 import runlog
 import sample
+import smoke
 import tokenizer
 from configurator import ConfigError, configure, fail
 from model import GPT, OPTIMIZERS, GPTConfig
@@ -105,6 +107,7 @@ min_lr = 6e-5  # AdamW's floor; Muon's is muon_lr * min_lr / learning_rate
 # early stopping and checks
 patience = 0  # stop after this many evaluations without a new best val loss; 0 never stops early
 overfit_one_batch = False  # train on one fixed batch: the loss must approach zero if everything is wired
+smoke_steps = 30  # steps on one batch before a new run's first: they must lower its loss; 0: off
 # system
 device = 'auto'  # 'auto' (cuda:LOCAL_RANK if there is a GPU, else cpu), 'cpu', 'cuda', 'cuda:1' (one process)
 dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 uses a GradScaler)
@@ -329,27 +332,28 @@ speed = perf.Speedometer(progress.iter_num, max_iters, accum_steps, tokens_per_i
                          raw_model.flops_per_token(), peak_flops, world_size, device,
                          perf.DTYPES[dtype])
 
-def train_step():
-    """One optimizer step's gradients: zero_grad, then per micro-batch forward (autocast), loss / accum_steps
-    and backward, synced across ranks on the last micro-batch only; then unscale and clip. Returns this rank's
-    loss summed over its micro-batches and the gradient norm, on device, and the batches' window starts. The
-    speedometer's clock gets the synced end times of the session's first two micro-batches."""
+def train_step(micro_batches, accum=accum_steps):
+    """One optimizer step's gradients, from the next accum micro_batches: zero_grad, then per
+    micro-batch forward (autocast), loss / accum and backward, synced across ranks on the last
+    micro-batch only; then unscale and clip. Returns this rank's loss summed over its micro-batches
+    and the gradient norm, on device, and the batches' window starts. The speedometer's clock gets
+    the synced end times of the session's first two micro-batches."""
     optimizer.zero_grad(set_to_none=True)
     loss_sum, starts = torch.zeros((), device=device), []
-    for micro_step in range(accum_steps):
+    for micro_step in range(accum):
         with record_function('data'):
             x, y, batch_starts = next(micro_batches)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         starts += batch_starts.tolist()
         # DDP decides in the forward whether the backward syncs: set before it (FSDP has its own switch)
         if sharded:
-            model.set_requires_gradient_sync(micro_step == accum_steps - 1)
+            model.set_requires_gradient_sync(micro_step == accum - 1)
         elif isinstance(model, DDP):
-            model.require_backward_grad_sync = micro_step == accum_steps - 1
+            model.require_backward_grad_sync = micro_step == accum - 1
         with record_function('forward'), autocast:
             loss = model(x, y)  # the loss, not the logits: no B x T x vocab tensor outlives the forward
         with record_function('backward'):
-            scaler.scale(loss / accum_steps).backward()
+            scaler.scale(loss / accum).backward()
         loss_sum += loss.detach()
         if len(speed.clock) < 2:
             loss.item()  # waits for the device: the time is the micro-batch's, not its launch
@@ -467,13 +471,25 @@ def save(names, rng):
     log(f"saved {' and '.join(names)} in {seconds:.2f} s")
     return seconds
 
+def smoke_step(batch):
+    """The loop's step on one micro-batch per rank (accumulating it would only repeat it); the
+    loss the ranks agree on before it."""
+    loss, _, _ = train_step(iter([batch]), accum=1)
+    scaler.step(optimizer)
+    scaler.update()
+    return all_ranks(loss.view(1)).item() / world_size
+
+if smoke_steps and not resuming:  # this rank's next train batch, read without moving the sampler
+    windows = [splits['train'][start] for start in next(iter(train_sampler))]
+    smoke.smoke_test(smoke_steps, smoke_step, default_collate(windows), parts, device)
+    speed.clock.clear()  # its micro-batches are not the run's: the start-up estimate is the run's
 perf.reset_peak_memory(device)  # the loop's peak, not the FLOP/s measurement's
 t_start, save_seconds, first_loss = time.time(), 0.0, None
 while progress.iter_num < max_iters:
     # the step
     lr = optimizer.param_groups[0]['lr']  # AdamW's, learning_rate's schedule
     profiler = perf.start_profiler(device_type) if progress.iter_num + 1 == profile_iter else None
-    loss_sum, grad_norm, starts = train_step()
+    loss_sum, grad_norm, starts = train_step(micro_batches)
     loss, grad_norm, stops = agree_or_abort(loss_sum, grad_norm, starts, lr)
     first_loss = loss if first_loss is None else first_loss  # for overfit_one_batch's last line
     skipped = scaler.is_enabled() and not math.isfinite(grad_norm)  # float16 overflow: the scaler skips it

@@ -17,7 +17,8 @@ eval_iters = 4
 log_interval = 1
 num_workers = 0
 device = 'cpu'  # also where a GPU is present: a test that runs there says --device=cuda
-# the end-of-run extras cost seconds per run; the tests that check them switch them on
+# the end-of-run extras and the smoke test cost seconds per run: the tests of each switch it on
 test_eval = False
 sample_tokens = 0
 write_report = False
+smoke_steps = 0

@@ -109,7 +109,9 @@ def test_ddp_elastic_restart_resumes_exactly(tmp_path, data_dir):
     # dropout: each rank's RNG state must travel
     args = [*SAME, '--dropout=0.1', '--num_workers=1', '--init_from=auto']
     straight, elastic = str(tmp_path / 'straight'), str(tmp_path / 'elastic')
-    ok(torchrun(straight, data_dir, *args))
+    # the straight run alone smoke-tests first (smoke.py): on 2 ranks too, the run after it is the
+    # run without it
+    ok(torchrun(straight, data_dir, *args, '--smoke_steps=10'))
     fields = lambda d: [(r['step'], r['loss'], r['lr'], r['grad_norm']) for r in read_metrics(d, 'train')]
     # rank 1 dies at its 50th micro-batch (iteration 25), after the checkpoint at 20; torchrun restarts the
     # group, which resumes with init_from=auto (a resume between evaluations on 2 ranks: test_interrupt's

@@ -31,7 +31,9 @@ def test_fsdp_matches_one_process_resumes_exactly_and_checkpoints_activations(tm
     one, fsdp, split = str(tmp_path / 'one'), str(tmp_path / 'fsdp'), str(tmp_path / 'split')
     # tests/test_ddp.py shows DDP on 2 ranks equals this within the same tolerance
     run_train(one, data_dir, *SAME)
-    ok(torchrun(fsdp, data_dir, *SAME, '--parallel=fsdp'))
+    # this run alone smoke-tests first (smoke.py): sharded too, the run after it is the run
+    # without it
+    ok(torchrun(fsdp, data_dir, *SAME, '--parallel=fsdp', '--smoke_steps=10'))
     for (s1, l1, lr1, g1), (s2, l2, lr2, g2) in zip(trajectory(one), trajectory(fsdp), strict=True):
         assert s1 == s2 and lr1 == lr2 and abs(l1 - l2) <= RTOL * l1 and abs(g1 - g2) <= RTOL * g1
     # older shards cleaned up
