@@ -130,8 +130,7 @@ def train_argv(args, out_dir, iters, profile_iter):
     return [TRAIN, *args, f'--out_dir={out_dir}', f'--max_iters={iters}', f'--eval_interval={iters + 1}',
             '--eval_iters=1', '--log_interval=1', '--checkpoint_interval=0', '--init_from=scratch',
             '--test_eval=False', '--sample_tokens=0', '--write_report=False', '--wandb_log=False',
-            '--tensorboard_log=False',
-            f'--profile_iter={profile_iter}']
+            '--tensorboard_log=False', '--smoke_steps=0', f'--profile_iter={profile_iter}']
 
 
 def run(command, log_path, shell=False):

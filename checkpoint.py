@@ -29,17 +29,19 @@ import torch
 from model import GPT, GPTConfig
 
 FORMAT = 4
-# train.py's keys that may change on resume: how long, how often to evaluate, log and save, where to write,
-# speed knobs, the start's and end's extras, and the learning-rate schedule and clipping from here on (how a user
-# recovers from a blow-up; past steps keep their rates). Any other change is refused: it would be another run.
+# train.py's keys that may change on resume: how long, how often to evaluate, log and save, where to
+# write, speed knobs, the start's and end's extras, and the learning-rate schedule and clipping from
+# here on (how a user recovers from a blow-up; past steps keep their rates). Any other change is
+# refused: it would be another run.
 RESUMABLE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'max_iters', 'eval_interval', 'log_interval',
              'eval_iters', 'always_save_checkpoint', 'checkpoint_interval', 'patience', 'num_workers',
              'compile', 'device', 'backend', 'threads',
              'max_consecutive_skips', 'activation_checkpointing',
              'profile_iter', 'tensorboard_log', 'wandb_log', 'wandb_project', 'wandb_run_name',
-             'cost_per_hour', 'smoke_steps', 'test_eval', 'sample_tokens', 'write_report', 'eval_tasks',
-             'eval_tasks_examples', 'learning_rate', 'muon_lr', 'decay_lr', 'lr_schedule', 'wsd_decay_frac',
-             'warmup_iters', 'lr_decay_iters', 'min_lr', 'grad_clip'}
+             'cost_per_hour', 'smoke_steps', 'test_eval', 'sample_tokens', 'write_report',
+             'eval_tasks', 'eval_tasks_examples', 'learning_rate', 'muon_lr', 'decay_lr',
+             'lr_schedule', 'wsd_decay_frac', 'warmup_iters', 'lr_decay_iters', 'min_lr',
+             'grad_clip'}
 
 
 @dataclasses.dataclass
@@ -278,6 +280,7 @@ def load_weights(ckpt, path, model, optimizer=None):
     set_model_state_dict(model, sharded['model'])
     if optimizer:
         set_optimizer_state_dict(model, optimizer.optimizers, sharded['optimizer'])
+        optimizer.gather()  # the members' load_state_dict gave them new group dicts
 
 
 def sharded_state(model, optimizer=None):
@@ -347,6 +350,7 @@ def snapshot(parts, device):
 
 
 def restore(parts, saved, device):
+    """Every part and this process's RNGs as snapshot found them."""
     for name, part in parts.items():
         part.load_state_dict(saved['parts'][name])
     set_rng_state(saved['rng'], device)

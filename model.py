@@ -195,11 +195,12 @@ OPTIMIZERS = ('adamw', 'muon')  # what GPT.configure_optimizers builds
 
 
 class Optimizers(torch.optim.Optimizer):
-    """Several optimizers as one: train.py zero-grads, unscales, steps, schedules and saves it without
-    counting them. Its param_groups are the members' own group dicts, so a learning rate set here, by
-    one LR scheduler, is theirs, each group keeping its own base rate; its state is theirs, merged.
-    Both are gathered again after a step (a member adds a parameter's state at its first step) and a
-    load (a member's load_state_dict replaces its group dicts). Its state_dict is the list of theirs."""
+    """Several optimizers as one: train.py zero-grads, unscales, steps, schedules and saves it
+    without counting them. Its param_groups are the members' own group dicts, so a learning rate set
+    here, by one LR scheduler, is theirs, each group keeping its own base rate; its state is theirs,
+    merged. Both are gathered again after a step (a member adds a parameter's state at its first
+    step) and a load (a member's load_state_dict replaces its group dicts; checkpoint.load_weights
+    calls gather after FSDP's). Its state_dict is the list of theirs."""
 
     def __init__(self, optimizers):
         self.optimizers = optimizers
@@ -384,10 +385,12 @@ class GPT(nn.Module):
         muon_names = {n for n, _ in muon}
         adamw = [(n, p) for n, p in self.named_parameters() if n not in muon_names]
         scale = {n: self.lr_scale(n, layer_lr_decay) for n, _ in self.named_parameters()}
-        scales = sorted(set(scale.values()) | {1.0}, reverse=True)  # one, two per depth if decayed
+        scales = sorted(set(scale.values()), reverse=True)  # 1 (the final norm's) first, by depth
         groups = [{'params': [p for n, p in adamw if decays(n, p) == decayed and scale[n] == s],
                    'weight_decay': weight_decay if decayed else 0.0, 'lr': learning_rate * s}
                   for s in scales for decayed in (True, False)]
+        if layer_lr_decay < 1:  # no empty groups (FSDP's optimizer load takes one at most); off,
+            groups = [g for g in groups if g['params']]  # the two that older checkpoints hold
         optimizers = [torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)]
         if optimizer == 'muon':
             groups = [{'params': [p for n, p in muon if scale[n] == s], 'lr': muon_lr * s}

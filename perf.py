@@ -116,7 +116,8 @@ def init_process_group(device, backend):
     """Join torchrun's group on group_backend's backend, bound to device under nccl. torchrun keeps its store
     across --max-restarts, so each attempt's addresses get a prefix a restarted group cannot confuse with the
     dead one's. The timeout is 30 minutes (gloo's default): NCCL's 10 would end ranks waiting for rank 0's
-    save of a large model. At exit, on every path, the group is destroyed (destroy_process_group)."""
+    save of a large model. At exit, on every path, the group is destroyed
+    (destroy_process_group)."""
     store, _, _ = next(dist.rendezvous('env://'))
     store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     backend, device_id = group_backend(device, backend)
@@ -340,7 +341,8 @@ def autocast(device_type, dtype):
 def fastest(runs, rounds=3, budget=0.0):
     """{name: seconds of the fastest call of runs[name]()}, the runs called in turns (A B A B ...)
     so that other load hits each alike, after a round that warms up: rounds rounds, and more while
-    the timed calls have taken less than budget seconds (short calls: more chances at a quiet one)."""
+    the timed calls have taken less than budget seconds (short calls: more chances at a quiet
+    one)."""
     best = dict.fromkeys(runs, float('inf'))
     round, spent = 0, 0.0
     while round <= rounds or spent < budget:
@@ -686,7 +688,7 @@ def start_profiler(device_type):
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device_type == 'cuda':
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    # one cycle: acc_events changes nothing but torch 2.11's warning that a cycle's events are cleared
+    # one cycle: acc_events changes nothing but torch 2.11's warning that each cycle is cleared
     profiler = torch.profiler.profile(activities=activities, acc_events=True)
     profiler.start()
     return profiler

@@ -147,6 +147,8 @@ check(not decay_lr or lr_decay_iters > warmup_iters,
       f"lr_decay_iters={lr_decay_iters} must exceed warmup_iters={warmup_iters}")
 check(0 < wsd_decay_frac <= 1, f"wsd_decay_frac={wsd_decay_frac} must be in (0, 1]")
 check(0 < layer_lr_decay <= 1, f"layer_lr_decay={layer_lr_decay} must be in (0, 1]: 1 is off")
+check(smoke_steps != 1, "smoke_steps=1 compares a loss with itself (each step's loss comes "
+      "before its update): use 0 (off) or at least 2")
 check(all(0 <= b < 1 for b in (beta1, beta2, muon_momentum)),
       f"beta1={beta1}, beta2={beta2} and muon_momentum={muon_momentum} must each be in [0, 1)")
 check(gradient_accumulation_steps % world_size == 0,
@@ -482,7 +484,8 @@ def smoke_step(batch):
 if smoke_steps and not resuming:  # this rank's next train batch, read without moving the sampler
     windows = [splits['train'][start] for start in next(iter(train_sampler))]
     smoke.smoke_test(smoke_steps, smoke_step, default_collate(windows), parts, device)
-    speed.clock.clear()  # its micro-batches are not the run's: the start-up estimate is the run's
+    speed.clock.clear()  # its micro-batches and time are not the run's
+    speed.restart(progress.iter_num)
 perf.reset_peak_memory(device)  # the loop's peak, not the FLOP/s measurement's
 t_start, save_seconds, first_loss = time.time(), 0.0, None
 while progress.iter_num < max_iters:

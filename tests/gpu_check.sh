@@ -5,8 +5,8 @@
 #
 #     bash tests/gpu_check.sh RESULTS_DIR      # RESULTS_DIR/gpu_check.md, and each step's log
 #
-# About 3 minutes on one H100 (the tests 69 s, the benchmark 94 s; limits below: 4 and 4.5
-# minutes). It needs only the machine's own python (PYTHON=..., default python3) with torch
+# About 3 minutes on one H100 (the tests about 65 s, the benchmark 95-105 s; limits below: 4
+# and 4.5 minutes). It needs only the machine's own python (PYTHON=..., default python3) with torch
 # 2.11 or newer, numpy, tiktoken, pytest, pytest-xdist, safetensors, transformers, matplotlib, a C
 # compiler for torch.compile, and nanoGPT's source in .nanogpt/ (tests/gpu_bench.sh); no network,
 # no rustbpe. Without CUDA it still runs: the GPU tests are skipped, so that CI keeps the script

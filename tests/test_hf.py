@@ -221,9 +221,9 @@ def test_nanogpt_finetune_config_runs_unchanged(bpe_data, tiny_gpt2, tmp_path):
             and result.stderr.startswith("error: init_from='gtp2': use 'scratch'")), result.stderr
     # from the tiny folder, at learning rate 0 (which the smoke test would rightly stop: off): it
     # trains, and the weights it holds are the folder's
-    result = forked.run(*cmd, f'--init_from={tiny_gpt2}', '--block_size=32', '--max_iters=2', '--device=cpu',
-                        '--dtype=float32', '--num_workers=0', '--learning_rate=0.0', '--smoke_steps=0',
-                        timeout=120)
+    result = forked.run(*cmd, f'--init_from={tiny_gpt2}', '--block_size=32', '--max_iters=2',
+                        '--device=cpu', '--dtype=float32', '--num_workers=0', '--learning_rate=0.0',
+                        '--smoke_steps=0', timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert [r['step'] for r in read_metrics(str(tmp_path / 'out'), 'train')] == [1, 2]
     saved = torch.load(tmp_path / 'out' / 'last.pt', weights_only=True)['model']

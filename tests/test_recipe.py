@@ -140,6 +140,8 @@ def test_layer_lr_decay_gives_each_depth_its_rate(optimizer):
             assert (kind, weight_decay) == (kind_off, weight_decay_off)
             assert lr == pytest.approx(rates[kind] * expected[name]), name
         assert members[0].param_groups[0]['lr'] == 1e-3  # the rate train.py logs: the full one
+        # no empty group: FSDP's optimizer load (set_optimizer_state_dict) refuses more than one
+        assert all(g['params'] for member in members for g in member.param_groups)
 
 
 @pytest.mark.slow

@@ -66,7 +66,7 @@ def test_run_learns_and_records_everything(tmp_path, data_dir, device):
         assert meta['hardware']['gpu'] is None
     log = open(os.path.join(out, 'train.log')).read().strip().splitlines()
     stdout = result.stdout.strip().splitlines()  # start-up lines come before the run directory exists
-    # warnings go to stderr and the log (a tiny model leaves a GPU idle: it says so)
+    # warnings go to stderr and the log; the rest of the log is stdout's
     warnings = [line for line in log if line.startswith('warning: ')]
     assert all(line in result.stderr for line in warnings)
     assert [line for line in log if line not in warnings] == stdout[
