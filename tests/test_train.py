@@ -305,8 +305,9 @@ def test_a_device_left_idle_is_said_once_with_the_likely_cause(tmp_path, data_di
 def test_the_smoke_test_changes_nothing_after_it_and_stops_a_model_that_cannot_learn(tmp_path,
                                                                                      data_dir):
     """Before the first step of a run from scratch: steps on one batch must lower its loss; then the
-    run, dropout's masks and float16's loss scale included, is bitwise the run without it. Not on resume. A model that cannot
-    learn (a learning rate of 0) ends in one line, exit code 2, no checkpoint."""
+    run, dropout's masks and float16's loss scale included, is bitwise the run without it. Not on
+    resume. A model that cannot learn (a learning rate of 0) ends in one line, exit code 2, no
+    checkpoint."""
     off, on = str(tmp_path / 'off'), str(tmp_path / 'on')
     # float16 from a scale that overflows: the smoke steps lower it, and it must come back
     args = ['--max_iters=6', '--eval_interval=3', '--dropout=0.1', '--dtype=float16',
