@@ -292,7 +292,8 @@ def measure_sampling():
 
     import checkpoint
     import sample as sample_py  # its load_model: prefixes stripped, an fsdp run's shards gathered
-    from perf import cpu_name, resolve_device, set_threads
+    from distributed import resolve_device, set_threads
+    from perf import cpu_name
     path = os.path.join(sample, 'last.pt')
     if not os.path.isfile(path):
         stop(f"sample={sample}: no last.pt there: pass the out_dir of a train.py run")

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 import checkpoint
 import data
+import distributed
 import hf
 import perf
 import sample
@@ -205,17 +206,17 @@ def loss(model, loader, device, autocast, label='eval'):
                 sums[0] += model(x, y, reduction='sum')
             sums[1] += (y != data.IGNORE_INDEX).sum()
         sums[2] = batches.fault is not None
-        loss_sum, count, faults = perf.all_ranks(sums).tolist()
+        loss_sum, count, faults = distributed.all_ranks(sums).tolist()
     model.train(was_training)
     if faults:  # a collective: every rank is here
-        raise data.DataError(next(m for m in perf.gather(batches.fault) if m))
+        raise data.DataError(next(m for m in distributed.gather(batches.fault) if m))
     return loss_sum / count
 
 
 def score(model, examples, batch_size, device, autocast, rank=0, world_size=1):
-    """acc and acc_norm of the model on examples, each counted once across ranks: rank r scores examples
-    r::world_size, and the counts meet in one all_reduce (perf.all_ranks, when there is a group), then one
-    host sync. Runs in model.eval() and torch.inference_mode() and gives the model back in the mode it came
+    """acc and acc_norm of the model on examples, each counted once across ranks: rank r scores
+    examples r::world_size, and the counts meet in one all_reduce (distributed.all_ranks, when there
+    is a group), then one host sync. Runs in model.eval() and torch.inference_mode() and gives the model back in the mode it came
     in. Ties go to the first ending. Returns {'examples', 'correct', 'correct_norm', 'acc', 'acc_norm',
     'chance'}; chance is the mean of 1 / number of endings, the accuracy of a uniform guess."""
     was_training = model.training
@@ -224,7 +225,7 @@ def score(model, examples, batch_size, device, autocast, rank=0, world_size=1):
         summed, mean, labels = choice_losses(model, examples, batch_size, device, autocast, rank, world_size)
         counts = torch.stack([(summed.argmin(1) == labels).sum(), (mean.argmin(1) == labels).sum(),
                               (labels >= 0).sum()])  # correct, correct_norm, examples (DUMMY has label -1)
-        correct, correct_norm, count = perf.all_ranks(counts).tolist()
+        correct, correct_norm, count = distributed.all_ranks(counts).tolist()
     model.train(was_training)
     return {'examples': count, 'correct': correct, 'correct_norm': correct_norm, 'acc': correct / count,
             'acc_norm': correct_norm / count,
@@ -320,11 +321,11 @@ def main(config):
     check(config['tasks'], "tasks='' names no task file: pass --tasks=FILE.jsonl (comma-separated for "
                            "several)")
     try:
-        device, device_type = perf.resolve_device(config['device'])
+        device, device_type = distributed.resolve_device(config['device'])
     except ValueError as e:
         check(False, e)
-    perf.set_threads(config['threads'])
-    if busy := perf.busy_warning(torch.get_num_threads(), perf.cpu_use()):
+    distributed.set_threads(config['threads'])
+    if busy := distributed.busy_warning(torch.get_num_threads(), distributed.cpu_use()):
         print(busy, file=sys.stderr)
     model, encode, source = load(config, device)
     try:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 import checkpoint
+import distributed
 import perf
 import report
 from configurator import fail, tell_torchrun
@@ -127,7 +128,7 @@ def start(out_dir, resumed, config, sources, session, num_params):
     record and the lines that say what this session is. resumed: (path, checkpoint) of the one the run
     resumes from, or None."""
     unwritable = open_run(out_dir, resumed, config, sources, session) if master else None
-    check(not perf.any_rank(unwritable, session['device']), unwritable)
+    check(not distributed.any_rank(unwritable, session['device']), unwritable)
     announce(session, config, resumed, num_params)
 
 
@@ -192,7 +193,7 @@ def announce(session, config, resumed, num_params):
     log(f"MFU is measured against {peak['per_process'] / 1e9:,.1f} GFLOP/s per process ({peak['how']})")
     if resumed and 'migrated' in resumed[1]:  # from an older format, by checkpoint.load
         log(resumed[1]['migrated'])
-    if busy := perf.busy_warning(torch.get_num_threads(), session['cpus']):
+    if busy := distributed.busy_warning(torch.get_num_threads(), session['cpus']):
         log(busy, sys.stderr)
     if resumed:
         changed = [f"{k} {old!r} -> {new!r} ({source})"

@@ -18,6 +18,7 @@ import warnings
 import torch
 
 import checkpoint
+import distributed
 import hf
 import perf
 import tokenizer
@@ -116,11 +117,11 @@ if __name__ == '__main__':
     if export and not os.path.isdir(os.path.dirname(os.path.abspath(export))):
         fail(f"export={export}: its folder does not exist: create it, or name a file in an existing folder")
     try:
-        device, device_type = perf.resolve_device(device)
+        device, device_type = distributed.resolve_device(device)
     except ValueError as e:
         fail(e)
-    perf.set_threads(threads)
-    if busy := perf.busy_warning(torch.get_num_threads(), perf.cpu_use()):
+    distributed.set_threads(threads)
+    if busy := distributed.busy_warning(torch.get_num_threads(), distributed.cpu_use()):
         print(busy, file=sys.stderr)
 
     if start.startswith('FILE:'):

@@ -27,6 +27,7 @@ from torch.utils.data import default_collate
 
 import checkpoint
 import data
+import distributed
 import evaluate
 import hf
 import perf
@@ -36,8 +37,8 @@ import sample
 import smoke
 import tokenizer
 from configurator import ConfigError, configure, fail
+from distributed import all_ranks, any_rank, gather
 from model import GPT, OPTIMIZERS, GPTConfig
-from perf import all_ranks, any_rank, gather
 from runlog import abort, check, log, record
 
 # -----------------------------------------------------------------------------
@@ -164,11 +165,11 @@ check(not missing, missing)
 # -----------------------------------------------------------------------------
 # processes, devices and data
 try:  # the device, deterministic kernels when asked, and under torchrun the process group
-    device, device_type = perf.setup(device, local_rank if ddp else None, deterministic, backend,
-                                     threads)
+    device, device_type = distributed.setup(device, local_rank if ddp else None, deterministic,
+                                            backend, threads)
 except ValueError as e:  # may differ between nodes: every rank that fails says so
     fail(f"rank {rank}: {e}" if ddp else e)
-cpus = perf.cpu_use()  # how busy other work keeps this machine: measured before this process's own
+cpus = distributed.cpu_use()  # how busy other work keeps this machine, before this process's own work
 accum_steps = gradient_accumulation_steps // world_size  # micro-batches per optimizer step on this rank
 try:
     data_meta, splits, dataset_id = data.open_splits(data_dir, dataset, block_size, local_rank == 0)
@@ -294,7 +295,7 @@ if compile:
     model = torch.compile(model)
 eval_model = model  # evaluation needs no gradient sync: the compiled model without the DDP wrapper
 if ddp and not sharded:  # buffers (rope's tables) are not broadcast in every forward: none changes
-    model = perf.data_parallel(model, [local_rank] if device_type == 'cuda' else None)
+    model = distributed.data_parallel(model, [local_rank] if device_type == 'cuda' else None)
 # the run folder: created only now that the config, data and checkpoint are known to be good
 peak_flops, peak_how = float('nan'), ''
 if master:  # MFU's denominator: a known GPU's datasheet, else measured (seconds) once per machine

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, for evaluate
 import evaluate  # noqa: E402
-import perf  # noqa: E402
+import distributed  # noqa: E402
 
 folder, tokenizer, task, batch_size, rank, world_size, store, parallel = sys.argv[1:]
 batch_size, rank, world_size = int(batch_size), int(rank), int(world_size)
@@ -26,4 +26,4 @@ examples = evaluate.read_task(task, encode, model.config.block_size)
 result = evaluate.score(model, examples, batch_size, 'cpu', nullcontext(), rank, world_size)
 if rank == 0:
     print(json.dumps(result))
-perf.destroy_process_group()  # after a pause: gloo frees the last collective's tensors late
+distributed.destroy_process_group()  # after a pause: gloo frees the last collective's tensors late

@@ -26,7 +26,7 @@ PROBE_CUDA_MEMORY=BYTES  from the training loop's start (perf.reset_peak_memory)
                      (set_per_process_memory_fraction)
 Always: the GIL changes hands at most once a second unless its holder releases it (sys.setswitchinterval), so
 a collective's tensors that gloo's worker thread frees late reach Python's shutdown unless train.py's exit
-gives way (perf.destroy_process_group).
+gives way (distributed.destroy_process_group).
 Usage: [torchrun ...] tests/probe.py train.py ARGS..."""
 import atexit
 import importlib.machinery

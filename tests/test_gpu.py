@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.cuda._utils import _get_device_index
 
 import checkpoint
+import distributed
 import perf
 from model import GPT, GPTConfig, padded_vocab
 
@@ -21,7 +22,7 @@ from model import GPT, GPTConfig, padded_vocab
     ('auto', 0, 8, 'cuda:0'), ('cuda', 3, 8, 'cuda:3'),  # torchrun: each rank its local rank's GPU
 ])
 def test_a_cuda_device_always_has_an_index(device, local_rank, gpus, expected):
-    resolved, device_type = perf.resolve_device(device, local_rank, cuda_count=gpus)
+    resolved, device_type = distributed.resolve_device(device, local_rank, cuda_count=gpus)
     assert resolved == expected and device_type == torch.device(expected).type
     if device_type == 'cuda':  # what torch.cuda.set_device(resolved) checks first: 'cuda' alone raises here
         assert _get_device_index(torch.device(resolved), optional=False) == torch.device(expected).index
@@ -33,7 +34,7 @@ def test_a_cuda_device_always_has_an_index(device, local_rank, gpus, expected):
 ])
 def test_a_device_this_code_cannot_use_is_refused(device, local_rank, gpus, message):
     with pytest.raises(ValueError, match=message):
-        perf.resolve_device(device, local_rank, cuda_count=gpus)
+        distributed.resolve_device(device, local_rank, cuda_count=gpus)
 
 
 def test_setup_makes_each_rank_s_own_gpu_current_before_it_joins_the_group(monkeypatch):
@@ -44,11 +45,12 @@ def test_setup_makes_each_rank_s_own_gpu_current_before_it_joins_the_group(monke
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 4)
     monkeypatch.setattr(torch.cuda, 'set_device', lambda device: calls.append(('set_device', device)))
     monkeypatch.setattr(torch, 'set_float32_matmul_precision', lambda p: calls.append(('matmul', p)))
-    monkeypatch.setattr(perf, 'init_process_group', lambda *args: calls.append(('group', *args)))
-    assert perf.setup('auto', 2, False, 'auto', 1) == ('cuda:2', 'cuda')
+    monkeypatch.setattr(distributed, 'init_process_group',
+                        lambda *args: calls.append(('group', *args)))
+    assert distributed.setup('auto', 2, False, 'auto', 1) == ('cuda:2', 'cuda')
     assert calls == [('set_device', 'cuda:2'), ('matmul', 'high'), ('group', 'cuda:2', 'auto')]
     calls.clear()
-    assert perf.setup('cpu', None, False, 'auto', 1) == ('cpu', 'cpu') and calls == []
+    assert distributed.setup('cpu', None, False, 'auto', 1) == ('cpu', 'cpu') and calls == []
 
 
 @pytest.mark.parametrize('device, backend, expected', [
@@ -57,7 +59,7 @@ def test_setup_makes_each_rank_s_own_gpu_current_before_it_joins_the_group(monke
     ('cuda:3', 'gloo', ('gloo', None)), ('cpu', 'auto', ('gloo', None)),
 ])
 def test_an_nccl_group_is_bound_to_the_rank_s_own_gpu(device, backend, expected):
-    assert perf.group_backend(device, backend) == expected
+    assert distributed.group_backend(device, backend) == expected
 
 
 def test_rng_state_holds_and_restores_only_this_process_s_gpu(monkeypatch):

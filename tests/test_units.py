@@ -16,6 +16,7 @@ import torch
 
 import checkpoint
 import data
+import distributed
 import evaluate
 import perf
 import prepare
@@ -262,12 +263,12 @@ def test_usable_cpus_are_the_affinity_capped_by_every_cgroup_quota_above(tmp_pat
     proc = tmp_path / 'proc_cgroup'
     proc.write_text('0::/job/step\n')
     (root / 'cpu.max').write_text('max 100000\n')
-    assert perf.usable_cpus(str(root), str(proc)) == affinity
+    assert distributed.usable_cpus(str(root), str(proc)) == affinity
     (root / 'job' / 'cpu.max').write_text('150000 100000\n')
     (root / 'job' / 'step' / 'cpu.max').write_text('max 100000\n')
-    assert perf.usable_cpus(str(root), str(proc)) == 1
+    assert distributed.usable_cpus(str(root), str(proc)) == 1
     proc.write_text('12:cpu,cpuacct:/job\n')  # cgroup v1 only: no quota read
-    assert perf.usable_cpus(str(root), str(proc)) == affinity
+    assert distributed.usable_cpus(str(root), str(proc)) == affinity
 
 
 def test_threads_are_the_key_s_else_torch_s_own_count_capped_by_a_container_s_quota(monkeypatch):
@@ -278,14 +279,14 @@ def test_threads_are_the_key_s_else_torch_s_own_count_capped_by_a_container_s_qu
         monkeypatch.delenv('OMP_NUM_THREADS')
         for own, usable, threads in ((4, 8, 4), (4, 2, 2)):
             torch.set_num_threads(own)
-            monkeypatch.setattr(perf, 'usable_cpus', lambda: usable)
-            perf.set_threads(0)
+            monkeypatch.setattr(distributed, 'usable_cpus', lambda: usable)
+            distributed.set_threads(0)
             assert torch.get_num_threads() == threads
-        perf.set_threads(3)
+        distributed.set_threads(3)
         assert torch.get_num_threads() == 3
         monkeypatch.setenv('OMP_NUM_THREADS', '4')  # asked for: past the quota too
         torch.set_num_threads(4)
-        perf.set_threads(0)
+        distributed.set_threads(0)
         assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(before)
@@ -298,13 +299,14 @@ def test_how_busy_other_work_keeps_the_cpus_is_measured_from_proc_stat(tmp_path,
     rows = lambda busy, idle: ''.join(f'cpu{c} {busy} 0 0 {idle} 0 0 0 0\n' for c in cpus)
     stat.write_text('cpu  0 0 0 0 0 0 0 0\n' + rows(100, 100))
     monkeypatch.setattr(perf.time, 'sleep', lambda s: stat.write_text(rows(175, 125)))
-    monkeypatch.setattr(perf, 'usable_cpus', lambda: len(cpus))
+    monkeypatch.setattr(distributed, 'usable_cpus', lambda: len(cpus))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert perf.cpu_use(stat=str(stat)) == {'usable': len(cpus), 'busy': 0.75 * len(cpus)}
+        assert (distributed.cpu_use(stat=str(stat))
+                == {'usable': len(cpus), 'busy': 0.75 * len(cpus)})
         torch.set_num_threads(1)  # one thread waits for no other: nothing to measure
-        assert perf.cpu_use(stat=str(stat)) == {'usable': len(cpus), 'busy': None}
+        assert distributed.cpu_use(stat=str(stat)) == {'usable': len(cpus), 'busy': None}
     finally:
         torch.set_num_threads(before)
 
@@ -313,7 +315,7 @@ def test_how_busy_other_work_keeps_the_cpus_is_measured_from_proc_stat(tmp_path,
     (2, 2, 0.9, 1), (8, 8, 6.0, 2), (2, 2, 0.3, None), (1, 2, 5.0, None), (4, 8, 3.0, None),
     (8, 2, 0.0, 2), (2, 2, None, None)])
 def test_threads_beyond_the_free_cpus_are_said_once_with_the_fix(threads, usable, busy, fix):
-    warning = perf.busy_warning(threads, {'usable': usable, 'busy': busy})
+    warning = distributed.busy_warning(threads, {'usable': usable, 'busy': busy})
     if fix is None:
         assert warning == ''
     else:
