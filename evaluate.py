@@ -216,9 +216,10 @@ def loss(model, loader, device, autocast, label='eval'):
 def score(model, examples, batch_size, device, autocast, rank=0, world_size=1):
     """acc and acc_norm of the model on examples, each counted once across ranks: rank r scores
     examples r::world_size, and the counts meet in one all_reduce (distributed.all_ranks, when there
-    is a group), then one host sync. Runs in model.eval() and torch.inference_mode() and gives the model back in the mode it came
-    in. Ties go to the first ending. Returns {'examples', 'correct', 'correct_norm', 'acc', 'acc_norm',
-    'chance'}; chance is the mean of 1 / number of endings, the accuracy of a uniform guess."""
+    is a group), then one host sync. Runs in model.eval() and torch.inference_mode() and gives the
+    model back in the mode it came in. Ties go to the first ending. Returns {'examples', 'correct',
+    'correct_norm', 'acc', 'acc_norm', 'chance'}; chance is the mean of 1 / number of endings, the
+    accuracy of a uniform guess."""
     was_training = model.training
     model.eval()
     with torch.inference_mode():

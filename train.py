@@ -169,7 +169,7 @@ try:  # the device, deterministic kernels when asked, and under torchrun the pro
                                             backend, threads)
 except ValueError as e:  # may differ between nodes: every rank that fails says so
     fail(f"rank {rank}: {e}" if ddp else e)
-cpus = distributed.cpu_use()  # how busy other work keeps this machine, before this process's own work
+cpus = distributed.cpu_use()  # how busy other work keeps the machine, before this process's own
 accum_steps = gradient_accumulation_steps // world_size  # micro-batches per optimizer step on this rank
 try:
     data_meta, splits, dataset_id = data.open_splits(data_dir, dataset, block_size, local_rank == 0)
