@@ -15,11 +15,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def resolve_device(device, local_rank=None, cuda_count=None):
-    """(device, type) for a device setting; local_rank is None for one process. A CUDA device always has an
-    index, since torch.cuda.set_device('cuda') raises: 'auto' and 'cuda' are cuda:LOCAL_RANK (cuda:0 for one
-    process); under torchrun each rank takes its own GPU, so an explicit index there is refused. cuda_count:
-    the GPUs this process sees (tests pass it; None asks torch). ValueError names the fix for a device this
-    code cannot use."""
+    """(device, type) for a device setting; local_rank is None for one process. A CUDA device
+    always has an index, since torch.cuda.set_device('cuda') raises: 'auto' and 'cuda' are
+    cuda:LOCAL_RANK (cuda:0 for one process); under torchrun each rank takes its own GPU, so an
+    explicit index there is refused. cuda_count: the GPUs this process sees (tests pass it; None
+    asks torch). ValueError names the fix for a device this code cannot use."""
     if cuda_count is None:
         cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device == 'auto':
@@ -29,41 +29,46 @@ def resolve_device(device, local_rank=None, cuda_count=None):
     except RuntimeError:
         parsed = None
     if parsed is None or parsed.type not in ('cpu', 'cuda'):
-        raise ValueError(f"device='{device}' is not supported: use device=cpu, cuda, cuda:N or auto")
+        raise ValueError(f"device='{device}' is not supported: use device=cpu, cuda, cuda:N or "
+                         f"auto")
     if parsed.type == 'cpu':
         return 'cpu', 'cpu'
     if not cuda_count:
         raise ValueError(f"device='{device}' but CUDA is not available here: use device=cpu")
     if parsed.index is not None and local_rank is not None:
-        raise ValueError(f"device='{device}' under torchrun: each process takes the GPU of its local rank, "
-                         f"so use device=cuda (CUDA_VISIBLE_DEVICES chooses which GPUs)")
+        raise ValueError(f"device='{device}' under torchrun: each process takes the GPU of its "
+                         f"local rank, so use device=cuda (CUDA_VISIBLE_DEVICES chooses which "
+                         f"GPUs)")
     index = parsed.index if parsed.index is not None else local_rank or 0
     if index >= cuda_count:
-        raise ValueError(f"device='{device}' needs GPU {index} but this process sees {cuda_count}: use "
-                         f"cuda:0 to cuda:{cuda_count - 1}, or as many processes per node as GPUs")
+        raise ValueError(f"device='{device}' needs GPU {index} but this process sees {cuda_count}: "
+                         f"use cuda:0 to cuda:{cuda_count - 1}, or as many processes per node as "
+                         f"GPUs")
     return f'cuda:{index}', 'cuda'
 
 
 def group_backend(device, backend):
-    """(backend, device_id) for init_process_group: nccl on CUDA and gloo on a CPU for backend='auto'. An nccl
-    group is bound to this rank's GPU: unbound, its first collective (data.py's barrier) runs on GPU
-    rank % GPUs per node, one another process owns on a node that runs fewer processes than it has GPUs."""
+    """(backend, device_id) for init_process_group: nccl on CUDA and gloo on a CPU for
+    backend='auto'. An nccl group is bound to this rank's GPU: unbound, its first collective
+    (data.py's barrier) runs on GPU rank % GPUs per node, one another process owns on a node that
+    runs fewer processes than it has GPUs."""
     if backend == 'auto':
         backend = 'nccl' if torch.device(device).type == 'cuda' else 'gloo'
     return backend, torch.device(device) if backend == 'nccl' else None
 
 
 def init_process_group(device, backend):
-    """Join torchrun's group on group_backend's backend, bound to device under nccl. torchrun keeps its store
-    across --max-restarts, so each attempt's addresses get a prefix a restarted group cannot confuse with the
-    dead one's. The timeout is 30 minutes (gloo's default): NCCL's 10 would end ranks waiting for rank 0's
-    save of a large model. At exit, on every path, the group is destroyed
-    (destroy_process_group)."""
+    """Join torchrun's group on group_backend's backend, bound to device under nccl. torchrun keeps
+    its store across --max-restarts, so each attempt's addresses get a prefix a restarted group
+    cannot confuse with the dead one's. The timeout is 30 minutes (gloo's default): NCCL's 10 would
+    end ranks waiting for rank 0's save of a large model. At exit, on every path, the group is
+    destroyed (destroy_process_group)."""
     store, _, _ = next(dist.rendezvous('env://'))
     store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     backend, device_id = group_backend(device, backend)
-    dist.init_process_group(backend=backend, store=store, rank=int(os.environ['RANK']), device_id=device_id,
-                            world_size=int(os.environ['WORLD_SIZE']), timeout=datetime.timedelta(minutes=30))
+    dist.init_process_group(backend=backend, store=store, rank=int(os.environ['RANK']),
+                            world_size=int(os.environ['WORLD_SIZE']), device_id=device_id,
+                            timeout=datetime.timedelta(minutes=30))
     atexit.register(destroy_process_group)
 
 
@@ -178,8 +183,8 @@ def data_parallel(model, device_ids):
 
 
 def all_ranks(values):
-    """values, a tensor on this process's device, summed over the ranks in place (alone: as they are). Every
-    rank calls it at the same points."""
+    """values, a tensor on this process's device, summed over the ranks in place (alone: as they
+    are). Every rank calls it at the same points."""
     if dist.is_initialized():
         dist.all_reduce(values)
     return values
