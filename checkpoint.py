@@ -230,7 +230,8 @@ def why_not_resume(ckpt, config, defaults):
 # the state: built here, applied here
 
 # parts: the run's objects whose state_dicts a checkpoint holds, by name (torchtitan's and DCP's app state):
-# 'model' (the plain GPT, not its compiled or DDP wrapper), 'optimizer', 'scheduler', 'scaler', 'sampler'
+# 'model' (the plain GPT, not its compiled or DDP wrapper), 'optimizer', 'scheduler', 'scaler',
+# 'sampler', and under ema_decay 'ema' (an AveragedModel: the weights' moving average, n_averaged)
 OTHER_PARTS = ('scheduler', 'scaler', 'sampler')
 
 
@@ -239,8 +240,9 @@ def state(parts, rng, progress, run, shards=None):
     them), the schedule, the loss scale, the data position, every rank's RNG state (rng, in rank order), the
     loop's counters (progress: a Progress) and what the run is (run: config, model_args, dataset,
     dtype, ...)."""
-    weights = ({'shards': shards} if shards
-               else {'model': parts['model'].state_dict(), 'optimizer': parts['optimizer'].state_dict()})
+    weights = {'shards': shards} if shards else {
+        'model': parts['model'].state_dict(), 'optimizer': parts['optimizer'].state_dict(),
+        **({'ema': parts['ema'].state_dict()} if 'ema' in parts else {})}
     return {'format': FORMAT, **run, **dataclasses.asdict(progress), **weights,
             **{name: parts[name].state_dict() for name in OTHER_PARTS}, 'rng': rng}
 
@@ -252,7 +254,7 @@ def resume(ckpt, path, parts, rank, world_size, device):
     not the file, so a lowered learning_rate applies from here on. RNG states are restored only on
     the number of processes that wrote them."""
     optimizer, scheduler = parts['optimizer'], parts['scheduler']
-    load_weights(ckpt, path, parts['model'], optimizer)
+    load_weights(ckpt, path, parts['model'], optimizer, parts.get('ema'))
     configured = scheduler.base_lrs
     for name in OTHER_PARTS:
         parts[name].load_state_dict(ckpt[name])
@@ -265,29 +267,36 @@ def resume(ckpt, path, parts, rank, world_size, device):
     return Progress(**{name: ckpt[name] for name in names if name in ckpt})
 
 
-def load_weights(ckpt, path, model, optimizer=None):
-    """The weights (and the optimizer state) of a checkpoint: from the file, or in fsdp mode from the shards
-    folder it points to, of which every rank reads its own part."""
+def load_weights(ckpt, path, model, optimizer=None, ema=None):
+    """The weights (and the optimizer state, and the EMA's weights) of a checkpoint: from the file,
+    or in fsdp mode from the shards folder it points to, of which every rank reads its own part."""
     if 'shards' not in ckpt:
         model.load_state_dict(ckpt['model'])
         if optimizer:
             optimizer.load_state_dict(ckpt['optimizer'])
+        if ema:
+            ema.load_state_dict(ckpt['ema'])
         return
     import torch.distributed.checkpoint as dcp  # imported only by sharded runs: ~1 s
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-    sharded = sharded_state(model, optimizer)
+    sharded = sharded_state(model, optimizer, ema)
     dcp.load(sharded, checkpoint_id=os.path.join(os.path.dirname(path), ckpt['shards']))
     set_model_state_dict(model, sharded['model'])
+    if ema:
+        set_model_state_dict(ema, sharded['ema'])
     if optimizer:
         set_optimizer_state_dict(model, optimizer.optimizers, sharded['optimizer'])
         optimizer.gather()  # the members' load_state_dict gave them new group dicts
 
 
-def sharded_state(model, optimizer=None):
-    """This rank's part of an FSDP model's weights (and optimizer state), as DCP reads and writes it."""
+def sharded_state(model, optimizer=None, ema=None):
+    """This rank's part of an FSDP model's weights (and optimizer state, and the EMA's weights), as
+    DCP reads and writes it."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-    return {'model': get_model_state_dict(model)} | (
-        {'optimizer': get_optimizer_state_dict(model, optimizer.optimizers)} if optimizer else {})
+    return ({'model': get_model_state_dict(model)}
+            | ({'optimizer': get_optimizer_state_dict(model, optimizer.optimizers)}
+               if optimizer else {})
+            | ({'ema': get_model_state_dict(ema)} if ema else {}))
 
 
 def save(names, out_dir, parts, rng, progress, run, sharded, master):
@@ -301,7 +310,7 @@ def save(names, out_dir, parts, rng, progress, run, sharded, master):
         if sharded:
             import torch.distributed.checkpoint as dcp
             shards = f"shards-{progress.iter_num}"
-            dcp.save(sharded_state(parts['model'], parts['optimizer']),
+            dcp.save(sharded_state(parts['model'], parts['optimizer'], parts.get('ema')),
                      checkpoint_id=os.path.join(out_dir, shards))
         if not master:
             return None

@@ -122,7 +122,8 @@ def configure(defaults, argv, choices=None, minimums=None):
     for key, allowed in (choices or {}).items():
         if config[key] not in allowed:
             *others, last = map(repr, allowed)
-            raise ConfigError(f"{key}={config[key]!r}: use {', '.join(others)}{' or ' * bool(others)}{last}")
+            listed = f"{', '.join(others)} or {last}" if others else last
+            raise ConfigError(f"{key}={config[key]!r}: use {listed}")
     assert set(minimums or {}) <= set(config), f"minimums names unknown keys: {set(minimums) - set(config)}"
     for key, value in config.items():  # no setting is negative: minimums name those that must be more
         if key in (minimums or {}) and value < minimums[key]:

@@ -50,6 +50,8 @@ batch_size = 8  # examples per forward, each with all its endings
 device = 'auto'  # 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...
 dtype = 'auto'  # 'auto' (train.py's choice for this model on this device), 'float32', 'bfloat16', 'float16'
 threads = 0  # torch's CPU threads; 0: its own count, capped by a container's CPU quota
+# True: a checkpoint's trained weights even where it also holds their EMA (train.py's ema_decay)
+raw_weights = False
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
@@ -312,7 +314,7 @@ def load(config, device):
     check(os.path.isfile(path), f"checkpoint {path} does not exist: set out_dir to a run's folder, ckpt to "
                                 f"a .pt file, or init_from to GPT-2 weights")
     try:
-        model, saved = sample.load_model(path, device)
+        model, saved = sample.load_model(path, device, config['raw_weights'])
         return model, tokenizers.load(saved['dataset']['tokenizer']).encode, path
     except (checkpoint.CheckpointError, tokenizers.TokenizerError) as e:
         check(False, e)

@@ -135,13 +135,18 @@ def plot_curves(train, evals, path, title, log_interval):
     matplotlib.use('Agg')  # files only, no display
     import matplotlib.pyplot as plt
     tasks = task_names(evals)
-    fig, axes = plt.subplots(2 + bool(tasks), 1, sharex=True, figsize=(8, 6 + 2 * bool(tasks)),
-                             height_ratios=[3, 1] + [2] * bool(tasks))
+    if tasks:  # loss, accuracy, learning rate
+        fig, axes = plt.subplots(3, 1, sharex=True, figsize=(8, 8), height_ratios=[3, 1, 2])
+    else:
+        fig, axes = plt.subplots(2, 1, sharex=True, figsize=(8, 6), height_ratios=[3, 1])
     ax_loss, ax_lr = axes[0], axes[-1]
     ax_loss.plot([r['step'] for r in train], [r['loss'] for r in train], lw=0.8, alpha=0.5,
                  label=(f'train (every {log_interval} iterations)' if log_interval > 1
                         else 'train (every iteration)'))
-    for key, label in (('train_loss', 'train (eval)'), ('val_loss', 'val (eval)')):
+    curves = [('train_loss', 'train (eval)'), ('val_loss', 'val (eval)')]
+    if evals and evals[-1].get('ema_val_loss') is not None:  # ema_decay
+        curves.append(('ema_val_loss', 'val of the EMA weights (eval)'))
+    for key, label in curves:
         ax_loss.plot([e['step'] for e in evals], [e[key] for e in evals], 'o-', label=label)
     ax_loss.set(ylabel='loss (nats/token)', title=title)
     ax_loss.legend()
@@ -185,6 +190,11 @@ def loss_lines(evals, test, split_rule):
              f"{last['val_loss'] - last['train_loss']:+.4f}",
              f"- best val loss {loss_text(best_val['val_loss'])} at iteration {best_val['step']}; "
              f"best train loss {loss_text(best_train['train_loss'])} at iteration {best_train['step']}"]
+    if last.get('ema_val_loss') is not None:  # ema_decay: best.pt was chosen by it
+        best_ema = min(evals, key=lambda e: e['ema_val_loss'])
+        lines.append(f"- the EMA of the weights: val {loss_text(last['ema_val_loss'])} at the last "
+                     f"evaluation, best {loss_text(best_ema['ema_val_loss'])} at iteration "
+                     f"{best_ema['step']} (best.pt holds it, and sample.py and evaluate.py use it)")
     if test and test.get('test_loss') is not None:
         lines.append(f"- test loss {loss_text(test['test_loss'])} with the best weights (iteration "
                      f"{test['best_iter']})")

@@ -221,9 +221,10 @@ def new_peak(step, flops, how):
 
 
 def done(test, first_iter):
-    """The end of a run that completed: the 'test' record (step, best_iter, best_val_loss, test_loss or None,
-    wall_seconds and save_seconds of this session, total_seconds of every session), and the line that sums it
-    up. first_iter: the iteration this session started from (0 unless it resumed)."""
+    """The end of a run that completed: the 'test' record (step, best_iter, best_val_loss, ema:
+    whether that is the EMA's, test_loss or None, wall_seconds and save_seconds of this session,
+    total_seconds of every session), and the line that sums it up. first_iter: the iteration this
+    session started from (0 unless it resumed)."""
     record(test)
     step, seconds, test_loss = test['step'], test['wall_seconds'], test['test_loss']
     sessions = f"{step} iterations in {seconds:.0f} s" if not first_iter else (
@@ -231,9 +232,10 @@ def done(test, first_iter):
         f"{test['total_seconds']:.0f} s over every session")
     tested = '' if test_loss is None else \
         f", test loss {test_loss:.4f} ({test_loss / math.log(2):.3f} bits/token) with the best weights"
+    whose = ' (the EMA of the weights)' if test['ema'] else ''
     log(f"done: {sessions} (checkpoint saves {test['save_seconds'] / seconds:.1%} of this session), best "
-        f"val loss {test['best_val_loss']:.4f} at iteration {test['best_iter']}{tested}; checkpoints in "
-        f"{run_dir}")
+        f"val loss{whose} {test['best_val_loss']:.4f} at iteration {test['best_iter']}{tested}; "
+        f"checkpoints in {run_dir}")
 
 
 def finish():

@@ -16,6 +16,7 @@ import sys
 import warnings
 
 import torch
+from torch.optim.swa_utils import AveragedModel
 
 import checkpoint
 import distributed
@@ -38,6 +39,8 @@ device = 'auto'  # 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1'
 threads = 0  # torch's CPU threads; 0: its own count, capped by a container's CPU quota
 # 'auto' (as train.py decides it, for this model on this device), 'float32', 'bfloat16', 'float16'
 dtype = 'auto'
+# True: a checkpoint's trained weights even where it also holds their EMA (train.py's ema_decay)
+raw_weights = False
 # write the weights to this single .pt file (e.g. from an fsdp run's shards) and exit without sampling
 export = ''
 # write a Hugging Face GPT2LMHeadModel folder (config.json, model.safetensors, the tokenizer) here and exit
@@ -45,29 +48,36 @@ export_hf = ''
 # -----------------------------------------------------------------------------
 
 
-def load_model(path, device):
-    """(GPT in eval mode on device, the checkpoint dict) from a checkpoint file; raises
+def load_model(path, device, raw_weights=False):
+    """(GPT in eval mode on device, the checkpoint dict) from a checkpoint file: the moving average
+    of its weights where it holds one (train.py's ema_decay) unless raw_weights; raises
     checkpoint.CheckpointError. The tokenizer is the dataset's:
     tokenizer.load(checkpoint['dataset']['tokenizer']). An older checkpoint is migrated as it loads,
     which a line on stderr says."""
     saved = checkpoint.load(path)
     if 'migrated' in saved:
         print(saved['migrated'], file=sys.stderr)
+    # a sharded run's EMA is in its shards folder
+    holds_ema = 'ema' in saved or ('shards' in saved and saved['config'].get('ema_decay', 0) > 0)
+    weights = 'ema' if holds_ema and not raw_weights else 'model'
+    saved['weights'] = weights
     try:
         model = GPT(GPTConfig(**saved['model_args']))
         # an fsdp run's checkpoint: gather its shards into whole tensors, in this one process
         if 'shards' in saved:
             import torch.distributed.checkpoint as dcp  # a second of imports only this case needs
-            state = {'model': model.state_dict()}
+            template = AveragedModel(model) if weights == 'ema' else model  # the shards' names
+            state = {weights: template.state_dict()}
             # dcp warns that it loads without a process group: that is the point
             with warnings.catch_warnings():
                 warnings.simplefilter('ignore')
                 dcp.load(state, checkpoint_id=os.path.join(os.path.dirname(path), saved['shards']),
                          no_dist=True)
-            saved['model'] = state['model']
-        # checkpoints saved from a torch.compile or DDP wrapper elsewhere carry these prefixes
+            saved[weights] = state[weights]
+        # checkpoints saved from a torch.compile or DDP wrapper elsewhere carry these prefixes, and
+        # an EMA its AveragedModel's, beside its count of averaged steps
         model.load_state_dict({re.sub(r'^((_orig_mod|module)\.)+', '', k): v
-                               for k, v in saved['model'].items()})
+                               for k, v in saved[weights].items() if k != 'n_averaged'})
         if 'kind' not in saved['dataset']['tokenizer']:  # every use needs the dataset's tokenizer
             raise KeyError('tokenizer')
     except (KeyError, TypeError, ValueError, RuntimeError) as e:  # ValueError: GPTConfig's checks
@@ -136,7 +146,7 @@ if __name__ == '__main__':
         fail(f"checkpoint {ckpt_path} does not exist: set out_dir to a run's folder, or ckpt to a .pt file")
     try:
         # an export stays on the CPU: its tensors must load anywhere; a large run's shards may not fit a GPU
-        model, saved = load_model(ckpt_path, 'cpu' if export or export_hf else device)
+        model, saved = load_model(ckpt_path, 'cpu' if export or export_hf else device, raw_weights)
     except checkpoint.CheckpointError as e:
         fail(e)
     if export:
@@ -168,7 +178,9 @@ if __name__ == '__main__':
         fail(e)
     autocast = perf.autocast(device_type, dtype)
     start = start or tok.start
-    print(f"sampling {ckpt_path} (iteration {saved.get('iter_num', '?')}) on {device} {dtype}",
+    which = ', the EMA of its weights' if saved['weights'] == 'ema' else ''
+    print(f"sampling {ckpt_path} (iteration {saved.get('iter_num', '?')}{which}) on {device} "
+          f"{dtype}",
           file=sys.stderr)
     for i in range(num_samples):
         with autocast:

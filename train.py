@@ -22,6 +22,7 @@ import time
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.profiler import record_function
 from torch.utils.data import default_collate
 
@@ -29,17 +30,17 @@ import checkpoint
 import data
 import distributed
 import evaluate
-import hf
 import perf
+import preflight
 import prepare
 import runlog
 import sample
 import smoke
 import tokenizer
-from configurator import ConfigError, configure, fail
+from configurator import fail
 from distributed import all_ranks, any_rank, gather
-from model import GPT, OPTIMIZERS, GPTConfig
-from runlog import abort, check, log, record
+from model import GPT
+from runlog import abort, log, record
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -92,6 +93,9 @@ learning_rate = 6e-4  # AdamW's
 muon_lr = 0.02  # Muon's base learning rate; the schedule scales it by the same factor as learning_rate
 muon_momentum = 0.95
 muon_dtype = 'auto'  # its Newton-Schulz's: 'auto', 'float32' or 'bfloat16' (perf.auto_muon_dtype)
+# > 0: also keep an exponential moving average of the weights, ema = decay * ema + (1 - decay) * w
+# after each optimizer step that ran; it is evaluated beside them and picks best.pt; 0: off
+ema_decay = 0.0
 layer_lr_decay = 1.0  # < 1, for fine-tuning: block i's rates x decay^(n_layer - i) (GPT.lr_scale)
 max_iters = 600000  # iterations: optimizer steps attempted, of gradient_accumulation_steps micro-batches each
 weight_decay = 1e-1
@@ -128,39 +132,9 @@ ddp = 'RANK' in os.environ  # torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
 rank, local_rank, world_size = (int(os.environ.get(k, default)) for k, default in
                                 (('RANK', 0), ('LOCAL_RANK', 0), ('WORLD_SIZE', 1)))
 master = runlog.master = rank == 0
-try:
-    config, config_sources = configure(defaults, sys.argv[1:], choices={
-        'dtype': ('auto', *perf.DTYPES), 'muon_dtype': ('auto', 'float32', 'bfloat16'),
-        'backend': ('auto', 'nccl', 'gloo'), 'parallel': ('ddp', 'fsdp'),
-        'optimizer': OPTIMIZERS, 'lr_schedule': ('cosine', 'wsd'), 'best_by': ('val_loss', 'acc_norm')},
-        minimums=dict.fromkeys(('eval_interval', 'log_interval', 'gradient_accumulation_steps', 'batch_size',
-                                'max_iters', 'max_consecutive_skips', 'init_scale'), 1))  # any other: >= 0
-    model_config = GPTConfig(**{f.name: config[f.name] for f in dataclasses.fields(GPTConfig)
-                                if f.name in config})
-except (ConfigError, ValueError) as e:  # the model's shape too, checked before anything is written
-    check(False, e)
+config, config_sources, model_config = preflight.settings(defaults, sys.argv[1:], world_size, ddp)
 globals().update(config)
-check(init_from in ('scratch', 'resume', 'auto') or hf.is_source(init_from),
-      f"init_from='{init_from}': use 'scratch', 'resume', 'auto', a GPT-2 name ({', '.join(hf.GPT2_NAMES)}) "
-      f"or the path of a Hugging Face model folder or .safetensors file")
-check(best_by == 'val_loss' or eval_tasks, "best_by='acc_norm' needs eval_tasks: name the task files")
-check(not decay_lr or lr_decay_iters > warmup_iters,
-      f"lr_decay_iters={lr_decay_iters} must exceed warmup_iters={warmup_iters}")
-check(0 < wsd_decay_frac <= 1, f"wsd_decay_frac={wsd_decay_frac} must be in (0, 1]")
-check(0 < layer_lr_decay <= 1, f"layer_lr_decay={layer_lr_decay} must be in (0, 1]: 1 is off")
-check(smoke_steps != 1, "smoke_steps=1 compares a loss with itself (each step's loss comes "
-      "before its update): use 0 (off) or at least 2")
-check(all(0 <= b < 1 for b in (beta1, beta2, muon_momentum)),
-      f"beta1={beta1}, beta2={beta2} and muon_momentum={muon_momentum} must each be in [0, 1)")
-check(gradient_accumulation_steps % world_size == 0,
-      f"gradient_accumulation_steps={gradient_accumulation_steps} is not divisible by the {world_size} "
-      f"processes: make it a multiple of {world_size} so the global batch stays the same")
 sharded = ddp and parallel == 'fsdp'
-# torch 2.13's Muon steps FSDP2's sharded matrices without an error, but not to the update of the whole matrix
-check(not (sharded and optimizer == 'muon'), "optimizer='muon' does not work with parallel='fsdp' (Muon "
-      "orthogonalizes whole matrices, FSDP shards them): use parallel='ddp' or optimizer='adamw'")
-missing = runlog.missing_package(config)  # tensorboard_log's or wandb_log's
-check(not missing, missing)
 
 # -----------------------------------------------------------------------------
 # processes, devices and data
@@ -182,78 +156,37 @@ try:
                     for s, sampler in eval_samplers.items()}
 except (data.DataError, prepare.PrepareError) as e:  # a node's own data may differ from rank 0's
     fail(f"rank {rank}: {e}" if ddp else e)
-check(gather(dataset_id).count(dataset_id) == world_size, f"the ranks see different data in {data_dir}/"
-      f"{dataset}: every node needs the same prepared dataset (shared storage, or the same files on each)")
-tasks = {}
-try:  # a bad task file, or a tokenizer that cannot load, is found before anything is written
-    if eval_tasks:  # training needs no tokenizer: the tasks and the end-of-run sample do
-        tasks = evaluate.read_tasks(eval_tasks, tokenizer.load(data_meta['tokenizer']).encode,
-                                    block_size, eval_tasks_examples)
-except (evaluate.TaskError, tokenizer.TokenizerError) as e:
-    check(False, e)
 if 'test' not in splits and test_eval:
     log(f"dataset '{dataset}' has no test split: the test evaluation is skipped")
     test_eval = False  # config.json keeps what was asked
 
 # -----------------------------------------------------------------------------
 # the model and optimizer: weights from a checkpoint, GPT-2's or a random init; precision; the schedule
-ckpt_path = resume_from or os.path.join(out_dir, 'last.pt')
-resuming = init_from == 'resume' or (init_from == 'auto' and os.path.exists(ckpt_path))
-ckpt = pretrained_state = pretrained = None
-try:
-    if resuming:
-        ckpt = checkpoint.load(ckpt_path, resumable=True)
-        pretrained = ckpt['pretrained']  # {'init_from', 'weights', 'sha256'} of a GPT-2 start, or None
-    elif init_from not in ('scratch', 'auto'):
-        pretrained_args, pretrained_state, pretrained = hf.load_gpt2(init_from, block_size,
-                                                                     data_meta['vocab_size'])
-except (checkpoint.CheckpointError, hf.HFError) as e:
-    check(False, e)
-holds_one = any(os.path.exists(os.path.join(out_dir, f)) for f in ('last.pt', 'best.pt'))
-check(resuming or init_from == 'auto' or not holds_one,
-      f"out_dir '{out_dir}' already holds a checkpoint: resume it (init_from=resume or auto), or use another")
-model_config = dataclasses.replace(model_config, vocab_size=data_meta['vocab_size'])
-if pretrained:  # the shape comes from the weights, on resume too; config.json and checkpoints record it
-    shape = {k: (ckpt['model_args'] if resuming else pretrained_args)[k] for k in hf.SHAPE_KEYS}
-    config |= shape
-    config_sources |= dict.fromkeys(shape, f"weights of {pretrained['init_from']}")
-    model_config = dataclasses.replace(model_config, **shape)
-    lacking = hf.cannot_hold(model_config)
-    check(not lacking, f"GPT-2's weights cannot have {', '.join(lacking)}: leave those keys at the defaults")
-if resuming:
-    why = (checkpoint.why_not_resume(ckpt, config, defaults)
-           or data.data_change(ckpt['dataset'], dataset_id, splits))
-    check(not why, f"{ckpt_path} {why}: use the checkpoint's settings and data, or a new out_dir")
-if dtype == 'auto' and not resuming:
-    log("choosing the dtype for dtype='auto'")
-try:  # 'auto': the resumed run's choice, or rank 0's (measured, on some CPUs) for every rank
-    dtype, dtype_how = perf.resolve_dtype(dtype, device, dataclasses.asdict(model_config), batch_size,
-                                          (ckpt_path, ckpt['dtype']) if resuming else None)
-except ValueError as e:
-    check(False, e)
-check(not (sharded and dtype == 'float16'), "parallel='fsdp' trains in float32 or bfloat16, not float16 "
-      "(dtype='auto' picks it below compute capability 8.0): use dtype=bfloat16, or float32 on such a GPU")
-if dtype == 'float16' and (warning := perf.float16_warning(device, model_config, batch_size)):
-    log(warning, sys.stderr)
+# the same data on every rank; the tasks; the checkpoint or GPT-2's weights, checked; the dtypes
+init = preflight.start(config, config_sources, defaults, model_config, data_meta, dataset_id,
+                       splits, device, sharded)
+tasks, resuming, ckpt, ckpt_path = init.tasks, init.resuming, init.ckpt, init.ckpt_path
+pretrained = init.pretrained
+model_config, dtype, muon_dtype = init.model_config, init.dtype, init.muon_dtype
 autocast = perf.autocast(device_type, dtype)
 
 log(f"building the model: {model_config.n_layer} layers, {model_config.n_head} heads, {model_config.n_embd} "
     f"wide, block {block_size}, vocab {model_config.vocab_size}")  # the shape GPT-2's weights may have set
 torch.manual_seed(seed)  # the same initial weights on every rank
 model = GPT(model_config)
-if pretrained_state is not None:
-    model.load_state_dict(pretrained_state)
+if init.pretrained_state is not None:
+    model.load_state_dict(init.pretrained_state)
 model.activation_checkpointing = activation_checkpointing
-if sharded:  # FSDP moves each block to the device as it shards it: no rank holds the whole model there
-    model.fully_shard(perf.DTYPES[dtype], device_type)
-else:
-    model = model.to(device)
-if optimizer == 'muon':  # 'auto': the resumed run's choice, or rank 0's (measured on some CPUs)
-    if muon_dtype == 'auto' and not resuming:
-        log("choosing Muon's Newton-Schulz dtype for muon_dtype='auto'")
-    muon_dtype, muon_dtype_how = perf.resolve(
-        muon_dtype, lambda: perf.auto_muon_dtype(device, [p.shape for _, p in model.muon_params()]),
-        (ckpt_path, ckpt['muon_dtype']) if resuming else None)
+# the moving average starts at the initial weights: an update now copies them (and counts one, so
+# that every later update averages)
+ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(ema_decay)) if ema_decay else None
+if ema:
+    ema.update_parameters(model)
+for module in [model] + ([ema.module] if ema else []):
+    if sharded:  # FSDP moves each block to the device as it shards it: no rank holds it whole there
+        module.fully_shard(perf.DTYPES[dtype], device_type)
+    else:
+        module.to(device)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), config['optimizer'],
                                        muon_lr, muon_momentum, muon_dtype, layer_lr_decay)
 min_lr_factor = min_lr / learning_rate if learning_rate > 0 else 0.0
@@ -279,21 +212,21 @@ scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=dtype 
 checkpoint.seed_rngs(seed + rank)  # python, numpy, torch on every device: dropout masks differ per rank
 # what a checkpoint holds the state of (checkpoint.state), and what a resume restores (checkpoint.resume)
 parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=train_sampler)
+if ema:
+    parts['ema'] = ema  # its weights, and how many steps it has averaged (n_averaged)
 
 # -----------------------------------------------------------------------------
 # resume (everything that decides the rest of the run comes from the checkpoint), the wrappers, the run folder
 progress = checkpoint.Progress()  # the loop's counters: a checkpoint saves and restores them whole
 if resuming:
     progress = checkpoint.resume(ckpt, ckpt_path, parts, rank, world_size, device)
-    check(progress.iter_num < max_iters or init_from == 'auto',
-          f"{ckpt_path} is at iteration {progress.iter_num}: max_iters={max_iters} leaves "
-          f"nothing to do: raise max_iters (README, Resume, says what the learning rate does then)")
 start_iter = last_saved = progress.iter_num
 seconds_before = progress.train_seconds
 raw_model = model  # the plain GPT whose state_dict is saved: no '_orig_mod.' or 'module.' prefixes
 if compile:
     model = torch.compile(model)
 eval_model = model  # evaluation needs no gradient sync: the compiled model without the DDP wrapper
+ema_eval_model = (torch.compile(ema.module) if compile else ema.module) if ema else None
 if ddp and not sharded:  # buffers (rope's tables) are not broadcast in every forward: none changes
     model = distributed.data_parallel(model, [local_rank] if device_type == 'cuda' else None)
 # the run folder: created only now that the config, data and checkpoint are known to be good
@@ -305,9 +238,8 @@ run_record = {'config': config, 'model_args': dataclasses.asdict(model_config), 
               'pretrained': pretrained, 'dtype': dtype,
               'muon_dtype': muon_dtype}  # in every checkpoint, beside the state
 session = {  # what this session is, for meta.json (beside the code, software and machine) and its first lines
-    'seed': seed, 'dtype': dtype, 'dtype_choice': dtype_how,
-    'muon_dtype': ({'dtype': muon_dtype, **muon_dtype_how} if config['optimizer'] == 'muon'
-                   else None),
+    'seed': seed, 'dtype': dtype, 'dtype_choice': init.dtype_how,
+    'muon_dtype': {'dtype': muon_dtype, **init.muon_dtype_how} if init.muon_dtype_how else None,
     'device': device, 'world_size': world_size,
     'cpus': cpus,
     'backend': torch.distributed.get_backend() if ddp else None,
@@ -423,36 +355,41 @@ def log_step(loss, grad_norm, lr, skipped, scale, profiler):
     if interval['idle_warning']:  # a log line: advice, not a fault of the run
         log(interval['idle_warning'])
 
-def split_loss(split):
-    """The mean loss over a split's evaluation windows. A shard changed under the run ends the run
-    here on every rank, before anything is saved."""
+def split_loss(split, model):
+    """model's mean loss over a split's evaluation windows. A shard changed under the run ends the
+    run here on every rank, before anything is saved."""
     try:
-        return evaluate.loss(eval_model, eval_loaders[split], device, autocast, f"eval {split}")
+        return evaluate.loss(model, eval_loaders[split], device, autocast, f"eval {split}")
     except data.DataError as e:  # every rank raises it, having met in evaluate.loss's all-reduce
         data_fault(progress.iter_num, e)
 
 def evaluate_and_choose_saves():
-    """Train and val loss, each task's accuracy, the best so far (by best_by), and which files to write:
-    best.pt at a new best, last.pt at every evaluation (without always_save_checkpoint only with a new
-    best.pt, so that init_from=auto resumes from there)."""
-    train_loss, val_loss = split_loss('train'), split_loss('val')
+    """Train and val loss (and the EMA's val loss), each task's accuracy, the best so far (by
+    best_by: the EMA's val loss when there is one), and which files to write: best.pt at a new best,
+    last.pt at every evaluation (without always_save_checkpoint only with a new best.pt, so that
+    init_from=auto resumes from there)."""
+    train_loss, val_loss = split_loss('train', eval_model), split_loss('val', eval_model)
+    ema_val_loss = split_loss('val', ema_eval_model) if ema else None
     accuracy, acc_norm = evaluate.score_tasks(eval_model, tasks, batch_size, device, autocast, rank,
                                               world_size)
+    chosen_val_loss = val_loss if ema_val_loss is None else ema_val_loss
     if best_by == 'val_loss':
-        improved = val_loss < progress.best_val_loss
+        improved = chosen_val_loss < progress.best_val_loss
     else:
         improved = acc_norm > progress.best_acc_norm
     if improved:
-        progress.best_val_loss, progress.best_acc_norm = val_loss, acc_norm
+        progress.best_val_loss, progress.best_acc_norm = chosen_val_loss, acc_norm
         progress.best_iter = progress.iter_num
     progress.evals_since_best = 0 if improved else progress.evals_since_best + 1
     record({'kind': 'eval', 'step': progress.iter_num, 'train_loss': train_loss,
-            'val_loss': val_loss,
+            'val_loss': val_loss, 'ema_val_loss': ema_val_loss,
             'best_val_loss': progress.best_val_loss, 'val_bits_per_token': val_loss / math.log(2),
             **evaluate.task_fields(accuracy)})
     best = progress.best_val_loss if best_by == 'val_loss' else progress.best_acc_norm
     log(f"eval {progress.iter_num}: train {train_loss:.4f}, val {val_loss:.4f} "
-        f"(gap {val_loss - train_loss:+.4f}){evaluate.tasks_line(accuracy)}, best {best:.4f} at "
+        f"(gap {val_loss - train_loss:+.4f})"
+        f"{'' if ema is None else f', EMA val {ema_val_loss:.4f}'}"
+        f"{evaluate.tasks_line(accuracy)}, best {best:.4f} at "
         f"{progress.best_iter}{' *saved best.pt' if improved else ''}")
     if improved:
         return ['best.pt', 'last.pt']
@@ -503,6 +440,8 @@ while progress.iter_num < max_iters:
     scaler.update()  # lowers the scale after an overflow
     if not skipped:
         scheduler.step()  # the schedule counts optimizer steps that really happened
+        if ema:
+            ema.update_parameters(raw_model)
     progress.iter_num += 1
     progress.skipped_steps += 1 if skipped else 0
     progress.consecutive_skips = progress.consecutive_skips + 1 if skipped else 0
@@ -551,10 +490,11 @@ if overfit_one_batch and first_loss is not None:  # None: a finished run resumed
 best = os.path.join(out_dir, 'best.pt')
 # last.pt holds the trained weights: now load the best
 if progress.best_iter > 0 and (test_eval or sample_tokens):
-    checkpoint.load_weights(checkpoint.load(best), best, raw_model)
-test_loss = split_loss('test') if test_eval else None
+    checkpoint.load_weights(checkpoint.load(best), best, raw_model, ema=ema)
+best_model = ema.module if ema else raw_model  # the weights best.pt was chosen by
+test_loss = split_loss('test', ema_eval_model if ema else eval_model) if test_eval else None
 runlog.done({'kind': 'test', 'step': progress.iter_num, 'best_iter': progress.best_iter,
-             'best_val_loss': progress.best_val_loss, 'test_loss': test_loss,
+             'best_val_loss': progress.best_val_loss, 'ema': bool(ema), 'test_loss': test_loss,
              'wall_seconds': session_seconds, 'save_seconds': save_seconds,
              'total_seconds': seconds_before + session_seconds}, start_iter)
 if sample_tokens and (master or sharded):  # a sharded model's forward needs every rank
@@ -569,7 +509,7 @@ if sample_tokens and (master or sharded):  # a sharded model's forward needs eve
     else:
         log("a sample from the best weights:")
         with autocast:  # printed as the tokens come
-            runlog.log_pieces(sample.sample_pieces(raw_model, tok, tok.start, sample_tokens, 0.8,
+            runlog.log_pieces(sample.sample_pieces(best_model, tok, tok.start, sample_tokens, 0.8,
                                                    200, seed, device))
 runlog.finish()
 # the interpreter's exit would run a full collection over every object left, torch's modules' among

@@ -107,7 +107,7 @@ def test_two_nodes_on_loopback(tmp_path, data_dir):
 
 def test_ddp_elastic_restart_resumes_exactly(tmp_path, data_dir):
     # dropout: each rank's RNG state must travel
-    args = [*SAME, '--dropout=0.1', '--num_workers=1', '--init_from=auto']
+    args = [*SAME, '--dropout=0.1', '--num_workers=1', '--init_from=auto', '--ema_decay=0.9']
     straight, elastic = str(tmp_path / 'straight'), str(tmp_path / 'elastic')
     # the straight run alone smoke-tests first (smoke.py): on 2 ranks too, the run after it is the
     # run without it
@@ -120,6 +120,9 @@ def test_ddp_elastic_restart_resumes_exactly(tmp_path, data_dir):
                          torchrun_args=['--standalone', '--max-restarts=1']))
     assert 'resuming from' in result.stdout
     assert fields(elastic) == fields(straight)
+    a, b = (torch.load(os.path.join(d, 'last.pt'), weights_only=True)['ema']
+            for d in (straight, elastic))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the EMA's weights and count
 
 
 def test_nan_on_one_rank_ends_both_promptly(tmp_path, data_dir):

@@ -34,7 +34,8 @@ def test_fsdp_matches_one_process_resumes_exactly_and_checkpoints_activations(tm
     run_train(one, data_dir, *SAME, '--layer_lr_decay=0.5')
     # this run alone smoke-tests first (smoke.py): sharded too, the run after it is the run
     # without it
-    ok(torchrun(fsdp, data_dir, *SAME, '--layer_lr_decay=0.5', '--parallel=fsdp',
+    # the EMA of the weights, sharded too, changes no training loss
+    ok(torchrun(fsdp, data_dir, *SAME, '--layer_lr_decay=0.5', '--parallel=fsdp', '--ema_decay=0.8',
                 '--smoke_steps=30'))
     for (s1, l1, lr1, g1), (s2, l2, lr2, g2) in zip(trajectory(one), trajectory(fsdp), strict=True):
         assert s1 == s2 and lr1 == lr2 and abs(l1 - l2) <= RTOL * l1 and abs(g1 - g2) <= RTOL * g1
@@ -42,16 +43,21 @@ def test_fsdp_matches_one_process_resumes_exactly_and_checkpoints_activations(tm
     assert sorted(f for f in os.listdir(fsdp) if f.startswith('shards-')) == ['shards-30']
     # stop at 14 (after sharded checkpoints at 10 and 14) and resume from the shards, the second part with
     # activation checkpointing on: bitwise the uninterrupted run, so neither the resume nor recomputation
-    # changes a loss
-    decayed = [*SAME, '--layer_lr_decay=0.5', '--parallel=fsdp']
+    # changes a loss; the EMA's val losses neither
+    decayed = [*SAME, '--layer_lr_decay=0.5', '--parallel=fsdp', '--ema_decay=0.8']
     ok(torchrun(split, data_dir, *decayed, '--max_iters=14'))
     ok(torchrun(split, data_dir, *decayed, '--init_from=resume', '--activation_checkpointing=True'))
     assert trajectory(split) == trajectory(fsdp)
+    evals = lambda d: [(e['step'], e['val_loss'], e['ema_val_loss'])
+                       for e in read_metrics(d, 'eval') if e['step'] % 10 == 0]
+    assert evals(split) == evals(fsdp) and all(e[1] != e[2] for e in evals(fsdp))
 
 
 def test_exported_state_dict_gives_the_runs_own_val_loss(tmp_path, data_dir):
     out = str(tmp_path / 'fsdp')
-    ok(torchrun(out, data_dir, *SAME, '--parallel=fsdp', '--max_iters=10', '--lr_decay_iters=10'))
+    # with an EMA, sample.py gathers the EMA's shards: the raw weights' are gathered in test_ddp.py
+    ok(torchrun(out, data_dir, *SAME, '--parallel=fsdp', '--max_iters=10', '--lr_decay_iters=10',
+                '--ema_decay=0.8'))
     exported = str(tmp_path / 'plain.pt')
     result = forked.run('sample.py', f'--ckpt={out}/last.pt', f'--export={exported}')
     assert result.returncode == 0, result.stderr
@@ -61,7 +67,6 @@ def test_exported_state_dict_gives_the_runs_own_val_loss(tmp_path, data_dir):
     model = GPT(GPTConfig(**ckpt['model_args']))
     model.load_state_dict(ckpt['model'])
     model.eval()
-    # recompute the run's last val loss with a plain GPT: same windows, same sums
     cfg = ckpt['config']
     val = data.TokenWindows(data.open_dataset(data_dir, 'toy')[1]['val'], cfg['block_size'])
     sampler = data.EvalSampler(val.num_tokens, cfg['block_size'], cfg['batch_size'],
@@ -73,7 +78,8 @@ def test_exported_state_dict_gives_the_runs_own_val_loss(tmp_path, data_dir):
             loss_sum += F.cross_entropy(model(x).view(-1, ckpt['model_args']['vocab_size']), y.view(-1),
                                         reduction='sum').item()
             count += (y != data.IGNORE_INDEX).sum().item()
-    assert abs(loss_sum / count - read_metrics(out, 'eval')[-1]['val_loss']) < 1e-5
+    # recomputed with a plain GPT: the same windows, the same sums
+    assert abs(loss_sum / count - read_metrics(out, 'eval')[-1]['ema_val_loss']) < 1e-5
 
 
 def test_activation_checkpointing_recomputes_every_block_and_changes_no_loss(tmp_path, data_dir):

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' t
 def test_float16_skipped_steps_do_not_advance_the_schedule(tmp_path, data_dir, device):
     out = str(tmp_path / 'fp16')
     # overflows until the scale backs off
-    run_train(out, data_dir, '--dtype=float16', f'--init_scale={2.0 ** 26}', f'--device={device}')
+    run_train(out, data_dir, '--dtype=float16', f'--init_scale={2.0 ** 26}', f'--device={device}',
+              '--ema_decay=0.9')
     steps = read_metrics(out, 'train')
     skipped = [s['skipped'] for s in steps]
     assert 5 <= sum(skipped) < len(steps) and skipped[0]
@@ -33,6 +34,8 @@ def test_float16_skipped_steps_do_not_advance_the_schedule(tmp_path, data_dir, d
     ckpt = torch.load(os.path.join(out, 'last.pt'), weights_only=True)
     assert ckpt['scheduler']['last_epoch'] == real_steps  # scheduler steps == optimizer steps that ran
     assert ckpt['optimizer'][0]['state'][0]['step'].item() == real_steps
+    # the EMA took in the initial weights, then each step that ran
+    assert ckpt['ema']['n_averaged'].item() == 1 + real_steps
 
 
 def test_float16_consecutive_skips_abort(tmp_path, data_dir):

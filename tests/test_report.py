@@ -129,8 +129,8 @@ def test_diagnoses_from_made_up_metrics(tmp_path):
                + [train_record(s, 1000.0 + s) for s in range(1, 31)]
                + [{'kind': 'start', 'step': 30, 'time': 5000.0}]
                + [train_record(s, 4970.0 + s) for s in range(31, 41)])
-    records += [{'kind': 'eval', 'step': s, 'train_loss': t, 'val_loss': v, 'best_val_loss': 0,
-                 'val_bits_per_token': 0}
+    records += [{'kind': 'eval', 'step': s, 'train_loss': t, 'val_loss': v, 'ema_val_loss': v - 0.1,
+                 'best_val_loss': 0, 'val_bits_per_token': 0}
                 for s, t, v in ((10, 2.0, 2.05), (20, 1.4, 1.5), (30, 1.2, 1.6), (40, 1.0, 1.7))]
     records += [{'kind': 'test', 'step': 40, 'best_iter': 20, 'best_val_loss': 1.5, 'test_loss': 1.2}]
     for name, content in (('config.json', json.dumps(config)), ('meta.json', json.dumps(meta)),
@@ -141,6 +141,9 @@ def test_diagnoses_from_made_up_metrics(tmp_path):
     text = read_report(out)
     assert 'Status: **early-stopped**: at iteration 40 of 100' in text
     assert 'overfitting from iteration 20' in text and 'leakage' not in text
+    # ema_decay's val loss, beside the raw weights'
+    assert ('the EMA of the weights: val 1.6000 (2.308 bits/token) at the last evaluation, '
+            'best 1.4000' in text)
     assert ('median MFU 25.0%' in text and "mean utilization 60%: rank 0's CPU time over the wall "
             "time of torch's threads" in text
             and "peak memory 123 MB by the last training log line: rank 0's peak resident set" in text)

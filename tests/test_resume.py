@@ -12,6 +12,7 @@ import torch
 
 import checkpoint
 import forked
+import sample
 from conftest import (DEVICES, OLD_ARGS, OLD_CHECKPOINTS, PROBE, RUN_CONFIG, read_metrics,
                       run_train, run_trains, wait_for_stderr)
 from model import GPT, GPTConfig
@@ -60,20 +61,34 @@ def test_bfloat16_resume_mid_epoch_between_evaluations_is_bitwise(tmp_path, data
 
 def test_float32_resume_after_evaluation_and_from_best_is_bitwise(tmp_path, data_dir):
     straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
+    args = [*HARD, '--dtype=float32', '--ema_decay=0.8']  # the EMA of the weights resumes too
     # the split run stops right after the evaluation at 20
-    run_trains(data_dir, (straight, [*HARD, '--dtype=float32']),
-               (split, [*HARD, '--dtype=float32', '--max_iters=20']))
+    run_trains(data_dir, (straight, args), (split, [*args, '--max_iters=20']))
     best_at_20 = str(tmp_path / 'best_at_20.pt')
     shutil.copy(os.path.join(split, 'best.pt'), best_at_20)
-    run_train(split, data_dir, *HARD, '--dtype=float32', '--init_from=resume')
+    run_train(split, data_dir, *args, '--init_from=resume')
     assert trajectory(split) == trajectory(straight)
-    a = torch.load(os.path.join(straight, 'last.pt'), weights_only=True)['model']
-    b = torch.load(os.path.join(split, 'last.pt'), weights_only=True)['model']
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    a, b = (torch.load(os.path.join(d, 'last.pt'), weights_only=True) for d in (straight, split))
+    for weights in ('model', 'ema'):
+        assert all(torch.equal(a[weights][k], b[weights][k]) for k in a[weights])
+    evals = lambda d: [(e['step'], e['val_loss'], e['ema_val_loss'])
+                       for e in read_metrics(d, 'eval')]
+    assert evals(split) == evals(straight)
+    # best.pt by the EMA's val loss, not the raw weights'
+    records = read_metrics(straight, 'eval')
+    assert all(e['best_val_loss'] == min(f['ema_val_loss'] for f in records[:i + 1])
+               for i, e in enumerate(records))
+    best = torch.load(os.path.join(straight, 'best.pt'), weights_only=True)
+    raw, averaged = [e[1] for e in evals(straight)], [e[2] for e in evals(straight)]
+    assert best['best_val_loss'] == min(averaged) != min(raw)
+    # sample.py and evaluate.py load the EMA, or with raw_weights the trained weights
+    for raw, weights in ((False, 'ema'), (True, 'model')):
+        loaded = sample.load_model(os.path.join(straight, 'best.pt'), 'cpu', raw)[0].state_dict()
+        assert all(torch.equal(v, best[weights][('module.' if weights == 'ema' else '') + k])
+                   for k, v in loaded.items())
     # any checkpoint resumes, here a best.pt into a new out_dir
     from_best = str(tmp_path / 'from_best')
-    run_train(from_best, data_dir, *HARD, '--dtype=float32', '--init_from=resume',
-              f'--resume_from={best_at_20}')
+    run_train(from_best, data_dir, *args, '--init_from=resume', f'--resume_from={best_at_20}')
     assert trajectory(from_best) == [t for t in trajectory(straight) if t[0] > 20]
 
 

@@ -1,0 +1,176 @@
+"""
+What a training run may refuse, and each 'auto' it resolves, settled before anything is built
+or written, so that train.py's setup reads as the recipe. settings() checks the command's
+settings; start() finds the weights the run starts from (a checkpoint, GPT-2's or none), checks
+that a resume continues the run it names, and resolves the dtypes. A refusal is one line naming
+the problem and the fix, exit code 2 (runlog.check); a run that stops here has written nothing.
+"""
+import dataclasses
+import os
+import sys
+
+import torch
+
+import checkpoint
+import data
+import evaluate
+import hf
+import perf
+import runlog
+import tokenizer
+from configurator import ConfigError, configure
+from distributed import gather
+from model import GPT, OPTIMIZERS, GPTConfig
+from runlog import check, log
+
+CHOICES = {'dtype': ('auto', *perf.DTYPES), 'muon_dtype': ('auto', 'float32', 'bfloat16'),
+           'backend': ('auto', 'nccl', 'gloo'), 'parallel': ('ddp', 'fsdp'),
+           'optimizer': OPTIMIZERS, 'lr_schedule': ('cosine', 'wsd'),
+           'best_by': ('val_loss', 'acc_norm')}
+AT_LEAST_ONE = ('eval_interval', 'log_interval', 'gradient_accumulation_steps', 'batch_size',
+                'max_iters', 'max_consecutive_skips', 'init_scale')  # every other number: >= 0
+
+
+def settings(defaults, argv, world_size, ddp):
+    """(config, where each key came from, GPTConfig) of the command line over train.py's defaults,
+    with every setting checked on its own and against the others; ddp: under torchrun."""
+    try:
+        config, sources = configure(defaults, argv, CHOICES, dict.fromkeys(AT_LEAST_ONE, 1))
+        model_config = GPTConfig(**{f.name: config[f.name] for f in dataclasses.fields(GPTConfig)
+                                    if f.name in config})
+    except (ConfigError, ValueError) as e:  # the model's shape too
+        check(False, e)
+    c = config
+    check(c['init_from'] in ('scratch', 'resume', 'auto') or hf.is_source(c['init_from']),
+          f"init_from='{c['init_from']}': use 'scratch', 'resume', 'auto', a GPT-2 name "
+          f"({', '.join(hf.GPT2_NAMES)}) or the path of a Hugging Face model folder or "
+          f".safetensors file")
+    check(c['best_by'] == 'val_loss' or c['eval_tasks'],
+          "best_by='acc_norm' needs eval_tasks: name the task files")
+    check(not c['decay_lr'] or c['lr_decay_iters'] > c['warmup_iters'],
+          f"lr_decay_iters={c['lr_decay_iters']} must exceed warmup_iters={c['warmup_iters']}")
+    check(0 < c['wsd_decay_frac'] <= 1, f"wsd_decay_frac={c['wsd_decay_frac']} must be in (0, 1]")
+    check(0 < c['layer_lr_decay'] <= 1,
+          f"layer_lr_decay={c['layer_lr_decay']} must be in (0, 1]: 1 is off")
+    check(c['smoke_steps'] != 1, "smoke_steps=1 compares a loss with itself (each step's loss "
+          "comes before its update): use 0 (off) or at least 2")
+    betas = c['beta1'], c['beta2'], c['muon_momentum']
+    check(all(0 <= b < 1 for b in betas),
+          f"beta1={betas[0]}, beta2={betas[1]} and muon_momentum={betas[2]} must each be in [0, 1)")
+    accum = c['gradient_accumulation_steps']
+    check(accum % world_size == 0,
+          f"gradient_accumulation_steps={accum} is not divisible by the {world_size} processes: "
+          f"make it a multiple of {world_size} so the global batch stays the same")
+    # torch 2.13's Muon steps FSDP2's sharded matrices without an error, but not to the update of
+    # the whole matrix
+    check(not (ddp and c['parallel'] == 'fsdp' and c['optimizer'] == 'muon'),
+          "optimizer='muon' does not work with parallel='fsdp' (Muon orthogonalizes whole "
+          "matrices, FSDP shards them): use parallel='ddp' or optimizer='adamw'")
+    missing = runlog.missing_package(c)  # tensorboard_log's or wandb_log's
+    check(not missing, missing)
+    return config, sources, model_config
+
+
+@dataclasses.dataclass
+class Start:
+    """Where a run starts, and what it settled on the way."""
+    tasks: dict  # evaluate.read_tasks' of eval_tasks
+    resuming: bool
+    ckpt_path: str  # the checkpoint a resume continues (or would: init_from='auto')
+    ckpt: dict | None  # its contents, on resume
+    pretrained: dict | None  # {'init_from', 'weights', 'sha256'} of a GPT-2 start, on resume too
+    pretrained_state: dict | None  # GPT-2's weights, for a start from them
+    model_config: GPTConfig  # the vocabulary's size, and the shape GPT-2's weights set
+    dtype: str
+    dtype_how: dict  # how 'auto' chose, for meta.json
+    muon_dtype: str
+    muon_dtype_how: dict | None  # under optimizer='muon'
+
+
+def start(config, sources, defaults, model_config, data_meta, dataset_id, splits, device, sharded):
+    """The run's Start: the same data on every rank; eval_tasks read; its checkpoint or GPT-2's
+    weights, loaded and checked against the settings and the data; GPT-2's shape written into config
+    and sources; dtype and muon_dtype resolved."""
+    c = config
+    dataset_ids = gather(dataset_id)  # every rank's
+    check(dataset_ids.count(dataset_id) == len(dataset_ids),
+          f"the ranks see different data in {c['data_dir']}/{c['dataset']}: every node needs the "
+          f"same prepared dataset (shared storage, or the same files on each)")
+    tasks = {}
+    try:  # training needs no tokenizer: the tasks and the end-of-run sample do
+        if c['eval_tasks']:
+            encode = tokenizer.load(data_meta['tokenizer']).encode
+            tasks = evaluate.read_tasks(c['eval_tasks'], encode, c['block_size'],
+                                        c['eval_tasks_examples'])
+    except (evaluate.TaskError, tokenizer.TokenizerError) as e:
+        check(False, e)
+    ckpt_path = c['resume_from'] or os.path.join(c['out_dir'], 'last.pt')
+    resuming = (c['init_from'] == 'resume'
+                or (c['init_from'] == 'auto' and os.path.exists(ckpt_path)))
+    ckpt = pretrained_state = pretrained = None
+    try:
+        if resuming:
+            ckpt = checkpoint.load(ckpt_path, resumable=True)
+            pretrained = ckpt['pretrained']
+        elif c['init_from'] not in ('scratch', 'auto'):
+            pretrained_args, pretrained_state, pretrained = hf.load_gpt2(
+                c['init_from'], c['block_size'], data_meta['vocab_size'])
+    except (checkpoint.CheckpointError, hf.HFError) as e:
+        check(False, e)
+    holds_one = any(os.path.exists(os.path.join(c['out_dir'], f)) for f in ('last.pt', 'best.pt'))
+    check(resuming or c['init_from'] == 'auto' or not holds_one,
+          f"out_dir '{c['out_dir']}' already holds a checkpoint: resume it (init_from=resume or "
+          f"auto), or use another")
+    model_config = dataclasses.replace(model_config, vocab_size=data_meta['vocab_size'])
+    if pretrained:  # the shape comes from the weights, on resume too; config.json records it
+        shape = {k: (ckpt['model_args'] if resuming else pretrained_args)[k] for k in hf.SHAPE_KEYS}
+        config.update(shape)
+        sources.update(dict.fromkeys(shape, f"weights of {pretrained['init_from']}"))
+        model_config = dataclasses.replace(model_config, **shape)
+        lacking = hf.cannot_hold(model_config)
+        check(not lacking,
+              f"GPT-2's weights cannot have {', '.join(lacking)}: leave those keys at the defaults")
+    if resuming:
+        why = (checkpoint.why_not_resume(ckpt, config, defaults)
+               or data.data_change(ckpt['dataset'], dataset_id, splits))
+        check(not why,
+              f"{ckpt_path} {why}: use the checkpoint's settings and data, or a new out_dir")
+        check(ckpt['iter_num'] < c['max_iters'] or c['init_from'] == 'auto',
+              f"{ckpt_path} is at iteration {ckpt['iter_num']}: max_iters={c['max_iters']} "
+              f"leaves nothing to do: raise max_iters (README, Resume, says what the learning rate "
+              f"does then)")
+
+    resumed = (ckpt_path, ckpt) if resuming else None
+    return Start(tasks, resuming, ckpt_path, ckpt, pretrained, pretrained_state, model_config,
+                 *dtypes(c, model_config, resumed, device, sharded))
+
+
+def dtypes(config, model_config, resumed, device, sharded):
+    """(dtype, how it was chosen, muon_dtype, how): as set; or kept from the run a resume continues
+    (resumed: (its path, its checkpoint)); or for 'auto' rank 0's choice, for every rank."""
+    c = config
+    kept = {key: (resumed[0], resumed[1][key]) if resumed else None
+            for key in ('dtype', 'muon_dtype')}
+    if c['dtype'] == 'auto' and not resumed:
+        log("choosing the dtype for dtype='auto'")
+    try:
+        dtype, dtype_how = perf.resolve_dtype(c['dtype'], device, dataclasses.asdict(model_config),
+                                              c['batch_size'], kept['dtype'])
+    except ValueError as e:  # HONESTGPT_AUTO_DTYPE names no dtype
+        check(False, e)
+    check(not (sharded and dtype == 'float16'), "parallel='fsdp' trains in float32 or bfloat16, "
+          "not float16 (dtype='auto' picks it below compute capability 8.0): use dtype=bfloat16, "
+          "or float32 on such a GPU")
+    if dtype == 'float16':
+        warning = perf.float16_warning(device, model_config, c['batch_size'])
+        if warning:
+            log(warning, sys.stderr)
+    muon_dtype, muon_dtype_how = c['muon_dtype'], None
+    if c['optimizer'] == 'muon':
+        if muon_dtype == 'auto' and not resumed:
+            log("choosing Muon's Newton-Schulz dtype for muon_dtype='auto'")
+        with torch.device('meta'):  # the shapes of Muon's matrices, without their memory
+            shapes = [p.shape for _, p in GPT(model_config).muon_params()]
+        muon_dtype, muon_dtype_how = perf.resolve(
+            muon_dtype, lambda: perf.auto_muon_dtype(device, shapes), kept['muon_dtype'])
+    return dtype, dtype_how, muon_dtype, muon_dtype_how
