@@ -61,6 +61,9 @@ def settings(defaults, argv, world_size, ddp):
     check(accum % world_size == 0,
           f"gradient_accumulation_steps={accum} is not divisible by the {world_size} processes: "
           f"make it a multiple of {world_size} so the global batch stays the same")
+    check(not (ddp and c['parallel'] == 'fsdp' and c['fit_batch']),
+          "fit_batch tries each rank's forward alone, and under parallel='fsdp' a forward needs "
+          "every rank: set batch_size by hand, or use parallel='ddp'")
     # torch 2.13's Muon steps FSDP2's sharded matrices without an error, but not to the update of
     # the whole matrix
     check(not (ddp and c['parallel'] == 'fsdp' and c['optimizer'] == 'muon'),
@@ -130,6 +133,10 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
         lacking = hf.cannot_hold(model_config)
         check(not lacking,
               f"GPT-2's weights cannot have {', '.join(lacking)}: leave those keys at the defaults")
+    if resuming and c['fit_batch']:  # the micro-batches its run found, not the command's
+        for key in ('batch_size', 'gradient_accumulation_steps'):
+            config[key] = ckpt['config'][key]
+            sources[key] = f"fit_batch, as the run in {ckpt_path} found it"
     if resuming:
         why = (checkpoint.why_not_resume(ckpt, config, defaults)
                or data.data_change(ckpt['dataset'], dataset_id, splits))

@@ -299,13 +299,18 @@ def explain_out_of_memory(exc, step, batch_size, block_size, dtype, device):
     traceback; the exit code stays 1. No report: plotting needs memory this process may not get (python
     report.py OUT_DIR writes it later). Any other exception keeps its traceback."""
     exc_type, value, tb = exc
-    if not (issubclass(exc_type, torch.OutOfMemoryError) or "can't allocate memory" in str(value)):
+    if not out_of_memory(value):
         return sys.__excepthook__(exc_type, value, tb)
     record({'kind': 'abort', 'step': step, 'message': 'out of memory'})
     log(f"error: out of memory at iteration {step} with batch_size={batch_size}, block_size={block_size} "
         f"({perf.peak_memory_mb(device):,.0f} MB at peak): lower batch_size and raise "
         f"gradient_accumulation_steps by the same factor (the tokens per iteration stay)"
         f"{', or use dtype=bfloat16' if dtype == 'float32' else ''}; the checkpoints are intact", sys.stderr)
+
+
+def out_of_memory(error):
+    """Whether an exception is a failed allocation: CUDA's OutOfMemoryError, or a CPU's."""
+    return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error)
 
 
 def catch_stop_signals():

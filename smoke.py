@@ -1,11 +1,18 @@
-"""The smoke test: before a run's first step, a few optimizer steps on one fixed batch, through the
-loop's own step, must lower that batch's loss. A model that cannot learn (a detached loss, a
-learning rate of 0) fails it in seconds, before hours are spent. Then every part of the run and
-every RNG is put back as it was, so the run from its first real step is the run without it."""
+"""Trial steps before a run's first, each undone afterwards (every part of the run and every RNG put
+back as it was), so the run from its first real step is the run without them.
+
+- The smoke test: a few optimizer steps on one fixed batch, through the loop's own step, must lower
+  that batch's loss. A model that cannot learn (a detached loss, a learning rate of 0) fails it in
+  seconds, before hours are spent.
+- fit_batch: the largest micro-batch that fits in memory, halving from batch_size, the global batch
+  kept by raising accumulation."""
 import math
 import time
 
+import torch
+
 import checkpoint
+import distributed
 import runlog
 
 SMOKE_DROP = 0.1  # the rule: the last step's loss at most (1 - SMOKE_DROP) x the first's
@@ -41,3 +48,38 @@ def smoke_test(steps, step, batch, parts, device):
         why = "it is not finite at the full learning rate: lower learning_rate"
     runlog.check(False, f"{line}, not below {1 - SMOKE_DROP:.0%} of it: {why}; smoke_steps=0 skips "
                         f"the test")
+
+
+def fit_batch(batch_size, accum, try_step, parts, device):
+    """(batch_size, accum): the largest micro-batch, halving from batch_size, with which
+    try_step(size) (a forward, backward and optimizer step of that many windows) runs out of memory
+    on no rank, with accum raised to keep a step's windows. Each try is undone (parts and the RNGs
+    restored). An odd size or 1 that runs out of memory ends the run with a line, exit 2."""
+    first = batch_size
+    while True:
+        saved = checkpoint.snapshot(parts, device)
+        failed = False
+        try:
+            try_step(batch_size)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not runlog.out_of_memory(e):
+                raise
+            failed = True
+        parts['optimizer'].zero_grad(set_to_none=True)
+        checkpoint.restore(parts, saved, device)
+        del saved
+        if torch.device(device).type == 'cuda':
+            torch.cuda.empty_cache()  # the failed try's blocks, for the next
+        if not distributed.any_rank(failed, device):
+            break
+        runlog.check(batch_size % 2 == 0, f"fit_batch: batch_size={batch_size} runs out of memory "
+                     f"and cannot be halved: use a smaller block_size or model, dtype=bfloat16, or "
+                     f"activation_checkpointing=True")
+        batch_size, accum = batch_size // 2, accum * 2
+    if batch_size < first:
+        runlog.log(f"fit_batch: batch_size={first} runs out of memory, {batch_size} fits: "
+                   f"micro-batches of {batch_size}, gradient_accumulation_steps={accum} (the same "
+                   f"windows a step)")
+    else:
+        runlog.log(f"fit_batch: batch_size={first} fits")
+    return batch_size, accum

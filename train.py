@@ -73,6 +73,9 @@ dataset = 'pystdlib_char'  # a folder of shards under data_dir (prepare.py's, or
 data_dir = 'data'
 gradient_accumulation_steps = 40  # global: divided by the number of processes
 batch_size = 12  # micro-batch per process
+# True: at start, halve batch_size until a step fits in memory, raising gradient_accumulation_steps
+# to keep the global batch (smoke.fit_batch); config.json and the checkpoints record what it found
+fit_batch = False
 block_size = 1024
 num_workers = 1  # loader worker processes per rank; 0 loads in the training process
 # model
@@ -145,15 +148,24 @@ except ValueError as e:  # may differ between nodes: every rank that fails says 
     fail(f"rank {rank}: {e}" if ddp else e)
 cpus = distributed.cpu_use()  # how busy other work keeps the machine, before this process's own
 accum_steps = gradient_accumulation_steps // world_size  # micro-batches per optimizer step on this rank
-try:
-    data_meta, splits, dataset_id = data.open_splits(data_dir, dataset, block_size, local_rank == 0)
+global_batch = batch_size * gradient_accumulation_steps  # windows per optimizer step, all ranks
+eval_windows = eval_iters * batch_size  # per split and evaluation (0: all), whatever batches them
+
+def samplers(batch_size):
+    """The train sampler and the evaluation loaders, in micro-batches of batch_size (fit_batch may
+    lower it): the same windows a step and an evaluation."""
     train_sampler = data.TrainSampler(splits['train'].num_tokens, block_size, batch_size,
-                                      batch_size * gradient_accumulation_steps, seed, rank, world_size)
+                                      global_batch, seed, rank, world_size)
     # a sharded forward is a collective: every rank must run as many eval batches as the others
-    eval_samplers = {s: data.EvalSampler(w.num_tokens, block_size, batch_size, eval_iters * batch_size, rank,
+    eval_samplers = {s: data.EvalSampler(w.num_tokens, block_size, batch_size, eval_windows, rank,
                                          world_size, sharded) for s, w in splits.items()}
     eval_loaders = {s: data.make_loader(splits[s], sampler, 0, seed, device_type == 'cuda')
                     for s, sampler in eval_samplers.items()}
+    return train_sampler, eval_loaders
+
+try:
+    data_meta, splits, dataset_id = data.open_splits(data_dir, dataset, block_size, local_rank == 0)
+    train_sampler, eval_loaders = samplers(batch_size)
 except (data.DataError, prepare.PrepareError) as e:  # a node's own data may differ from rank 0's
     fail(f"rank {rank}: {e}" if ddp else e)
 if 'test' not in splits and test_eval:
@@ -209,6 +221,28 @@ def lr_factor(opt_step):
 
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)  # each group from its own base rate
 scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=dtype == 'float16')
+
+def try_step(size):
+    """fit_batch's trial: a forward, backward and optimizer step of size windows, on the model
+    unwrapped (a rank out of memory must not leave the others in a collective)."""
+    x, y, _ = default_collate([splits['train'][start] for start in range(size)])
+    with autocast:
+        loss = model(x.to(device), y.to(device))
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+
+if fit_batch:  # micro-batches that fit: found now, or by the run a resume continues (preflight)
+    if not resuming:
+        config['batch_size'], config['gradient_accumulation_steps'] = smoke.fit_batch(
+            batch_size, gradient_accumulation_steps, try_step,
+            dict(model=model, optimizer=optimizer, scaler=scaler), device)
+        config_sources.update(dict.fromkeys(('batch_size', 'gradient_accumulation_steps'),
+                                            f"fit_batch, from batch_size={batch_size}"))
+    batch_size = config['batch_size']
+    gradient_accumulation_steps = config['gradient_accumulation_steps']
+    accum_steps = gradient_accumulation_steps // world_size
+    global_batch = batch_size * gradient_accumulation_steps
+    train_sampler, eval_loaders = samplers(batch_size)
 checkpoint.seed_rngs(seed + rank)  # python, numpy, torch on every device: dropout masks differ per rank
 # what a checkpoint holds the state of (checkpoint.state), and what a resume restores (checkpoint.resume)
 parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=train_sampler)

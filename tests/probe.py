@@ -9,6 +9,8 @@ PROBE_ATTENTION=DIR  counts attention calls (one per block forward) with gradien
                      backward (a recomputation), into DIR/attention.RANK (JSON)
 PROBE_DTYPES=DIR     writes the dtypes the linear layers returned in training forwards into DIR/dtypes.RANK
                      (JSON)
+PROBE_OOM=N          training forwards of more than N windows raise torch.OutOfMemoryError (in
+                     attention), as a device too small for them would
 PROBE_GRAPHS=DIR     counts the graphs that torch.compile hands to inductor into DIR/graphs.RANK
 PROBE_HOLD_SAVE=N    the N-th write of last.pt stops for 60 s once its temp file (last.pt.PID.tmp) is written,
                      before the rename, and says so on stderr: a kill then lands mid-write
@@ -103,6 +105,15 @@ if 'PROBE_ATTENTION' in os.environ:
         return attention(*args, **kwargs)
     F.scaled_dot_product_attention = counting_attention
     write_at_exit('PROBE_ATTENTION', 'attention', lambda: json.dumps(attention_calls))
+
+if 'PROBE_OOM' in os.environ:
+    unlimited_attention = F.scaled_dot_product_attention
+
+    def attention_out_of_memory_above(q, *args, **kwargs):  # q: (B, n_head, T, head size)
+        if torch.is_grad_enabled() and q.size(0) > int(os.environ['PROBE_OOM']):
+            raise torch.OutOfMemoryError("CUDA out of memory (PROBE_OOM)")
+        return unlimited_attention(q, *args, **kwargs)
+    F.scaled_dot_product_attention = attention_out_of_memory_above
 
 if 'PROBE_DTYPES' in os.environ:
     linear_dtypes, linear = set(), F.linear

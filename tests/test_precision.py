@@ -117,6 +117,28 @@ def test_float16_on_cpu_warns_with_the_measured_slowdown(tmp_path, data_dir, mon
         assert len(warning) == (slowdown > 3), (slowdown, result.stderr)
 
 
+def test_fit_batch_halves_to_what_fits_keeps_the_global_batch_and_resumes(tmp_path, data_dir):
+    fitted, by_hand = str(tmp_path / 'fitted'), str(tmp_path / 'by_hand')
+    # dropout: each trial's masks draw from the RNG, which must come back; a dtype given: 'auto'
+    # on a CPU with bfloat16 units times forwards of the configured batch
+    args = ['--dropout=0.1', '--max_iters=6', '--eval_interval=3', '--dtype=float32']
+    fit = ['--batch_size=16', '--gradient_accumulation_steps=1', '--fit_batch=True']
+    small_device = {**os.environ, 'PROBE_OOM': '4'}  # more than 4 windows run out of memory
+    result = run_train(fitted, data_dir, *args, *fit, '--max_iters=3', probe=True, env=small_device)
+    config = json.load(open(os.path.join(fitted, 'config.json')))
+    assert config['batch_size'] == {'value': 4, 'source': 'fit_batch, from batch_size=16'}
+    assert config['gradient_accumulation_steps']['value'] == 4
+    assert ("fit_batch: batch_size=16 runs out of memory, 4 fits: micro-batches of 4"
+            in result.stdout)
+    # a resume keeps what the run found
+    run_train(fitted, data_dir, *args, *fit, '--init_from=resume', probe=True, env=small_device)
+    # the trials left nothing behind: the run is the run given those micro-batches by hand
+    run_train(by_hand, data_dir, *args, '--batch_size=4', '--gradient_accumulation_steps=4')
+    steps = [[(r['step'], r['loss'], r['grad_norm']) for r in read_metrics(d, 'train')]
+             for d in (fitted, by_hand)]
+    assert steps[0] == steps[1] and len(steps[0]) == 6
+
+
 @pytest.mark.parametrize('device', DEVICES)
 def test_out_of_memory_is_one_clear_message(tmp_path, data_dir, device):
     out = str(tmp_path / 'oom')

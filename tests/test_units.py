@@ -1,6 +1,7 @@
 """Unit tests: the model's contract, the samplers' coverage and sharding, the configurator's errors,
 older checkpoints migrated."""
 import contextlib
+import copy
 import functools
 import itertools
 import math
@@ -502,3 +503,38 @@ def test_a_profiled_iteration_warns_of_nothing():
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                             capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stdout) == (0, 'True\n'), result.stderr
+
+
+def test_fit_batch_halves_until_a_step_fits_keeps_the_global_batch_and_undoes_each_try(capsys):
+    import smoke
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    parts = dict(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                 scaler=torch.amp.GradScaler('cpu', enabled=False))
+    before, rng, tried, fits = copy.deepcopy(model.state_dict()), torch.get_rng_state(), [], 3
+
+    def try_step(size):  # a step, then out of memory above `fits` windows: a GPU's or a CPU's
+        tried.append(size)
+        model(torch.randn(size, 4)).square().sum().backward()
+        parts['optimizer'].step()
+        if size > 8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        if size > fits:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                               "2147483648 bytes. Error code 12 (Cannot allocate memory)")
+    assert smoke.fit_batch(16, 2, try_step, parts, 'cpu') == (2, 16) and tried == [16, 8, 4, 2]
+    assert 'fit_batch: batch_size=16 runs out of memory, 2 fits' in capsys.readouterr().out
+    # every try undone: the weights, the optimizer's state, the gradients and the RNG
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert not parts['optimizer'].state and model.weight.grad is None
+    assert torch.equal(torch.get_rng_state(), rng)
+    fits = 2  # 12, 6, then 3: odd, it cannot be halved
+    with pytest.raises(SystemExit) as exit_code:
+        smoke.fit_batch(12, 1, try_step, parts, 'cpu')
+    assert exit_code.value.code == 2 and 'batch_size=3 runs out of memory and cannot be halved' in \
+        capsys.readouterr().err
+
+    def broken(size):  # any other error is not out of memory: it propagates
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    with pytest.raises(RuntimeError, match='shapes'):
+        smoke.fit_batch(4, 1, broken, parts, 'cpu')
