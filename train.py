@@ -9,8 +9,8 @@ Data parallel on several processes or machines (gloo on CPU, nccl on GPUs):
         --gradient_accumulation_steps=2
 
 The defaults below keep nanoGPT's names and meanings; config files and --key=value override them
-(configurator.py). A run writes to out_dir: config.json, meta.json, train.log, metrics.jsonl, best.pt (lowest
-val loss), last.pt (the latest state, for resuming), report.md and curves.png.
+(configurator.py). A run writes to out_dir: config.json, meta.json, train.log, metrics.jsonl,
+best.pt (lowest val loss), last.pt (the latest state, for resuming), report.md and curves.png.
 """
 import dataclasses
 import gc
@@ -47,16 +47,21 @@ from runlog import abort, log, record
 out_dir = 'out'
 eval_interval = 2000
 log_interval = 1
-eval_iters = 200  # eval batches per split and evaluation (evenly spread windows); 0 = the whole split
-always_save_checkpoint = True  # last.pt at every evaluation; False: only with a new best.pt and at the end
+# eval batches per split and evaluation (evenly spread windows); 0 = the whole split
+eval_iters = 200
+# last.pt at every evaluation; False: only with a new best.pt and at the end
+always_save_checkpoint = True
 checkpoint_interval = 0  # also write last.pt every this many iterations, without evaluating; 0: off
-# 'scratch', 'resume' (out_dir/last.pt or resume_from), 'auto' (resume if last.pt exists, else scratch), or
-# GPT-2's weights: 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', a Hugging Face folder or .safetensors file
+# 'scratch', 'resume' (out_dir/last.pt or resume_from), 'auto' (resume if last.pt exists, else
+# scratch), or GPT-2's weights: 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', a Hugging Face
+# folder or .safetensors file
 init_from = 'scratch'
-resume_from = ''  # a checkpoint to resume from instead of out_dir/last.pt: out/best.pt, out/stable.pt, ...
+# a checkpoint to resume from instead of out_dir/last.pt: out/best.pt, out/stable.pt, ...
+resume_from = ''
 test_eval = True  # at the end, evaluate the best weights on the test split
 sample_tokens = 200  # at the end, print a sample of this many tokens from the best weights; 0: none
-write_report = True  # out_dir/report.md and curves.png (also when a run aborts or is stopped by a signal)
+# out_dir/report.md and curves.png (also when a run aborts or is stopped by a signal)
+write_report = True
 wandb_log = False  # Weights & Biases (imported only when on)
 wandb_project = 'honestgpt'
 wandb_run_name = 'run'
@@ -67,7 +72,8 @@ profile_iter = 0  # > 0: profile that iteration: out_dir/trace.json, and its pha
 # {"context", "choices", "answer"}, comma-separated; '' for none
 eval_tasks = ''
 eval_tasks_examples = 500  # the first this many examples of each task file; 0: all of them
-best_by = 'val_loss'  # best.pt by 'val_loss' (lowest), or 'acc_norm' (highest, the mean over eval_tasks)
+# best.pt by 'val_loss' (lowest), or 'acc_norm' (highest, the mean over eval_tasks)
+best_by = 'val_loss'
 # data
 dataset = 'pystdlib_char'  # a folder of shards under data_dir (prepare.py's, or llm.c's), or a glob
 data_dir = 'data'
@@ -85,51 +91,63 @@ n_embd = 768
 dropout = 0.0
 bias = False
 activation = 'gelu'  # the MLP's: 'gelu', 'gelu_tanh' (GPT-2's) or 'relu2' (ReLU squared)
-pos_emb = 'learned'  # positions: 'learned' (an embedding, GPT-2's) or 'rope' (rotary: relative, no weights)
+# positions: 'learned' (an embedding, GPT-2's) or 'rope' (rotary: relative, no weights)
+pos_emb = 'learned'
 qk_norm = False  # RMS-normalize each head's queries and keys before attention
-tie_head = True  # the output head shares the token embedding's matrix (GPT-2's); False: the head has its own
+# the output head shares the token embedding's matrix (GPT-2's); False: the head has its own
+tie_head = True
 logit_softcap = 0.0  # > 0: logits become logit_softcap * tanh(logits / logit_softcap); 0: off
 zero_init = False  # output projections (and an untied head) start at zero instead of small noise
-# optimizer: 'adamw' for every parameter, or 'muon': Muon for the blocks' matrices and AdamW for the rest
+# optimizer: 'adamw' for every parameter, or 'muon': Muon for the blocks' matrices and AdamW for
+# the rest
 optimizer = 'adamw'
 learning_rate = 6e-4  # AdamW's
-muon_lr = 0.02  # Muon's base learning rate; the schedule scales it by the same factor as learning_rate
+# Muon's base learning rate; the schedule scales it by the same factor as learning_rate
+muon_lr = 0.02
 muon_momentum = 0.95
 muon_dtype = 'auto'  # its Newton-Schulz's: 'auto', 'float32' or 'bfloat16' (perf.auto_muon_dtype)
 # > 0: also keep an exponential moving average of the weights, ema = decay * ema + (1 - decay) * w
 # after each optimizer step that ran; it is evaluated beside them and picks best.pt; 0: off
 ema_decay = 0.0
 layer_lr_decay = 1.0  # < 1, for fine-tuning: block i's rates x decay^(n_layer - i) (GPT.lr_scale)
-max_iters = 600000  # iterations: optimizer steps attempted, of gradient_accumulation_steps micro-batches each
+# iterations: optimizer steps attempted, of gradient_accumulation_steps micro-batches each
+max_iters = 600000
 weight_decay = 1e-1
 beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0  # 0 disables clipping (the norm is still measured and logged)
 # learning rate schedule: linear warmup, decay to min_lr at lr_decay_iters, then flat
 decay_lr = True
-lr_schedule = 'cosine'  # 'cosine' (nanoGPT's) or 'wsd': warmup, stable (stable.pt saved at its end), decay
-wsd_decay_frac = 0.2  # wsd: the decay's share of the iterations between warmup_iters and lr_decay_iters
+# 'cosine' (nanoGPT's) or 'wsd': warmup, stable (stable.pt saved at its end), decay
+lr_schedule = 'cosine'
+# wsd: the decay's share of the iterations between warmup_iters and lr_decay_iters
+wsd_decay_frac = 0.2
 warmup_iters = 2000
 lr_decay_iters = 600000
 min_lr = 6e-5  # AdamW's floor; Muon's is muon_lr * min_lr / learning_rate
 # early stopping and checks
 patience = 0  # stop after this many evaluations without a new best val loss; 0 never stops early
-overfit_one_batch = False  # train on one fixed batch: the loss must approach zero if everything is wired
+# train on one fixed batch: the loss must approach zero if everything is wired
+overfit_one_batch = False
 smoke_steps = 30  # steps on one batch before a new run's first: they must lower its loss; 0: off
 # system
-device = 'auto'  # 'auto' (cuda:LOCAL_RANK if there is a GPU, else cpu), 'cpu', 'cuda', 'cuda:1' (one process)
+# 'auto' (cuda:LOCAL_RANK if there is a GPU, else cpu), 'cpu', 'cuda', 'cuda:1' (one process)
+device = 'auto'
 dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 uses a GradScaler)
 compile = False  # torch.compile the model
 backend = 'auto'  # distributed backend: 'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'
-parallel = 'ddp'  # several processes: 'ddp' (replicas) or 'fsdp' (weights, grads and optimizer sharded)
+# several processes: 'ddp' (replicas) or 'fsdp' (weights, grads and optimizer sharded)
+parallel = 'ddp'
 activation_checkpointing = False  # recompute activations in backward, block by block: less memory
 init_scale = 65536.0  # float16 GradScaler's first loss scale
 max_consecutive_skips = 20  # abort when float16 overflow skips this many optimizer steps in a row
 seed = 1337
 threads = 0  # torch's CPU threads per process; 0: its own count, capped by a container's CPU quota
-deterministic = False  # torch.use_deterministic_algorithms: bitwise repeatable runs where kernels allow
+# torch.use_deterministic_algorithms: bitwise repeatable runs where kernels allow
+deterministic = False
 # -----------------------------------------------------------------------------
-config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+config_keys = [k for k, v in globals().items()
+               if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 defaults = {k: globals()[k] for k in config_keys}
 ddp = 'RANK' in os.environ  # torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
 rank, local_rank, world_size = (int(os.environ.get(k, default)) for k, default in
@@ -147,7 +165,8 @@ try:  # the device, deterministic kernels when asked, and under torchrun the pro
 except ValueError as e:  # may differ between nodes: every rank that fails says so
     fail(f"rank {rank}: {e}" if ddp else e)
 cpus = distributed.cpu_use()  # how busy other work keeps the machine, before this process's own
-accum_steps = gradient_accumulation_steps // world_size  # micro-batches per optimizer step on this rank
+# micro-batches per optimizer step on this rank
+accum_steps = gradient_accumulation_steps // world_size
 global_batch = batch_size * gradient_accumulation_steps  # windows per optimizer step, all ranks
 eval_windows = eval_iters * batch_size  # per split and evaluation (0: all), whatever batches them
 
@@ -173,7 +192,8 @@ if 'test' not in splits and test_eval:
     test_eval = False  # config.json keeps what was asked
 
 # -----------------------------------------------------------------------------
-# the model and optimizer: weights from a checkpoint, GPT-2's or a random init; precision; the schedule
+# the model and optimizer: weights from a checkpoint, GPT-2's or a random init; precision; the
+# schedule
 # the same data on every rank; the tasks; the checkpoint or GPT-2's weights, checked; the dtypes
 init = preflight.start(config, config_sources, defaults, model_config, data_meta, dataset_id,
                        splits, device, sharded)
@@ -182,8 +202,9 @@ pretrained = init.pretrained
 model_config, dtype, muon_dtype = init.model_config, init.dtype, init.muon_dtype
 autocast = perf.autocast(device_type, dtype)
 
-log(f"building the model: {model_config.n_layer} layers, {model_config.n_head} heads, {model_config.n_embd} "
-    f"wide, block {block_size}, vocab {model_config.vocab_size}")  # the shape GPT-2's weights may have set
+# the shape GPT-2's weights may have set
+log(f"building the model: {model_config.n_layer} layers, {model_config.n_head} heads, "
+    f"{model_config.n_embd} wide, block {block_size}, vocab {model_config.vocab_size}")
 torch.manual_seed(seed)  # the same initial weights on every rank
 model = GPT(model_config)
 if init.pretrained_state is not None:
@@ -199,15 +220,16 @@ for module in [model] + ([ema.module] if ema else []):
         module.fully_shard(perf.DTYPES[dtype], device_type)
     else:
         module.to(device)
-optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), config['optimizer'],
-                                       muon_lr, muon_momentum, muon_dtype, layer_lr_decay)
+optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2),
+                                       config['optimizer'], muon_lr, muon_momentum, muon_dtype,
+                                       layer_lr_decay)
 min_lr_factor = min_lr / learning_rate if learning_rate > 0 else 0.0
 decay_start = lr_decay_iters - wsd_decay_frac * (lr_decay_iters - warmup_iters)  # wsd's
 
 def lr_factor(opt_step):
-    """The schedule as a multiple of each group's base rate, a function of real optimizer steps only: linear
-    warmup, then cosine (nanoGPT's) or constant-then-linear (wsd) decay to min_lr at lr_decay_iters, then
-    flat."""
+    """The schedule as a multiple of each group's base rate, a function of real optimizer steps
+    only: linear warmup, then cosine (nanoGPT's) or constant-then-linear (wsd) decay to min_lr at
+    lr_decay_iters, then flat."""
     if not decay_lr:
         return 1.0
     if opt_step < warmup_iters:
@@ -215,11 +237,14 @@ def lr_factor(opt_step):
     if opt_step > lr_decay_iters:
         return min_lr_factor
     if lr_schedule == 'wsd':
-        return 1.0 - (1.0 - min_lr_factor) * max(0.0, opt_step - decay_start) / (lr_decay_iters - decay_start)
-    coeff = 0.5 * (1.0 + math.cos(math.pi * (opt_step - warmup_iters) / (lr_decay_iters - warmup_iters)))
+        return 1.0 - (1.0 - min_lr_factor) * max(0.0, opt_step - decay_start) / (
+            lr_decay_iters - decay_start)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * (opt_step - warmup_iters)
+                                  / (lr_decay_iters - warmup_iters)))
     return min_lr_factor + coeff * (1.0 - min_lr_factor)
 
-scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)  # each group from its own base rate
+# each group from its own base rate
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=dtype == 'float16')
 
 def try_step(size):
@@ -243,14 +268,18 @@ if fit_batch:  # micro-batches that fit: found now, or by the run a resume conti
     accum_steps = gradient_accumulation_steps // world_size
     global_batch = batch_size * gradient_accumulation_steps
     train_sampler, eval_loaders = samplers(batch_size)
-checkpoint.seed_rngs(seed + rank)  # python, numpy, torch on every device: dropout masks differ per rank
-# what a checkpoint holds the state of (checkpoint.state), and what a resume restores (checkpoint.resume)
-parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=train_sampler)
+# python, numpy, torch on every device: dropout masks differ per rank
+checkpoint.seed_rngs(seed + rank)
+# what a checkpoint holds the state of (checkpoint.state), and what a resume restores
+# (checkpoint.resume)
+parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+             sampler=train_sampler)
 if ema:
     parts['ema'] = ema  # its weights, and how many steps it has averaged (n_averaged)
 
 # -----------------------------------------------------------------------------
-# resume (everything that decides the rest of the run comes from the checkpoint), the wrappers, the run folder
+# resume (everything that decides the rest of the run comes from the checkpoint), the wrappers,
+# the run folder
 progress = checkpoint.Progress()  # the loop's counters: a checkpoint saves and restores them whole
 if resuming:
     progress = checkpoint.resume(ckpt, ckpt_path, parts, rank, world_size, device)
@@ -268,10 +297,11 @@ peak_flops, peak_how = float('nan'), ''
 if master:  # MFU's denominator: a known GPU's datasheet, else measured (seconds) once per machine
     peak_flops, peak_how = perf.peak_flops(device, perf.DTYPES[dtype], announce=lambda: log(
         "measuring this machine's peak FLOP/s for MFU (once per machine and dtype: cached)"))
-run_record = {'config': config, 'model_args': dataclasses.asdict(model_config), 'dataset': dataset_id,
-              'pretrained': pretrained, 'dtype': dtype,
+run_record = {'config': config, 'model_args': dataclasses.asdict(model_config),
+              'dataset': dataset_id, 'pretrained': pretrained, 'dtype': dtype,
               'muon_dtype': muon_dtype}  # in every checkpoint, beside the state
-session = {  # what this session is, for meta.json (beside the code, software and machine) and its first lines
+# what this session is, for meta.json (beside the code, software and machine) and its first lines
+session = {
     'seed': seed, 'dtype': dtype, 'dtype_choice': init.dtype_how,
     'muon_dtype': {'dtype': muon_dtype, **init.muon_dtype_how} if init.muon_dtype_how else None,
     'device': device, 'world_size': world_size,
@@ -285,16 +315,19 @@ session = {  # what this session is, for meta.json (beside the code, software an
                           if k not in ('init_from', 'resume_from')} if resuming else None,
     'dataset': {**dataset_id, 'tokenizer': data_meta['tokenizer']['kind'], 'dir': data_dir,
                 'split_rule': data_meta.get('split_rule', '')}}
+# every rank: out_dir that cannot be written stops them all here
 runlog.start(out_dir, (ckpt_path, ckpt) if resuming else None, config, config_sources, session,
-             raw_model.num_params())  # every rank: out_dir that cannot be written stops them all here
-# out of memory anywhere: one line that says what to change instead of a traceback (the exit code stays 1)
+             raw_model.num_params())
+# out of memory anywhere: one line that says what to change instead of a traceback (the exit code
+# stays 1)
 sys.excepthook = lambda *exc: runlog.explain_out_of_memory(exc, progress.iter_num + 1, batch_size,
                                                            block_size, dtype, device)
 runlog.catch_stop_signals()  # Ctrl-C or SIGTERM: save last.pt after the step under way, then exit
 
 # -----------------------------------------------------------------------------
 # the training loop, in named parts: the step, logging, evaluation and saving, stopping
-batches = data.TrainBatches(splits['train'], train_sampler, num_workers, seed + rank, device_type == 'cuda')
+batches = data.TrainBatches(splits['train'], train_sampler, num_workers, seed + rank,
+                            device_type == 'cuda')
 micro_batches = itertools.repeat(next(batches)) if overfit_one_batch else batches
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 speed = perf.Speedometer(progress.iter_num, max_iters, accum_steps, tokens_per_iter,
@@ -314,13 +347,15 @@ def train_step(micro_batches, accum=accum_steps):
             x, y, batch_starts = next(micro_batches)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         starts += batch_starts.tolist()
-        # DDP decides in the forward whether the backward syncs: set before it (FSDP has its own switch)
+        # DDP decides in the forward whether the backward syncs: set before it (FSDP has its own
+        # switch)
         if sharded:
             model.set_requires_gradient_sync(micro_step == accum - 1)
         elif isinstance(model, DDP):
             model.require_backward_grad_sync = micro_step == accum - 1
         with record_function('forward'), autocast:
-            loss = model(x, y)  # the loss, not the logits: no B x T x vocab tensor outlives the forward
+            # the loss, not the logits: no B x T x vocab tensor outlives the forward
+            loss = model(x, y)
         with record_function('backward'):
             scaler.scale(loss / accum).backward()
         loss_sum += loss.detach()
@@ -339,10 +374,12 @@ def data_fault(step, fault):
                 f"start a new out_dir")
 
 def agree_or_abort(loss_sum, grad_norm, starts, lr):
-    """One all-reduce for the loss, a stop signal and a data fault on any rank, one host sync, and the checks
-    that end the run before the optimizer steps: changed data, a non-finite loss or gradient norm (float16's
-    are the scaler's to skip). Returns the mean loss, the gradient norm and whether a stop was asked."""
-    flags = torch.tensor([runlog.stop_signal is not None, batches.fault is not None], device=device).float()
+    """One all-reduce for the loss, a stop signal and a data fault on any rank, one host sync, and
+    the checks that end the run before the optimizer steps: changed data, a non-finite loss or
+    gradient norm (float16's are the scaler's to skip). Returns the mean loss, the gradient norm and
+    whether a stop was asked."""
+    flags = torch.tensor([runlog.stop_signal is not None, batches.fault is not None],
+                         device=device).float()
     loss_sum, stops, faults = all_ranks(torch.cat([loss_sum.view(1), flags]))
     synced = torch.stack([loss_sum / gradient_accumulation_steps, grad_norm.float(), stops, faults])
     loss, grad_norm, stops, faults = synced.tolist()
@@ -354,8 +391,9 @@ def agree_or_abort(loss_sum, grad_norm, starts, lr):
     return loss, grad_norm, stops
 
 def log_step(loss, grad_norm, lr, skipped, scale, profiler):
-    """The train line and record every log_interval, with the speed since the last and the time left; once,
-    the start-up estimate, the memory each rank holds and the profiled iteration's phases."""
+    """The train line and record every log_interval, with the speed since the last and the time
+    left; once, the start-up estimate, the memory each rank holds and the profiled iteration's
+    phases."""
     if profiler:
         trace = os.path.join(out_dir, 'trace.json') if master else None
         record({'kind': 'profile', 'step': progress.iter_num,
@@ -367,8 +405,9 @@ def log_step(loss, grad_norm, lr, skipped, scale, profiler):
     left = max_iters - progress.iter_num
     if estimate is not None:
         record({'kind': 'estimate', 'step': progress.iter_num, 'seconds_per_iter': estimate})
-        log(f"a micro-batch after the first took {estimate / accum_steps:.2f} s: about {estimate:.2f} s per "
-            f"iteration, {runlog.duration(estimate * left)} for the {left} left")
+        log(f"a micro-batch after the first took {estimate / accum_steps:.2f} s: about "
+            f"{estimate:.2f} s per iteration, {runlog.duration(estimate * left)} for the "
+            f"{left} left")
     if progress.iter_num % log_interval and progress.iter_num != max_iters:
         return
     interval = speed.interval(progress.iter_num)
@@ -430,10 +469,12 @@ def evaluate_and_choose_saves():
     return ['last.pt'] if always_save_checkpoint else []
 
 def save(names, rng):
-    """Write names (best.pt before last.pt: a kill in between leaves last.pt older, never ahead of best.pt),
-    then agree with the other ranks on how it went: a save that failed anywhere (a full disk) ends every rank
-    here, with every file on disk whole. Logs and returns the seconds it took."""
-    assert rng is not None, "an iteration that saves gathers the RNG states: add its reason to the rng line"
+    """Write names (best.pt before last.pt: a kill in between leaves last.pt older, never ahead of
+    best.pt), then agree with the other ranks on how it went: a save that failed anywhere (a full
+    disk) ends every rank here, with every file on disk whole. Logs and returns the seconds it
+    took."""
+    assert rng is not None, ("an iteration that saves gathers the RNG states: add its reason to "
+                             "the rng line")
     start = time.time()
     progress.train_seconds = seconds_before + time.time() - t_start
     run = run_record | {'log_bytes': runlog.log_bytes()}
@@ -467,7 +508,8 @@ while progress.iter_num < max_iters:
     loss_sum, grad_norm, starts = train_step(micro_batches)
     loss, grad_norm, stops = agree_or_abort(loss_sum, grad_norm, starts, lr)
     first_loss = loss if first_loss is None else first_loss  # for overfit_one_batch's last line
-    skipped = scaler.is_enabled() and not math.isfinite(grad_norm)  # float16 overflow: the scaler skips it
+    # float16 overflow: the scaler skips it
+    skipped = scaler.is_enabled() and not math.isfinite(grad_norm)
     scale = scaler.get_scale() if scaler.is_enabled() else 1.0
     with record_function('optimizer'):
         scaler.step(optimizer)
@@ -487,8 +529,10 @@ while progress.iter_num < max_iters:
     interval = checkpoint_interval and progress.iter_num % checkpoint_interval == 0
     opt_step = scheduler.last_epoch  # optimizer steps taken; stable_end: wsd's decay begins
     stable_end = lr_schedule == 'wsd' and lr_factor(opt_step) < 1 and lr_factor(opt_step - 1) == 1
-    # right after the step, where a resume restores them; a collective, so only where a save may follow
-    rng = gather(checkpoint.rng_state(device)) if evaluating or interval or stops or stable_end else None
+    # right after the step, where a resume restores them; a collective, so only where a save may
+    # follow
+    rng = (gather(checkpoint.rng_state(device)) if evaluating or interval or stops or stable_end
+           else None)
 
     # logging
     log_step(loss, grad_norm, lr, skipped, scale, profiler)
