@@ -323,7 +323,8 @@ def save(names, out_dir, parts, rng, progress, run, sharded, master):
         for name in names:
             save_file(ckpt, os.path.join(out_dir, name))
         if sharded:
-            in_use = {load(os.path.join(out_dir, n))['shards'] for n in ('best.pt', 'last.pt')
+            in_use = {load(os.path.join(out_dir, n))['shards']
+                      for n in ('best.pt', 'last.pt', 'stable.pt')
                       if os.path.exists(os.path.join(out_dir, n))}
             for folder in os.listdir(out_dir):
                 if folder.startswith('shards-') and folder not in in_use:

@@ -54,6 +54,8 @@ def settings(defaults, argv, world_size, ddp):
           f"layer_lr_decay={c['layer_lr_decay']} must be in (0, 1]: 1 is off")
     check(c['smoke_steps'] != 1, "smoke_steps=1 compares a loss with itself (each step's loss "
           "comes before its update): use 0 (off) or at least 2")
+    check(c['ema_decay'] < 1, f"ema_decay={c['ema_decay']} must be in [0, 1): 0 is off, 1 would "
+          f"never move from the initial weights")
     betas = c['beta1'], c['beta2'], c['muon_momentum']
     check(all(0 <= b < 1 for b in betas),
           f"beta1={betas[0]}, beta2={betas[1]} and muon_momentum={betas[2]} must each be in [0, 1)")
@@ -134,6 +136,11 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
         check(not lacking,
               f"GPT-2's weights cannot have {', '.join(lacking)}: leave those keys at the defaults")
     if resuming and c['fit_batch']:  # the micro-batches its run found, not the command's
+        ran = ckpt['config']['batch_size'] * ckpt['config']['gradient_accumulation_steps']
+        asked = c['batch_size'] * c['gradient_accumulation_steps']
+        check(asked == ran, f"{ckpt_path} took {ran} windows a step (batch_size x "
+              f"gradient_accumulation_steps), this command {asked}: use the run's, or a new "
+              f"out_dir")
         for key in ('batch_size', 'gradient_accumulation_steps'):
             config[key] = ckpt['config'][key]
             sources[key] = f"fit_batch, as the run in {ckpt_path} found it"

@@ -249,12 +249,14 @@ scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=dtype 
 
 def try_step(size):
     """fit_batch's trial: a forward, backward and optimizer step of size windows, on the model
-    unwrapped (a rank out of memory must not leave the others in a collective)."""
+    unwrapped (a rank out of memory must not leave the others in a collective). Without the
+    GradScaler: its per-step record outlives a restore, and an overflow would skip the step whose
+    optimizer state this must allocate."""
     x, y, _ = default_collate([splits['train'][start] for start in range(size)])
     with autocast:
         loss = model(x.to(device), y.to(device))
-    scaler.scale(loss).backward()
-    scaler.step(optimizer)
+    loss.backward()
+    optimizer.step()
 
 if fit_batch:  # micro-batches that fit: found now, or by the run a resume continues (preflight)
     if not resuming:
@@ -443,8 +445,11 @@ def evaluate_and_choose_saves():
     init_from=auto resumes from there)."""
     train_loss, val_loss = split_loss('train', eval_model), split_loss('val', eval_model)
     ema_val_loss = split_loss('val', ema_eval_model) if ema else None
-    accuracy, acc_norm = evaluate.score_tasks(eval_model, tasks, batch_size, device, autocast, rank,
-                                              world_size)
+    if ema and sharded:  # FSDP leaves the root's weights gathered after a forward: the update
+        ema.module.reshard()  # must reach the shards
+    # the weights best.pt is chosen by: the EMA's when there is one
+    accuracy, acc_norm = evaluate.score_tasks(ema_eval_model if ema else eval_model, tasks,
+                                              batch_size, device, autocast, rank, world_size)
     chosen_val_loss = val_loss if ema_val_loss is None else ema_val_loss
     if best_by == 'val_loss':
         improved = chosen_val_loss < progress.best_val_loss
@@ -496,7 +501,8 @@ def smoke_step(batch):
 
 if smoke_steps and not resuming:  # this rank's next train batch, read without moving the sampler
     windows = [splits['train'][start] for start in next(iter(train_sampler))]
-    smoke.smoke_test(smoke_steps, smoke_step, default_collate(windows), parts, device)
+    untouched = {name: part for name, part in parts.items() if name != 'ema'}  # no copy of it
+    smoke.smoke_test(smoke_steps, smoke_step, default_collate(windows), untouched, device)
     speed.clock.clear()  # its micro-batches and time are not the run's
     speed.restart(progress.iter_num)
 perf.reset_peak_memory(device)  # the loop's peak, not the FLOP/s measurement's

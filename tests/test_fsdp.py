@@ -31,26 +31,41 @@ def test_fsdp_matches_one_process_resumes_exactly_and_checkpoints_activations(tm
     one, fsdp, split = str(tmp_path / 'one'), str(tmp_path / 'fsdp'), str(tmp_path / 'split')
     # tests/test_ddp.py shows DDP on 2 ranks equals this within the same tolerance; layer-wise rates
     # give the optimizer a group per depth, which the sharded resume must load
-    run_train(one, data_dir, *SAME, '--layer_lr_decay=0.5')
+    # wsd: stable.pt's shards must outlive later saves
+    run_train(one, data_dir, *SAME, '--layer_lr_decay=0.5', '--lr_schedule=wsd')
     # this run alone smoke-tests first (smoke.py): sharded too, the run after it is the run
     # without it
     # the EMA of the weights, sharded too, changes no training loss
     ok(torchrun(fsdp, data_dir, *SAME, '--layer_lr_decay=0.5', '--parallel=fsdp', '--ema_decay=0.8',
-                '--smoke_steps=30'))
+                '--lr_schedule=wsd', '--smoke_steps=30'))
     for (s1, l1, lr1, g1), (s2, l2, lr2, g2) in zip(trajectory(one), trajectory(fsdp), strict=True):
         assert s1 == s2 and lr1 == lr2 and abs(l1 - l2) <= RTOL * l1 and abs(g1 - g2) <= RTOL * g1
-    # older shards cleaned up
-    assert sorted(f for f in os.listdir(fsdp) if f.startswith('shards-')) == ['shards-30']
+    # older shards cleaned up, but those stable.pt names (the stable phase's end, 26)
+    stable = torch.load(os.path.join(fsdp, 'stable.pt'), weights_only=True)['shards']
+    folders = sorted(f for f in os.listdir(fsdp) if f.startswith('shards-'))
+    assert folders == ['shards-26', 'shards-30']
+    assert stable == 'shards-26'
     # stop at 14 (after sharded checkpoints at 10 and 14) and resume from the shards, the second part with
     # activation checkpointing on: bitwise the uninterrupted run, so neither the resume nor recomputation
     # changes a loss; the EMA's val losses neither
-    decayed = [*SAME, '--layer_lr_decay=0.5', '--parallel=fsdp', '--ema_decay=0.8']
+    decayed = [*SAME, '--layer_lr_decay=0.5', '--parallel=fsdp', '--ema_decay=0.8',
+               '--lr_schedule=wsd']
     ok(torchrun(split, data_dir, *decayed, '--max_iters=14'))
     ok(torchrun(split, data_dir, *decayed, '--init_from=resume', '--activation_checkpointing=True'))
     assert trajectory(split) == trajectory(fsdp)
     evals = lambda d: [(e['step'], e['val_loss'], e['ema_val_loss'])
                        for e in read_metrics(d, 'eval') if e['step'] % 10 == 0]
     assert evals(split) == evals(fsdp) and all(e[1] != e[2] for e in evals(fsdp))
+
+
+def test_fsdp_ema_updates_its_shards_after_an_evaluation_that_saves_nothing(tmp_path, data_dir):
+    # learning_rate 0: no evaluation after the first is better, so none saves (a save would reshard
+    # the EMA's weights that its evaluation gathered)
+    out = str(tmp_path / 'fsdp')
+    ok(torchrun(out, data_dir, *SAME, '--parallel=fsdp', '--ema_decay=0.8', '--learning_rate=0',
+                '--always_save_checkpoint=False', '--max_iters=4', '--lr_decay_iters=4',
+                '--warmup_iters=1', '--eval_interval=1'))
+    assert [e['step'] for e in read_metrics(out, 'eval')] == [1, 2, 3, 4]
 
 
 def test_exported_state_dict_gives_the_runs_own_val_loss(tmp_path, data_dir):

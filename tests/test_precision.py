@@ -119,9 +119,10 @@ def test_float16_on_cpu_warns_with_the_measured_slowdown(tmp_path, data_dir, mon
 
 def test_fit_batch_halves_to_what_fits_keeps_the_global_batch_and_resumes(tmp_path, data_dir):
     fitted, by_hand = str(tmp_path / 'fitted'), str(tmp_path / 'by_hand')
-    # dropout: each trial's masks draw from the RNG, which must come back; a dtype given: 'auto'
-    # on a CPU with bfloat16 units times forwards of the configured batch
-    args = ['--dropout=0.1', '--max_iters=6', '--eval_interval=3', '--dtype=float32']
+    # dropout: each trial's masks draw from the RNG, which must come back; float16: the GradScaler
+    # must be as before (a dtype given: 'auto' on a CPU with bfloat16 units times forwards of the
+    # configured batch)
+    args = ['--dropout=0.1', '--max_iters=6', '--eval_interval=3', '--dtype=float16']
     fit = ['--batch_size=16', '--gradient_accumulation_steps=1', '--fit_batch=True']
     small_device = {**os.environ, 'PROBE_OOM': '4'}  # more than 4 windows run out of memory
     result = run_train(fitted, data_dir, *args, *fit, '--max_iters=3', probe=True, env=small_device)
@@ -130,7 +131,10 @@ def test_fit_batch_halves_to_what_fits_keeps_the_global_batch_and_resumes(tmp_pa
     assert config['gradient_accumulation_steps']['value'] == 4
     assert ("fit_batch: batch_size=16 runs out of memory, 4 fits: micro-batches of 4"
             in result.stdout)
-    # a resume keeps what the run found
+    # a resume keeps what the run found, and refuses another global batch
+    result = run_train(fitted, data_dir, *args, *fit, '--batch_size=32', '--init_from=resume',
+                       check=False)
+    assert result.returncode == 2 and 'took 16 windows a step' in result.stderr, result.stderr
     run_train(fitted, data_dir, *args, *fit, '--init_from=resume', probe=True, env=small_device)
     # the trials left nothing behind: the run is the run given those micro-batches by hand
     run_train(by_hand, data_dir, *args, '--batch_size=4', '--gradient_accumulation_steps=4')

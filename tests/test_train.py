@@ -125,7 +125,8 @@ def test_nan_aborts_with_context_and_keeps_checkpoints(tmp_path, data_dir):
 @pytest.mark.fresh
 def test_bad_config_and_missing_data_create_nothing(tmp_path, data_dir):
     out = tmp_path / 'never'
-    for args in (['--batch_sise=4'], ['--dataset=nope'], ['--block_size=100000']):
+    for args in (['--batch_sise=4'], ['--dataset=nope'], ['--block_size=100000'],
+                 ['--ema_decay=1']):
         result = run_train(str(out), data_dir, *args, check=False)
         assert result.returncode != 0 and 'Traceback' not in result.stderr, result.stderr
         assert result.stderr.strip().count('\n') == 0 and result.stderr.startswith('error:'), result.stderr
