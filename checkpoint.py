@@ -4,7 +4,9 @@ What a checkpoint holds and how it is restored, side by side, and files that sur
 A checkpoint is a dict of state_dicts, tensors and plain values: state() builds it, resume() applies it. Files
 are written atomically (temp file in the same folder, flush, fsync, os.replace, fsync of the folder), so a
 kill leaves the old file or the new one, never half of one, and read with weights_only=True, so a checkpoint
-cannot run code. In fsdp mode every rank writes its part of the weights and optimizer state to
+cannot run code. One state saved under two names (best.pt and last.pt at a new best) is one file
+with two names (hard links; a copy where the filesystem has none): written once, each name replaced
+alone. In fsdp mode every rank writes its part of the weights and optimizer state to
 out_dir/shards-ITER/ with torch.distributed.checkpoint, and the .pt file, written after, points there.
 
 FORMAT numbers the layout; this code writes its own. 4: the embedding and head have padded
@@ -77,11 +79,35 @@ def atomic_write(path, write):
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)  # make the rename itself durable
+    sync_folder(path)
+
+
+def sync_folder(path):
+    """fsync path's folder: makes a rename into it durable."""
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def link_file(source, path):
+    """path becomes a second name of the file source, atomically (a hard link made beside path, then
+    renamed over it): one state written once for best.pt and last.pt. Where the filesystem has no
+    hard links, a copy, written as atomic_write writes."""
+    tmp = f'{path}.{os.getpid()}.tmp'
+    try:
+        os.link(source, tmp)
+    except OSError:
+        with open(source, 'rb') as f:
+            return atomic_write(path, lambda out: shutil.copyfileobj(f, out))
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    sync_folder(path)
 
 
 def write_json(path, obj):
@@ -300,7 +326,8 @@ def sharded_state(model, optimizer=None, ema=None):
 
 
 def save(names, out_dir, parts, rng, progress, run, sharded, master):
-    """Write each of names (best.pt, last.pt) into out_dir, atomically, holding state(). Every rank calls it:
+    """Write each of names (best.pt, last.pt) into out_dir, atomically, holding state(): the first,
+    and the others as links to it (link_file). Every rank calls it:
     in fsdp mode each first writes its shards to shards-ITER/, and only then does rank 0 write the files that
     point there, so a shards folder counts only once complete; folders no file points to are removed. Returns
     None, or why this rank's part failed (a full disk: the OSError's reason), for the ranks to agree on before
@@ -315,13 +342,15 @@ def save(names, out_dir, parts, rng, progress, run, sharded, master):
         if not master:
             return None
         last = os.path.join(out_dir, 'last.pt')
-        if os.path.exists(last) and shutil.disk_usage(out_dir).free < 2 * len(names) * os.path.getsize(last):
+        # one new file (the other names link to it), with room to spare
+        if os.path.exists(last) and shutil.disk_usage(out_dir).free < 2 * os.path.getsize(last):
             print(f"warning: {out_dir} has {shutil.disk_usage(out_dir).free / 2**20:,.0f} MB free and a "
                   f"checkpoint takes {os.path.getsize(last) / 2**20:,.0f} MB: free space before a save "
                   f"fails", file=sys.stderr)
-        ckpt = state(parts, rng, progress, run, shards)
-        for name in names:
-            save_file(ckpt, os.path.join(out_dir, name))
+        first = os.path.join(out_dir, names[0])
+        save_file(state(parts, rng, progress, run, shards), first)
+        for name in names[1:]:  # the same state: the same file, by another name
+            link_file(first, os.path.join(out_dir, name))
         if sharded:
             in_use = {load(os.path.join(out_dir, n))['shards']
                       for n in ('best.pt', 'last.pt', 'stable.pt')

@@ -12,8 +12,9 @@ PROBE_DTYPES=DIR     writes the dtypes the linear layers returned in training fo
 PROBE_OOM=N          training forwards of more than N windows raise torch.OutOfMemoryError (in
                      attention), as a device too small for them would
 PROBE_GRAPHS=DIR     counts the graphs that torch.compile hands to inductor into DIR/graphs.RANK
-PROBE_HOLD_SAVE=N    the N-th write of last.pt stops for 60 s once its temp file (last.pt.PID.tmp) is written,
-                     before the rename, and says so on stderr: a kill then lands mid-write
+PROBE_HOLD_SAVE=N    the N-th write of last.pt (torch.save's, or a link to best.pt) stops for 60
+                     s once its temp file (last.pt.PID.tmp) is whole, before the rename, and says
+                     so on stderr: a kill then lands mid-write
 PROBE_LOGGERS=FILE   stands in for wandb and TensorBoard (the tensorboard package and
                      torch.utils.tensorboard): each call the run makes to them becomes a JSON line in FILE
 PROBE_SLEEP=A-B:S    sleeps S seconds in training micro-batches A to B (as compilation or a busy machine
@@ -140,16 +141,23 @@ if 'PROBE_GRAPHS' in os.environ:
 if 'PROBE_HOLD_SAVE' in os.environ:
     torch_save, last_writes = torch.save, []
 
-    def holding_save(obj, f, *args, **kwargs):
-        torch_save(obj, f, *args, **kwargs)
-        name = getattr(getattr(f, 'f', f), 'name', '')  # checkpoint.save_file wraps the file object
+    def hold_last(name, f=None):
         if re.fullmatch(r'.*/last\.pt\.\d+\.tmp', name):
             last_writes.append(name)
             if len(last_writes) == int(os.environ['PROBE_HOLD_SAVE']):
-                f.flush()  # the temp file holds the whole checkpoint; the rename has not happened
+                if f:  # the temp file holds the whole checkpoint; the rename has not happened
+                    f.flush()
                 print(f'probe: holding the write of {name}', file=sys.stderr, flush=True)
                 time.sleep(60)
-    torch.save = holding_save
+
+    def holding_save(obj, f, *args, **kwargs):
+        torch_save(obj, f, *args, **kwargs)
+        hold_last(getattr(getattr(f, 'f', f), 'name', ''), f)  # checkpoint.save_file wraps the file
+
+    def holding_link(source, path, *args, **kwargs):
+        os_link(source, path, *args, **kwargs)
+        hold_last(path)
+    torch.save, os_link, os.link = holding_save, os.link, holding_link
 
 if 'PROBE_LOGGERS' in os.environ:
     def log_call(*call):

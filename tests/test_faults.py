@@ -75,8 +75,9 @@ def straight(tmp_path_factory, data_dir):
 
 def test_a_full_disk_ends_the_run_in_one_line_and_a_resume_after_freeing_space_is_exact(
         tmp_path, data_dir, straight):
-    # a checkpoint of this model is ~0.35 MB: best.pt and last.pt fit at iteration 10, a third file does not
-    with tmpfs(tmp_path / 'disk', 'size=900k') as mounted:
+    # a checkpoint of this model is ~0.35 MB: best.pt and last.pt (one file, two names) fit at
+    # iteration 10, a second state beside them does not
+    with tmpfs(tmp_path / 'disk', 'size=600k') as mounted:
         out = str(tmp_path / 'disk' / 'run')
         # without a mount: each file stops at 200 KB
         probes = {} if mounted else {'PROBE_FSIZE': str(200_000)}

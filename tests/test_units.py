@@ -538,3 +538,31 @@ def test_fit_batch_halves_until_a_step_fits_keeps_the_global_batch_and_undoes_ea
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
     with pytest.raises(RuntimeError, match='shapes'):
         smoke.fit_batch(4, 1, broken, parts, 'cpu')
+
+
+def test_one_state_saved_under_two_names_is_written_once_and_each_name_replaced_alone(
+        tmp_path, monkeypatch):
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    parts = dict(model=model, optimizer=optimizer,
+                 scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+                 scaler=torch.amp.GradScaler('cpu', enabled=False),
+                 sampler=data.TrainSampler(10_000, 8, 2, 2, seed=0))
+    rng, out = [checkpoint.rng_state('cpu')], str(tmp_path)
+    best, last = tmp_path / 'best.pt', tmp_path / 'last.pt'
+
+    def save(names, iter_num):
+        progress = checkpoint.Progress(iter_num=iter_num)
+        assert checkpoint.save(names, out, parts, rng, progress, {}, False, True) is None
+    save(['best.pt', 'last.pt'], 10)
+    assert os.path.samefile(best, last)  # one file, two names
+    save(['last.pt'], 20)  # replaces its name only: best.pt keeps iteration 10
+    assert not os.path.samefile(best, last)
+    assert [torch.load(p, weights_only=True)['iter_num'] for p in (best, last)] == [10, 20]
+    # a filesystem without hard links: a copy
+    def no_links(*args):
+        raise OSError(18, 'Invalid cross-device link')  # EXDEV
+    monkeypatch.setattr(os, 'link', no_links)
+    save(['best.pt', 'last.pt'], 30)
+    assert not os.path.samefile(best, last) and best.read_bytes() == last.read_bytes()
+    assert not list(tmp_path.glob('*.tmp'))
