@@ -19,6 +19,7 @@ defaults to the old behaviour.
 import contextlib
 import copy
 import dataclasses
+import glob
 import json
 import os
 import random
@@ -37,7 +38,7 @@ FORMAT = 4
 # refused: it would be another run.
 RESUMABLE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'max_iters', 'eval_interval', 'log_interval',
              'eval_iters', 'always_save_checkpoint', 'checkpoint_interval', 'patience', 'num_workers',
-             'compile', 'device', 'backend', 'threads',
+             'compile', 'device', 'backend', 'threads', 'keep_checkpoints',
              'max_consecutive_skips', 'activation_checkpointing',
              'profile_iter', 'tensorboard_log', 'wandb_log', 'wandb_project', 'wandb_run_name',
              'cost_per_hour', 'smoke_steps', 'test_eval', 'sample_tokens', 'write_report',
@@ -325,13 +326,20 @@ def sharded_state(model, optimizer=None, ema=None):
             | ({'ema': get_model_state_dict(ema)} if ema else {}))
 
 
-def save(names, out_dir, parts, rng, progress, run, sharded, master):
+def kept_checkpoints(out_dir):
+    """The checkpoints keep_checkpoints keeps (ckpt-ITER.pt), oldest first."""
+    paths = glob.glob(os.path.join(out_dir, 'ckpt-*.pt'))
+    return sorted(paths, key=lambda path: int(os.path.basename(path)[len('ckpt-'):-len('.pt')]))
+
+
+def save(names, out_dir, parts, rng, progress, run, sharded, master, keep=0):
     """Write each of names (best.pt, last.pt) into out_dir, atomically, holding state(): the first,
     and the others as links to it (link_file). Every rank calls it:
     in fsdp mode each first writes its shards to shards-ITER/, and only then does rank 0 write the files that
     point there, so a shards folder counts only once complete; folders no file points to are removed. Returns
     None, or why this rank's part failed (a full disk: the OSError's reason), for the ranks to agree on before
-    any goes on: a failed write leaves every file on disk whole."""
+    any goes on: a failed write leaves every file on disk whole. keep > 0: of the kept checkpoints
+    (ckpt-ITER.pt), the latest keep stay, the others are removed once these are written."""
     try:
         shards = None
         if sharded:
@@ -351,10 +359,13 @@ def save(names, out_dir, parts, rng, progress, run, sharded, master):
         save_file(state(parts, rng, progress, run, shards), first)
         for name in names[1:]:  # the same state: the same file, by another name
             link_file(first, os.path.join(out_dir, name))
+        if keep:
+            for path in kept_checkpoints(out_dir)[:-keep]:
+                os.remove(path)
         if sharded:
-            in_use = {load(os.path.join(out_dir, n))['shards']
-                      for n in ('best.pt', 'last.pt', 'stable.pt')
-                      if os.path.exists(os.path.join(out_dir, n))}
+            named = [os.path.join(out_dir, n) for n in ('best.pt', 'last.pt', 'stable.pt')]
+            in_use = {load(path)['shards'] for path in named + kept_checkpoints(out_dir)
+                      if os.path.exists(path)}
             for folder in os.listdir(out_dir):
                 if folder.startswith('shards-') and folder not in in_use:
                     shutil.rmtree(os.path.join(out_dir, folder))

@@ -52,6 +52,9 @@ eval_iters = 200
 # last.pt at every evaluation; False: only with a new best.pt and at the end
 always_save_checkpoint = True
 checkpoint_interval = 0  # also write last.pt every this many iterations, without evaluating; 0: off
+# > 0: also keep the latest this many checkpoints of evaluations and checkpoint_interval, named by
+# iteration (ckpt-ITER.pt; a link to last.pt's file where they hold one state); 0: none
+keep_checkpoints = 0
 # 'scratch', 'resume' (out_dir/last.pt or resume_from), 'auto' (resume if last.pt exists, else
 # scratch), or GPT-2's weights: 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', a Hugging Face
 # folder or .safetensors file
@@ -483,7 +486,8 @@ def save(names, rng):
     start = time.time()
     progress.train_seconds = seconds_before + time.time() - t_start
     run = run_record | {'log_bytes': runlog.log_bytes()}
-    failed = checkpoint.save(names, out_dir, parts, rng, progress, run, sharded, master)
+    failed = checkpoint.save(names, out_dir, parts, rng, progress, run, sharded, master,
+                             keep_checkpoints)
     if any_rank(failed, device):
         abort(progress.iter_num,
               checkpoint.save_failure(names, progress.iter_num, failed, out_dir, last_saved))
@@ -551,6 +555,8 @@ while progress.iter_num < max_iters:
         saves.append('last.pt')
     if stable_end:
         saves.append('stable.pt')  # the stable phase's end: resume_from it to cool down anew, later
+    if keep_checkpoints and (evaluating or interval):
+        saves.append(f"ckpt-{progress.iter_num:06d}.pt")
     if saves:
         save_seconds += save(saves, rng)
     if 'last.pt' in saves:

@@ -37,14 +37,16 @@ def test_fsdp_matches_one_process_resumes_exactly_and_checkpoints_activations(tm
     # without it
     # the EMA of the weights, sharded too, changes no training loss
     ok(torchrun(fsdp, data_dir, *SAME, '--layer_lr_decay=0.5', '--parallel=fsdp', '--ema_decay=0.8',
-                '--lr_schedule=wsd', '--smoke_steps=30'))
+                '--lr_schedule=wsd', '--keep_checkpoints=2', '--smoke_steps=30'))
     for (s1, l1, lr1, g1), (s2, l2, lr2, g2) in zip(trajectory(one), trajectory(fsdp), strict=True):
         assert s1 == s2 and lr1 == lr2 and abs(l1 - l2) <= RTOL * l1 and abs(g1 - g2) <= RTOL * g1
-    # older shards cleaned up, but those stable.pt names (the stable phase's end, 26)
+    # older shards cleaned up, but those stable.pt (the stable phase's end, 26) and the two kept
+    # checkpoints name
     stable = torch.load(os.path.join(fsdp, 'stable.pt'), weights_only=True)['shards']
     folders = sorted(f for f in os.listdir(fsdp) if f.startswith('shards-'))
-    assert folders == ['shards-26', 'shards-30']
-    assert stable == 'shards-26'
+    assert folders == ['shards-20', 'shards-26', 'shards-30'] and stable == 'shards-26'
+    assert sorted(f for f in os.listdir(fsdp) if f.startswith('ckpt-')) == ['ckpt-000020.pt',
+                                                                            'ckpt-000030.pt']
     # stop at 14 (after sharded checkpoints at 10 and 14) and resume from the shards, the second part with
     # activation checkpointing on: bitwise the uninterrupted run, so neither the resume nor recomputation
     # changes a loss; the EMA's val losses neither

@@ -92,6 +92,22 @@ def test_float32_resume_after_evaluation_and_from_best_is_bitwise(tmp_path, data
     assert trajectory(from_best) == [t for t in trajectory(straight) if t[0] > 20]
 
 
+def test_kept_checkpoints_are_the_latest_k_and_each_replays_the_run(tmp_path, data_dir):
+    run, replay = str(tmp_path / 'run'), str(tmp_path / 'replay')
+    args = ['--max_iters=40', '--lr_decay_iters=40', '--eval_interval=10', '--keep_checkpoints=2']
+    run_train(run, data_dir, *args)
+    assert sorted(f for f in os.listdir(run) if f.startswith('ckpt-')) == ['ckpt-000030.pt',
+                                                                           'ckpt-000040.pt']
+    assert os.path.samefile(os.path.join(run, 'ckpt-000040.pt'), os.path.join(run, 'last.pt'))
+    # the earlier replays the run to the later, bitwise
+    run_train(replay, data_dir, *args, '--init_from=resume',
+              f"--resume_from={os.path.join(run, 'ckpt-000030.pt')}")
+    assert trajectory(replay) == [t for t in trajectory(run) if t[0] > 30]
+    a, b = (torch.load(path, weights_only=True)['model']
+            for path in (os.path.join(run, 'ckpt-000040.pt'), os.path.join(replay, 'last.pt')))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def start_train(out_dir, data_dir, *overrides, hold_save=None):
     """train.py under tests/probe.py; hold_save=N: its N-th write of last.pt stops before the rename."""
     env = {**os.environ, 'PROBE_HOLD_SAVE': str(hold_save)} if hold_save else None
