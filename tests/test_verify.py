@@ -1,0 +1,65 @@
+"""verify.py: a run replayed between two kept checkpoints reproduces what it recorded, bit for bit,
+on 1 process and on 2 ranks; an edited weight or logged figure is caught and named."""
+import json
+import os
+
+import pytest
+import torch
+
+import forked
+from conftest import ok, run_train, torchrun
+
+pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
+
+ARGS = ['--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10', '--keep_checkpoints=2',
+        '--dropout=0.1', '--ema_decay=0.9']
+
+
+def verify(run):
+    return forked.run('verify.py', f'--out_dir={run}')
+
+
+def test_a_run_verifies_and_an_edited_weight_and_logged_loss_are_named(tmp_path, data_dir):
+    run = str(tmp_path / 'run')
+    run_train(run, data_dir, *ARGS)
+    result = verify(run)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith('reproduced: iterations 11-20, 10 logged steps'), result.stdout
+    # one weight moved by 1e-6 in the later checkpoint, one logged loss changed in its last digit
+    later = os.path.join(run, 'ckpt-000020.pt')
+    ckpt = torch.load(later, weights_only=True)
+    ckpt['model']['blocks.1.mlp.c_fc.weight'][0, 0] += 1e-6
+    torch.save(ckpt, later)
+    with open(os.path.join(run, 'metrics.jsonl')) as f:
+        records = [json.loads(line) for line in f]
+    [step_15] = [r for r in records if r['kind'] == 'train' and r['step'] == 15]
+    logged = repr(step_15['loss'])
+    step_15['loss'] = float(logged[:-1] + str((int(logged[-1]) + 1) % 10))
+    with open(os.path.join(run, 'metrics.jsonl'), 'w') as f:
+        f.writelines(json.dumps(r) + '\n' for r in records)
+    result = verify(run)
+    assert result.returncode == 1, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"diverged at iteration 15: loss {step_15['loss']!r} in the run, "
+                               f"{float(logged)!r} here"), result.stdout
+    assert lines[1] == ('diverged in the state at iteration 20: model.blocks.1.mlp.c_fc.weight '
+                        'differs (largest difference 1e-06)'), result.stdout
+    assert lines[2] == "this machine matches the run's (hardware and versions in meta.json)"
+
+
+def test_a_two_rank_run_verifies_under_torchrun(tmp_path, data_dir):
+    run = str(tmp_path / 'run')
+    ok(torchrun(run, data_dir, *ARGS, '--gradient_accumulation_steps=2'))
+    result = verify(run)
+    assert result.returncode == 0, result.stderr
+    assert 'on 2 process(es)' in result.stderr, result.stderr
+    assert result.stdout.startswith('reproduced: iterations 11-20'), result.stdout
+
+
+def test_too_few_kept_checkpoints_is_one_line(tmp_path, data_dir):
+    run = str(tmp_path / 'run')
+    run_train(run, data_dir, '--max_iters=10', '--lr_decay_iters=10')
+    result = verify(run)
+    assert result.returncode == 2 and result.stderr == (
+        f"error: {run} keeps 0 checkpoint(s) (ckpt-ITER.pt): train with keep_checkpoints=2 or "
+        f"more, or name --start and --end\n")

@@ -1,0 +1,201 @@
+"""
+Replay a run between two of its checkpoints on this machine and compare, bit for bit, what the
+run recorded:
+
+    python verify.py --out_dir=out/tiny    # its last two kept checkpoints (keep_checkpoints >= 2)
+    python verify.py --out_dir=out/tiny --start=out/tiny/ckpt-000030.pt --end=out/tiny/last.pt
+
+It resumes from start with the run's settings (its config.json) in a temporary folder, under
+torchrun with the run's number of processes where it had several, trains to end's iteration, and
+compares each step's loss, gradient norm and learning rate with the run's metrics.jsonl, then the
+whole state with end's. One verdict: reproduced, or the first divergence and what differs between
+the run's machine (its meta.json) and this one. Exit code 0 when reproduced (or, for a GPU run
+without deterministic=True, which cannot repeat bitwise, when it only drifted), 1 when not, 2 for
+bad input.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+import checkpoint
+import sample
+from configurator import ConfigError, configure, fail
+
+# -----------------------------------------------------------------------------
+out_dir = 'out'  # the run's folder: config.json, meta.json, metrics.jsonl, its checkpoints
+start = ''  # the checkpoint to replay from; '' the second-latest kept one (ckpt-ITER.pt)
+end = ''  # the checkpoint to replay to; '' the latest kept one
+# -----------------------------------------------------------------------------
+# the replay's own: a temporary folder, no extras at its end, no loggers
+REPLAY = {'test_eval': False, 'sample_tokens': 0, 'write_report': False, 'keep_checkpoints': 0,
+          'wandb_log': False, 'tensorboard_log': False, 'profile_iter': 0, 'smoke_steps': 0}
+FIGURES = ('loss', 'grad_norm', 'lr')  # of each train record
+
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        fail(f"cannot read {path} ({e}): point out_dir at a run's folder")
+
+
+def train_records(run_dir, first, last):
+    """{step: train record} of a run's metrics.jsonl for steps first..last."""
+    records = {}
+    with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
+        for line in f:
+            record = json.loads(line)
+            if record['kind'] == 'train' and first <= record['step'] <= last:
+                records[record['step']] = record
+    return records
+
+
+def first_divergence(run, replay):
+    """(step, figure, run's value, replay's value) of the first figure that differs, or None."""
+    for step in sorted(replay):
+        for figure in FIGURES:
+            if step in run and run[step][figure] != replay[step][figure]:
+                return step, figure, run[step][figure], replay[step][figure]
+    return None
+
+
+def largest_drift(run, replay):
+    """The largest relative difference of any figure over the replayed steps."""
+    return max((abs(run[s][f] - replay[s][f]) / max(abs(run[s][f]), 1e-30)
+                for s in replay if s in run for f in FIGURES), default=0.0)
+
+
+def tensors(state, prefix):
+    """{name: tensor} of every tensor in a nested state (dicts and lists)."""
+    if isinstance(state, torch.Tensor):
+        return {prefix: state}
+    if isinstance(state, dict):
+        pairs = state.items()
+    elif isinstance(state, (list, tuple)):
+        pairs = enumerate(state)
+    else:
+        return {}
+    found = {}
+    for key, value in pairs:
+        found |= tensors(value, f"{prefix}.{key}")
+    return found
+
+
+def state_difference(expected_path, replayed_path):
+    """'' when the two checkpoints hold the same state (weights, optimizer state, EMA, schedule,
+    loss scale, data position, RNGs), else the first part that differs (a tensor: by how much). A
+    sharded run's checkpoints: their gathered weights, and the rest."""
+    expected, replayed = (checkpoint.load(p) for p in (expected_path, replayed_path))
+    for part in ('scheduler', 'scaler', 'sampler', 'rng'):
+        if expected[part] != replayed[part]:
+            return f"the {part} state differs"
+    if 'shards' in expected:
+        expected, replayed = (
+            {'model': sample.load_model(p, 'cpu', raw_weights=True)[0].state_dict()}
+            for p in (expected_path, replayed_path))
+    for part in ('model', 'optimizer', 'ema'):
+        a, b = tensors(expected.get(part, {}), part), tensors(replayed.get(part, {}), part)
+        for name in a:
+            if name not in b or a[name].shape != b[name].shape:
+                return f"{name} is missing or shaped otherwise in the replay"
+            if not torch.equal(a[name], b[name]):
+                diff = (a[name].double() - b[name].double()).abs().max().item()
+                return f"{name} differs (largest difference {diff:.3g})"
+    return ''
+
+
+def machine_differences(run_meta, replay_meta):
+    """Lines naming what differs between the run's machine and software and the replay's."""
+    lines = []
+    for group in ('hardware', 'versions'):
+        ran, here = run_meta.get(group, {}), replay_meta.get(group, {})
+        for key in sorted(set(ran) | set(here)):
+            if ran.get(key) != here.get(key):
+                lines.append(f"  {group} {key}: {ran.get(key)!r} in the run, "
+                             f"{here.get(key)!r} here")
+    return lines
+
+
+def main(config):
+    run_dir = config['out_dir']
+    settings = {k: v['value'] for k, v in read_json(os.path.join(run_dir, 'config.json')).items()
+                if k != 'resolved'}
+    run_meta = read_json(os.path.join(run_dir, 'meta.json'))
+    kept = checkpoint.kept_checkpoints(run_dir)
+    if not (config['start'] and config['end']) and len(kept) < 2:
+        fail(f"{run_dir} keeps {len(kept)} checkpoint(s) (ckpt-ITER.pt): train with "
+             f"keep_checkpoints=2 or more, or name --start and --end")
+    start_path, end_path = config['start'] or kept[-2], config['end'] or kept[-1]
+    try:
+        first, last = (checkpoint.load(path, resumable=True)['iter_num']
+                       for path in (start_path, end_path))
+    except checkpoint.CheckpointError as e:
+        fail(e)
+    if first >= last:
+        fail(f"{start_path} (iteration {first}) is not before {end_path} (iteration {last}): "
+             f"name an earlier start")
+    run_steps = train_records(run_dir, first + 1, last)
+    with tempfile.TemporaryDirectory(prefix='verify-') as replay_dir:
+        replay_settings = {**settings, **REPLAY, 'out_dir': replay_dir, 'init_from': 'resume',
+                           'resume_from': start_path, 'max_iters': last}
+        args = [f"--{key}={value}" for key, value in replay_settings.items()]
+        world_size = run_meta.get('world_size', 1)
+        launcher = [sys.executable]
+        if world_size > 1:
+            launcher += ['-m', 'torch.distributed.run', '--standalone',
+                         f"--nproc_per_node={world_size}"]
+        print(f"replaying iterations {first + 1}-{last} of {run_dir} from {start_path} on "
+              f"{world_size} process(es)", file=sys.stderr)
+        replay = subprocess.run([*launcher, 'train.py', *args], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__)))
+        if replay.returncode != 0:
+            lines = replay.stderr.splitlines()
+            errors = [line for line in lines if line.startswith('error:')] or lines[-1:] or ['']
+            print(f"not verified: the replay failed ({errors[0]})")
+            sys.exit(1)
+        replay_steps = train_records(replay_dir, first + 1, last)
+        replay_meta = read_json(os.path.join(replay_dir, 'meta.json'))
+        difference = state_difference(end_path, os.path.join(replay_dir, 'last.pt'))
+    compared = [step for step in replay_steps if step in run_steps]
+    divergence = first_divergence(run_steps, replay_steps)
+    if not compared:
+        print(f"not verified: {run_dir}/metrics.jsonl holds no train record of iterations "
+              f"{first + 1}-{last}")
+        sys.exit(1)
+    if divergence is None and not difference:
+        print(f"reproduced: iterations {first + 1}-{last}, {len(compared)} logged steps, every "
+              f"loss, gradient norm and learning rate equal, and the state equal to {end_path}")
+        return
+    on_gpu = str(run_meta.get('device', '')).startswith('cuda')
+    if on_gpu and not settings.get('deterministic'):
+        print(f"drifted, as a GPU run without deterministic=True does (its kernels add in varying "
+              f"order): the largest relative difference over iterations {first + 1}-{last} is "
+              f"{largest_drift(run_steps, replay_steps):.3g}; train with deterministic=True to "
+              f"verify bitwise")
+        return
+    if divergence:
+        step, figure, ran, here = divergence
+        size = abs(ran - here) / max(abs(ran), 1e-30)
+        print(f"diverged at iteration {step}: {figure} {ran!r} in the run, {here!r} here "
+              f"(relative difference {size:.3g})")
+    if difference:
+        print(f"diverged in the state at iteration {last}: {difference}")
+    lines = machine_differences(run_meta, replay_meta)
+    print("what differs from the run's machine:" if lines else
+          "this machine matches the run's (hardware and versions in meta.json)")
+    for line in lines:
+        print(line)
+    sys.exit(1)
+
+
+if __name__ == '__main__':
+    defaults = {'out_dir': out_dir, 'start': start, 'end': end}
+    try:
+        main(configure(defaults, sys.argv[1:])[0])
+    except ConfigError as e:
+        fail(e)
