@@ -25,6 +25,7 @@ import os
 import random
 import shutil
 import sys
+import threading
 
 import numpy as np
 import torch
@@ -38,7 +39,7 @@ FORMAT = 4
 # refused: it would be another run.
 RESUMABLE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'max_iters', 'eval_interval', 'log_interval',
              'eval_iters', 'always_save_checkpoint', 'checkpoint_interval', 'patience', 'num_workers',
-             'compile', 'device', 'backend', 'threads', 'keep_checkpoints',
+             'compile', 'device', 'backend', 'threads', 'keep_checkpoints', 'async_save',
              'max_consecutive_skips', 'activation_checkpointing',
              'profile_iter', 'tensorboard_log', 'wandb_log', 'wandb_project', 'wandb_run_name',
              'cost_per_hour', 'smoke_steps', 'test_eval', 'sample_tokens', 'write_report',
@@ -332,14 +333,14 @@ def kept_checkpoints(out_dir):
     return sorted(paths, key=lambda path: int(os.path.basename(path)[len('ckpt-'):-len('.pt')]))
 
 
-def save(names, out_dir, parts, rng, progress, run, sharded, master, keep=0):
-    """Write each of names (best.pt, last.pt) into out_dir, atomically, holding state(): the first,
-    and the others as links to it (link_file). Every rank calls it:
-    in fsdp mode each first writes its shards to shards-ITER/, and only then does rank 0 write the files that
-    point there, so a shards folder counts only once complete; folders no file points to are removed. Returns
-    None, or why this rank's part failed (a full disk: the OSError's reason), for the ranks to agree on before
-    any goes on: a failed write leaves every file on disk whole. keep > 0: of the kept checkpoints
-    (ckpt-ITER.pt), the latest keep stay, the others are removed once these are written."""
+def save(names, out_dir, parts, rng, progress, run, sharded, writer):
+    """Write each of names (best.pt, last.pt, ...) into out_dir, holding state(), through rank 0's
+    writer (Writer: at once, or in the background). Every rank calls it: in fsdp mode each first
+    writes its shards to shards-ITER/, and only then does rank 0 write the files that point there,
+    so a shards folder counts only once complete; folders no file points to are removed. Returns
+    None, or what failed on this rank: (names, iteration, why: a full disk's 'No space left on
+    device'), for the ranks to agree on before any goes on. A failed write leaves every file on disk
+    whole."""
     try:
         shards = None
         if sharded:
@@ -347,7 +348,7 @@ def save(names, out_dir, parts, rng, progress, run, sharded, master, keep=0):
             shards = f"shards-{progress.iter_num}"
             dcp.save(sharded_state(parts['model'], parts['optimizer'], parts.get('ema')),
                      checkpoint_id=os.path.join(out_dir, shards))
-        if not master:
+        if writer is None:  # not rank 0
             return None
         last = os.path.join(out_dir, 'last.pt')
         # one new file (the other names link to it), with room to spare
@@ -355,30 +356,104 @@ def save(names, out_dir, parts, rng, progress, run, sharded, master, keep=0):
             print(f"warning: {out_dir} has {shutil.disk_usage(out_dir).free / 2**20:,.0f} MB free and a "
                   f"checkpoint takes {os.path.getsize(last) / 2**20:,.0f} MB: free space before a save "
                   f"fails", file=sys.stderr)
-        first = os.path.join(out_dir, names[0])
-        save_file(state(parts, rng, progress, run, shards), first)
-        for name in names[1:]:  # the same state: the same file, by another name
-            link_file(first, os.path.join(out_dir, name))
-        if keep:
-            for path in kept_checkpoints(out_dir)[:-keep]:
-                os.remove(path)
-        if sharded:
+        failed = writer.write(state(parts, rng, progress, run, shards), names)
+        if sharded and not failed:
             named = [os.path.join(out_dir, n) for n in ('best.pt', 'last.pt', 'stable.pt')]
             in_use = {load(path)['shards'] for path in named + kept_checkpoints(out_dir)
                       if os.path.exists(path)}
             for folder in os.listdir(out_dir):
                 if folder.startswith('shards-') and folder not in in_use:
                     shutil.rmtree(os.path.join(out_dir, folder))
+        return failed
     except (OSError, CheckpointError) as e:
-        return e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        return names, progress.iter_num, reason(e)
 
 
-def save_failure(names, iter_num, failed, out_dir, last_saved):
-    """The line a failed save ends every rank's run with: failed is this rank's reason (save's), None where
-    another rank failed; last_saved is the iteration out_dir/last.pt holds, if it exists."""
+def reason(error):
+    """Why a write failed, in a few words: an OSError's (a full disk: 'No space left on device')."""
+    return error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+
+
+def host_copy(state, copies=None):
+    """state with every tensor copied to host memory, shared tensors (a tied head) still shared:
+    what a background write reads while training changes the originals."""
+    copies = {} if copies is None else copies
+    if isinstance(state, torch.Tensor):
+        if id(state) not in copies:
+            copies[id(state)] = state.detach().to('cpu', copy=True)
+        return copies[id(state)]
+    if isinstance(state, dict):
+        return {key: host_copy(value, copies) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(host_copy(value, copies) for value in state)
+    return state
+
+
+class Writer:
+    """Rank 0's checkpoint files in out_dir: each state written once under its first name and linked
+    under the others, then the kept checkpoints beyond keep removed. With background (async_save),
+    in a thread from a host copy of the state while training goes on, one at a time: the next
+    write waits for the last, and so does the interpreter's exit (the thread is not a daemon).
+    last_saved: the iteration last.pt holds."""
+
+    def __init__(self, out_dir, keep, background, last_saved):
+        self.out_dir, self.keep, self.background = out_dir, keep, background
+        self.last_saved = last_saved
+        self.thread, self.failure = None, None
+
+    def write(self, ckpt, names):
+        """None, or what failed, (names, iteration, why): this write, or in the background the last
+        one (this one's failure comes from failed() or wait() later)."""
+        failed = self.wait()
+        if failed or not self.background:
+            return failed or self._write(ckpt, names)
+        self.thread = threading.Thread(target=self._write_in_background,
+                                       args=(host_copy(ckpt), names))
+        self.thread.start()
+        return None
+
+    def _write(self, ckpt, names):
+        try:
+            first = os.path.join(self.out_dir, names[0])
+            save_file(ckpt, first)
+            for name in names[1:]:  # the same state: the same file, by another name
+                link_file(first, os.path.join(self.out_dir, name))
+            if self.keep:
+                for path in kept_checkpoints(self.out_dir)[:-self.keep]:
+                    os.remove(path)
+        except (OSError, CheckpointError) as e:
+            return names, ckpt['iter_num'], reason(e)
+        if 'last.pt' in names:
+            self.last_saved = ckpt['iter_num']
+        return None
+
+    def _write_in_background(self, ckpt, names):
+        self.failure = self._write(ckpt, names)
+
+    def failed(self):
+        """Why the background write failed, once it has ended (without waiting); else None."""
+        if self.thread is None or self.thread.is_alive():
+            return None
+        return self.failure
+
+    def wait(self):
+        """Waits for the background write; None, or why it failed."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        failure, self.failure = self.failure, None
+        return failure
+
+
+def save_failure(failed, out_dir, last_saved):
+    """The line a failed save ends every rank's run with: failed is what failed, (names,
+    iteration, why), why None where another rank failed; last_saved is the iteration
+    out_dir/last.pt holds, if it exists."""
+    names, iter_num, why = failed
     has_last = os.path.exists(os.path.join(out_dir, 'last.pt'))
     held = f" (last.pt holds iteration {last_saved})" if has_last else ''
-    return (f"saving {' and '.join(names)} at iteration {iter_num} failed ({failed or 'on another rank'}): "
+    why = why or 'on another rank'
+    return (f"saving {' and '.join(names)} at iteration {iter_num} failed ({why}): "
             f"the files on disk are whole; free space in {out_dir}, then run again with init_from=auto{held}")
 
 

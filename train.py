@@ -55,6 +55,9 @@ checkpoint_interval = 0  # also write last.pt every this many iterations, withou
 # > 0: also keep the latest this many checkpoints of evaluations and checkpoint_interval, named by
 # iteration (ckpt-ITER.pt; a link to last.pt's file where they hold one state); 0: none
 keep_checkpoints = 0
+# True: a save copies the state to host memory and writes it in a background thread while training
+# goes on; the next save, a stop and the end wait for it (not with parallel='fsdp')
+async_save = False
 # 'scratch', 'resume' (out_dir/last.pt or resume_from), 'auto' (resume if last.pt exists, else
 # scratch), or GPT-2's weights: 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', a Hugging Face
 # folder or .safetensors file
@@ -288,7 +291,10 @@ if ema:
 progress = checkpoint.Progress()  # the loop's counters: a checkpoint saves and restores them whole
 if resuming:
     progress = checkpoint.resume(ckpt, ckpt_path, parts, rank, world_size, device)
-start_iter = last_saved = progress.iter_num
+start_iter = progress.iter_num
+# rank 0's files: written at once or, with async_save, in the background (last_saved: the iteration
+# last.pt holds)
+writer = checkpoint.Writer(out_dir, keep_checkpoints, async_save, last_saved=progress.iter_num)
 seconds_before = progress.train_seconds
 raw_model = model  # the plain GPT whose state_dict is saved: no '_orig_mod.' or 'module.' prefixes
 if compile:
@@ -375,19 +381,22 @@ def data_fault(step, fault):
     """End the run on every rank, once they agree that one of them could not read a shard because
     it changed under the run (in a training micro-batch or an evaluation): what happened, and what
     to do."""
-    abort(step, f"{fault}: restore the data and resume from last.pt (iteration {last_saved}), or "
-                f"start a new out_dir")
+    abort(step, f"{fault}: restore the data and resume from last.pt (iteration "
+                f"{writer.last_saved}), or start a new out_dir")
 
 def agree_or_abort(loss_sum, grad_norm, starts, lr):
-    """One all-reduce for the loss, a stop signal and a data fault on any rank, one host sync, and
-    the checks that end the run before the optimizer steps: changed data, a non-finite loss or
-    gradient norm (float16's are the scaler's to skip). Returns the mean loss, the gradient norm and
-    whether a stop was asked."""
-    flags = torch.tensor([runlog.stop_signal is not None, batches.fault is not None],
-                         device=device).float()
-    loss_sum, stops, faults = all_ranks(torch.cat([loss_sum.view(1), flags]))
-    synced = torch.stack([loss_sum / gradient_accumulation_steps, grad_norm.float(), stops, faults])
-    loss, grad_norm, stops, faults = synced.tolist()
+    """One all-reduce for the loss, a stop signal, a data fault and a failed background save on any
+    rank, one host sync, and the checks that end the run before the optimizer steps: changed data, a
+    save that failed, a non-finite loss or gradient norm (float16's are the scaler's to skip).
+    Returns the mean loss, the gradient norm and whether a stop was asked."""
+    flags = torch.tensor([runlog.stop_signal is not None, batches.fault is not None,
+                          writer.failed() is not None], device=device).float()
+    loss_sum, stops, faults, unsaved = all_ranks(torch.cat([loss_sum.view(1), flags]))
+    synced = torch.stack([loss_sum / gradient_accumulation_steps, grad_norm.float(), stops, faults,
+                          unsaved])
+    loss, grad_norm, stops, faults, unsaved = synced.tolist()
+    if unsaved:
+        end_if_unsaved(writer.wait(), progress.iter_num + 1)
     if faults:
         data_fault(progress.iter_num + 1, next(m for m in gather(batches.fault) if m))
     if not math.isfinite(loss) or not (math.isfinite(grad_norm) or scaler.is_enabled()):
@@ -486,14 +495,20 @@ def save(names, rng):
     start = time.time()
     progress.train_seconds = seconds_before + time.time() - t_start
     run = run_record | {'log_bytes': runlog.log_bytes()}
-    failed = checkpoint.save(names, out_dir, parts, rng, progress, run, sharded, master,
-                             keep_checkpoints)
-    if any_rank(failed, device):
-        abort(progress.iter_num,
-              checkpoint.save_failure(names, progress.iter_num, failed, out_dir, last_saved))
+    failed = checkpoint.save(names, out_dir, parts, rng, progress, run, sharded,
+                             writer if master else None)
+    end_if_unsaved(failed, progress.iter_num)
     seconds = time.time() - start
-    log(f"saved {' and '.join(names)} in {seconds:.2f} s")
+    log(f"saved {' and '.join(names)} in {seconds:.2f} s"
+        f"{' (a copy, written in the background)' if async_save else ''}")
     return seconds
+
+def end_if_unsaved(failed, step):
+    """End the run on every rank at step if a save failed on any (failed: this rank's (names,
+    iteration, why), or None), with every file on disk whole."""
+    if any_rank(failed, device):
+        failed = failed or (['last.pt'], step, None)  # (None: another rank's)
+        abort(step, checkpoint.save_failure(failed, out_dir, writer.last_saved))
 
 def smoke_step(batch):
     """The loop's step on one micro-batch per rank (accumulating it would only repeat it); the
@@ -559,13 +574,12 @@ while progress.iter_num < max_iters:
         saves.append(f"ckpt-{progress.iter_num:06d}.pt")
     if saves:
         save_seconds += save(saves, rng)
-    if 'last.pt' in saves:
-        last_saved = progress.iter_num
     if evaluating or saves:
         speed.restart(progress.iter_num)  # evaluation and save time is not training throughput
 
     # stopping
     if stops:  # every rank saw the same count: all saved above and stop here
+        end_if_unsaved(writer.wait(), progress.iter_num)
         runlog.exit_on_signal(progress.iter_num, world_size)
     if stopping_early:
         log(f"early stop: no better val loss in {patience} evaluations since iteration "
@@ -574,6 +588,7 @@ while progress.iter_num < max_iters:
 
 # -----------------------------------------------------------------------------
 # the end: the best weights on the test split, a sample, the report
+end_if_unsaved(writer.wait(), progress.iter_num)
 session_seconds = time.time() - t_start
 if overfit_one_batch and first_loss is not None:  # None: a finished run resumed, no step taken
     log(f"overfit one batch: loss {first_loss:.4f} -> {loss:.4f}")

@@ -15,6 +15,8 @@ PROBE_GRAPHS=DIR     counts the graphs that torch.compile hands to inductor into
 PROBE_HOLD_SAVE=N    the N-th write of last.pt (torch.save's, or a link to best.pt) stops for 60
                      s once its temp file (last.pt.PID.tmp) is whole, before the rename, and says
                      so on stderr: a kill then lands mid-write
+PROBE_SAVE_DELAY=S   torch.save waits S seconds before it writes: with async_save, training goes on
+                     meanwhile
 PROBE_LOGGERS=FILE   stands in for wandb and TensorBoard (the tensorboard package and
                      torch.utils.tensorboard): each call the run makes to them becomes a JSON line in FILE
 PROBE_SLEEP=A-B:S    sleeps S seconds in training micro-batches A to B (as compilation or a busy machine
@@ -158,6 +160,14 @@ if 'PROBE_HOLD_SAVE' in os.environ:
         os_link(source, path, *args, **kwargs)
         hold_last(path)
     torch.save, os_link, os.link = holding_save, os.link, holding_link
+
+if 'PROBE_SAVE_DELAY' in os.environ:
+    undelayed_save = torch.save
+
+    def delayed_save(*args, **kwargs):
+        time.sleep(float(os.environ['PROBE_SAVE_DELAY']))
+        undelayed_save(*args, **kwargs)
+    torch.save = delayed_save
 
 if 'PROBE_LOGGERS' in os.environ:
     def log_call(*call):

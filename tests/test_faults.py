@@ -98,6 +98,20 @@ def test_a_full_disk_ends_the_run_in_one_line_and_a_resume_after_freeing_space_i
         assert trajectory(out) == trajectory(straight)
 
 
+def test_a_failed_background_save_ends_the_run_at_the_next_step_in_one_line(tmp_path, data_dir):
+    out = str(tmp_path / 'run')
+    # each file stops at 200 KB: the save at iteration 10 fails in its thread while training goes
+    # on, and the first step after it has ended ends the run, before the next save at 20
+    result = probed_train(out, data_dir, *ARGS, '--async_save=True', PROBE_FSIZE=str(200_000))
+    assert result.returncode == 1
+    error = error_line(result)
+    assert error.startswith("error: saving best.pt and last.pt at iteration 10 failed (File too "
+                            "large): the files on disk are whole"), error
+    assert whole_checkpoints(out) == {}
+    [abort] = read_metrics(out, 'abort')
+    assert 10 < abort['step'] < 20
+
+
 def test_an_out_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path, data_dir):
     with tmpfs(tmp_path / 'ro', 'size=1m,ro') as mounted:
         # no read-only filesystem to be had: a file where a folder must go fails the same call

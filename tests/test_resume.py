@@ -92,15 +92,19 @@ def test_float32_resume_after_evaluation_and_from_best_is_bitwise(tmp_path, data
     assert trajectory(from_best) == [t for t in trajectory(straight) if t[0] > 20]
 
 
-def test_kept_checkpoints_are_the_latest_k_and_each_replays_the_run(tmp_path, data_dir):
+def test_kept_checkpoints_are_the_latest_k_and_each_replays_the_run_written_in_the_background(
+        tmp_path, data_dir):
     run, replay = str(tmp_path / 'run'), str(tmp_path / 'replay')
     args = ['--max_iters=40', '--lr_decay_iters=40', '--eval_interval=10', '--keep_checkpoints=2']
-    run_train(run, data_dir, *args)
+    # written in the background from a copy taken at the save, while 0.2 s of steps go on: what a
+    # resume needs, nothing later
+    run_train(run, data_dir, *args, '--async_save=True', '--dropout=0.1', probe=True,
+              env={**os.environ, 'PROBE_SAVE_DELAY': '0.2'})
     assert sorted(f for f in os.listdir(run) if f.startswith('ckpt-')) == ['ckpt-000030.pt',
                                                                            'ckpt-000040.pt']
     assert os.path.samefile(os.path.join(run, 'ckpt-000040.pt'), os.path.join(run, 'last.pt'))
     # the earlier replays the run to the later, bitwise
-    run_train(replay, data_dir, *args, '--init_from=resume',
+    run_train(replay, data_dir, *args, '--dropout=0.1', '--init_from=resume',
               f"--resume_from={os.path.join(run, 'ckpt-000030.pt')}")
     assert trajectory(replay) == [t for t in trajectory(run) if t[0] > 30]
     a, b = (torch.load(path, weights_only=True)['model']
@@ -122,22 +126,26 @@ def test_sigkill_at_random_moments_and_mid_write_then_auto_resume(tmp_path, data
     run_train(straight, data_dir, *args)
     rng = random.Random(0)
     for attempt in range(4):  # kill, resume with init_from=auto, kill again...
+        # the last two sessions write in the background (async_save) while training goes on
+        background = [f'--async_save={attempt >= 2}']
         # in the middle of the session's second write of last.pt: its temp file is complete
         if attempt % 2 == 0:
-            proc = start_train(killed, data_dir, *args, hold_save=2)
+            proc = start_train(killed, data_dir, *args, *background, hold_save=2)
             # a session resumed near the end (after a late random kill) may finish before its second
             # write: the loop's check below then ends it
             wait_for_stderr(proc, 'probe: holding the write of', or_finish=True)
         else:  # anywhere: start-up, a step, an evaluation, a save
-            proc = start_train(killed, data_dir, *args)
+            proc = start_train(killed, data_dir, *args, *background)
             time.sleep(rng.uniform(2.0, 7.0))
         if proc.poll() is not None:  # finished before a kill landed: nothing left to interrupt
             break
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         if attempt % 2 == 0:  # the kill landed mid-write: last.pt is still the save before
-            being_saved = trajectory(killed)[-1][0]
-            assert glob.glob(os.path.join(killed, 'last.pt.*.tmp'))
+            held = max(glob.glob(os.path.join(killed, 'last.pt.*.tmp')), key=os.path.getmtime)
+            being_saved = torch.load(held, weights_only=True)['iter_num']  # whole, not renamed
+            if attempt < 2:  # written at once: training waited for it
+                assert being_saved == trajectory(killed)[-1][0]
             # saves come at every evaluation (3 iterations) and at max_iters (100, 1 after 99)
             assert (torch.load(os.path.join(killed, 'last.pt'), weights_only=True)['iter_num']
                     == (being_saved - 1) // 3 * 3)

@@ -553,7 +553,8 @@ def test_one_state_saved_under_two_names_is_written_once_and_each_name_replaced_
 
     def save(names, iter_num):
         progress = checkpoint.Progress(iter_num=iter_num)
-        assert checkpoint.save(names, out, parts, rng, progress, {}, False, True) is None
+        writer = checkpoint.Writer(out, keep=0, background=False, last_saved=0)
+        assert checkpoint.save(names, out, parts, rng, progress, {}, False, writer) is None
     save(['best.pt', 'last.pt'], 10)
     assert os.path.samefile(best, last)  # one file, two names
     save(['last.pt'], 20)  # replaces its name only: best.pt keeps iteration 10
