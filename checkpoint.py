@@ -23,6 +23,7 @@ import glob
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import threading
@@ -327,10 +328,15 @@ def sharded_state(model, optimizer=None, ema=None):
             | ({'ema': get_model_state_dict(ema)} if ema else {}))
 
 
-def kept_checkpoints(out_dir):
-    """The checkpoints keep_checkpoints keeps (ckpt-ITER.pt), oldest first."""
-    paths = glob.glob(os.path.join(out_dir, 'ckpt-*.pt'))
-    return sorted(paths, key=lambda path: int(os.path.basename(path)[len('ckpt-'):-len('.pt')]))
+def kept_checkpoints(out_dir, up_to=None):
+    """The checkpoints keep_checkpoints keeps (ckpt-ITER.pt), oldest first; up_to: those of
+    iterations up to it only (later ones are a run's that was resumed from before them)."""
+    kept = {}
+    for path in glob.glob(os.path.join(glob.escape(out_dir), 'ckpt-*.pt')):
+        match = re.fullmatch(r'ckpt-(\d+)\.pt', os.path.basename(path))
+        if match and (up_to is None or int(match[1]) <= up_to):
+            kept[int(match[1])] = path
+    return [kept[iteration] for iteration in sorted(kept)]
 
 
 def save(names, out_dir, parts, rng, progress, run, sharded, writer):
@@ -375,13 +381,15 @@ def reason(error):
 
 
 def host_copy(state, copies=None):
-    """state with every tensor copied to host memory, shared tensors (a tied head) still shared:
-    what a background write reads while training changes the originals."""
+    """state with every tensor copied to host memory, tensors that share their memory (a tied head's
+    two names) still shared: what a background write reads while training changes the originals."""
     copies = {} if copies is None else copies
     if isinstance(state, torch.Tensor):
-        if id(state) not in copies:
-            copies[id(state)] = state.detach().to('cpu', copy=True)
-        return copies[id(state)]
+        view = (state.device, state.untyped_storage().data_ptr(), state.storage_offset(),
+                state.dtype, state.shape, state.stride())
+        if view not in copies:
+            copies[view] = state.detach().to('cpu', copy=True)
+        return copies[view]
     if isinstance(state, dict):
         return {key: host_copy(value, copies) for key, value in state.items()}
     if isinstance(state, (list, tuple)):
@@ -418,17 +426,21 @@ class Writer:
             save_file(ckpt, first)
             for name in names[1:]:  # the same state: the same file, by another name
                 link_file(first, os.path.join(self.out_dir, name))
-            if self.keep:
-                for path in kept_checkpoints(self.out_dir)[:-self.keep]:
-                    os.remove(path)
         except (OSError, CheckpointError) as e:
             return names, ckpt['iter_num'], reason(e)
         if 'last.pt' in names:
             self.last_saved = ckpt['iter_num']
+        if self.keep:  # the oldest, once the newest is whole
+            for path in kept_checkpoints(self.out_dir, up_to=ckpt['iter_num'])[:-self.keep]:
+                with contextlib.suppress(OSError):  # one left behind harms nothing
+                    os.remove(path)
         return None
 
     def _write_in_background(self, ckpt, names):
-        self.failure = self._write(ckpt, names)
+        try:
+            self.failure = self._write(ckpt, names)
+        except BaseException as e:  # any error, not only a full disk's: the run must hear of it
+            self.failure = names, ckpt['iter_num'], reason(e)
 
     def failed(self):
         """Why the background write failed, once it has ended (without waiting); else None."""

@@ -55,11 +55,16 @@ def train_records(run_dir, first, last):
     return records
 
 
+def same(a, b):
+    """Whether two logged figures are the same number: two NaNs are (a skipped float16 step's)."""
+    return a == b or (a != a and b != b)
+
+
 def first_divergence(run, replay):
     """(step, figure, run's value, replay's value) of the first figure that differs, or None."""
     for step in sorted(replay):
         for figure in FIGURES:
-            if step in run and run[step][figure] != replay[step][figure]:
+            if step in run and not same(run[step][figure], replay[step][figure]):
                 return step, figure, run[step][figure], replay[step][figure]
     return None
 
@@ -86,14 +91,18 @@ def tensors(state, prefix):
     return found
 
 
-def state_difference(expected_path, replayed_path):
-    """'' when the two checkpoints hold the same state (weights, optimizer state, EMA, schedule,
-    loss scale, data position, RNGs), else the first part that differs (a tensor: by how much). A
-    sharded run's checkpoints: their gathered weights, and the rest."""
-    expected, replayed = (checkpoint.load(p) for p in (expected_path, replayed_path))
+def counters_difference(expected, replayed):
+    """'' when two checkpoints hold the same schedule, loss scale, data position and RNG states,
+    else which differs: no kernel's order of addition can explain that."""
     for part in ('scheduler', 'scaler', 'sampler', 'rng'):
         if expected[part] != replayed[part]:
             return f"the {part} state differs"
+    return ''
+
+
+def weights_difference(expected_path, replayed_path, expected, replayed):
+    """'' when two checkpoints hold the same weights, optimizer state and EMA (a sharded run's:
+    its gathered weights), else the first tensor that differs and by how much."""
     if 'shards' in expected:
         expected, replayed = (
             {'model': sample.load_model(p, 'cpu', raw_weights=True)[0].state_dict()}
@@ -121,38 +130,53 @@ def machine_differences(run_meta, replay_meta):
     return lines
 
 
+# settings that may differ between the two checkpoints' sessions: where things are, how long
+FREE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'max_iters'}
+
+
 def main(config):
     run_dir = config['out_dir']
-    settings = {k: v['value'] for k, v in read_json(os.path.join(run_dir, 'config.json')).items()
-                if k != 'resolved'}
     run_meta = read_json(os.path.join(run_dir, 'meta.json'))
     kept = checkpoint.kept_checkpoints(run_dir)
     if not (config['start'] and config['end']) and len(kept) < 2:
         fail(f"{run_dir} keeps {len(kept)} checkpoint(s) (ckpt-ITER.pt): train with "
              f"keep_checkpoints=2 or more, or name --start and --end")
-    start_path, end_path = config['start'] or kept[-2], config['end'] or kept[-1]
+    # absolute: the replay runs in this script's folder
+    start_path, end_path = (os.path.abspath(p) for p in (config['start'] or kept[-2],
+                                                          config['end'] or kept[-1]))
     try:
-        first, last = (checkpoint.load(path, resumable=True)['iter_num']
-                       for path in (start_path, end_path))
+        start_ckpt, end_ckpt = (checkpoint.load(p, resumable=True) for p in (start_path, end_path))
     except checkpoint.CheckpointError as e:
         fail(e)
+    first, last = start_ckpt['iter_num'], end_ckpt['iter_num']
     if first >= last:
         fail(f"{start_path} (iteration {first}) is not before {end_path} (iteration {last}): "
              f"name an earlier start")
+    settings = end_ckpt['config']  # the settings of the session that wrote end, not the latest's
+    changed = sorted(k for k in settings
+                     if k not in FREE and start_ckpt['config'].get(k) != settings[k])
+    if changed:
+        fail(f"{start_path} and {end_path} come from sessions with other settings "
+             f"({', '.join(changed)}): name two checkpoints of one session")
     run_steps = train_records(run_dir, first + 1, last)
-    with tempfile.TemporaryDirectory(prefix='verify-') as replay_dir:
+    world_size = len(start_ckpt['rng'])  # a state per process
+    replay_parent = os.path.dirname(os.path.abspath(run_dir))  # beside the run: /tmp may be small
+    with tempfile.TemporaryDirectory(prefix='verify-', dir=replay_parent) as replay_dir:
+        resume_from = start_path
+        if 'shards' not in start_ckpt:  # a second name: a run still training may remove the first
+            resume_from = os.path.join(replay_dir, 'start.pt')
+            checkpoint.link_file(start_path, resume_from)
         replay_settings = {**settings, **REPLAY, 'out_dir': replay_dir, 'init_from': 'resume',
-                           'resume_from': start_path, 'max_iters': last}
+                           'resume_from': resume_from, 'max_iters': last}
         args = [f"--{key}={value}" for key, value in replay_settings.items()]
-        world_size = run_meta.get('world_size', 1)
         launcher = [sys.executable]
         if world_size > 1:
             launcher += ['-m', 'torch.distributed.run', '--standalone',
                          f"--nproc_per_node={world_size}"]
-        print(f"replaying iterations {first + 1}-{last} of {run_dir} from {start_path} on "
-              f"{world_size} process(es)", file=sys.stderr)
-        replay = subprocess.run([*launcher, 'train.py', *args], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__)))
+        print(f"replaying iterations {first + 1}-{last} of {run_dir} on {world_size} process(es)",
+              file=sys.stderr)
+        train_py = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')
+        replay = subprocess.run([*launcher, train_py, *args], capture_output=True, text=True)
         if replay.returncode != 0:
             lines = replay.stderr.splitlines()
             errors = [line for line in lines if line.startswith('error:')] or lines[-1:] or ['']
@@ -160,19 +184,23 @@ def main(config):
             sys.exit(1)
         replay_steps = train_records(replay_dir, first + 1, last)
         replay_meta = read_json(os.path.join(replay_dir, 'meta.json'))
-        difference = state_difference(end_path, os.path.join(replay_dir, 'last.pt'))
+        replayed_path = os.path.join(replay_dir, 'last.pt')
+        replayed = checkpoint.load(replayed_path)
+        counters = counters_difference(end_ckpt, replayed)
+        weights = weights_difference(end_path, replayed_path, end_ckpt, replayed)
     compared = [step for step in replay_steps if step in run_steps]
     divergence = first_divergence(run_steps, replay_steps)
     if not compared:
         print(f"not verified: {run_dir}/metrics.jsonl holds no train record of iterations "
               f"{first + 1}-{last}")
         sys.exit(1)
-    if divergence is None and not difference:
+    state = 'the gathered weights and the counters' if 'shards' in end_ckpt else 'the state'
+    if divergence is None and not counters and not weights:
         print(f"reproduced: iterations {first + 1}-{last}, {len(compared)} logged steps, every "
-              f"loss, gradient norm and learning rate equal, and the state equal to {end_path}")
+              f"loss, gradient norm and learning rate equal, and {state} equal to {end_path}'s")
         return
     on_gpu = str(run_meta.get('device', '')).startswith('cuda')
-    if on_gpu and not settings.get('deterministic'):
+    if on_gpu and not settings.get('deterministic') and not counters:
         print(f"drifted, as a GPU run without deterministic=True does (its kernels add in varying "
               f"order): the largest relative difference over iterations {first + 1}-{last} is "
               f"{largest_drift(run_steps, replay_steps):.3g}; train with deterministic=True to "
@@ -183,8 +211,9 @@ def main(config):
         size = abs(ran - here) / max(abs(ran), 1e-30)
         print(f"diverged at iteration {step}: {figure} {ran!r} in the run, {here!r} here "
               f"(relative difference {size:.3g})")
-    if difference:
-        print(f"diverged in the state at iteration {last}: {difference}")
+    for difference in (counters, weights):
+        if difference:
+            print(f"diverged in the state at iteration {last}: {difference}")
     lines = machine_differences(run_meta, replay_meta)
     print("what differs from the run's machine:" if lines else
           "this machine matches the run's (hardware and versions in meta.json)")

@@ -567,3 +567,30 @@ def test_one_state_saved_under_two_names_is_written_once_and_each_name_replaced_
     save(['best.pt', 'last.pt'], 30)
     assert not os.path.samefile(best, last) and best.read_bytes() == last.read_bytes()
     assert not list(tmp_path.glob('*.tmp'))
+
+
+def test_a_background_write_copies_tied_weights_once_and_reports_any_failure(tmp_path):
+    from model import GPT, GPTConfig
+    state = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=16)).state_dict()
+    copy = checkpoint.host_copy({'model': state})['model']
+    # the tied head: two names over one tensor's memory, copied once, shared still
+    assert (copy['wte.weight'].untyped_storage().data_ptr()
+            == copy['lm_head.weight'].untyped_storage().data_ptr())
+    assert copy['wte.weight'].data_ptr() != state['wte.weight'].data_ptr()
+    writer = checkpoint.Writer(str(tmp_path), keep=0, background=True, last_saved=0)
+    # not a full disk: an error torch.save raises for a value it cannot pickle
+    assert writer.write({'iter_num': 10, 'x': lambda: 0}, ['last.pt']) is None
+    names, iter_num, why = writer.wait()
+    assert names == ['last.pt'] and iter_num == 10 and why and writer.last_saved == 0
+    assert not os.listdir(tmp_path)
+
+
+def test_kept_checkpoints_count_only_those_up_to_the_one_written(tmp_path):
+    for iteration in (100, 300, 400):  # 300 and 400: a run's that was resumed from 100
+        (tmp_path / f'ckpt-{iteration:06d}.pt').write_bytes(b'')
+    (tmp_path / 'ckpt-best.pt').write_bytes(b'')  # not a kept checkpoint's name
+    writer = checkpoint.Writer(str(tmp_path), keep=1, background=False, last_saved=0)
+    assert writer.write({'iter_num': 200}, ['last.pt', 'ckpt-000200.pt']) is None
+    assert sorted(os.listdir(tmp_path)) == ['ckpt-000200.pt', 'ckpt-000300.pt', 'ckpt-000400.pt',
+                                            'ckpt-best.pt', 'last.pt']
+    assert writer.last_saved == 200
