@@ -67,27 +67,33 @@ class CheckpointError(Exception):
 
 
 def atomic_write(path, write):
-    """write(f) fills a binary file object; path appears complete or not at all. The temp file is this
-    process's own (processes may write one path at once) and in the same folder (os.replace is atomic only
-    within one filesystem); a write that fails (a full disk) removes it: it would hold the space a retry
-    needs."""
-    tmp = f'{path}.{os.getpid()}.tmp'
-    try:
+    """write(f) fills a binary file object; path appears complete or not at all (in_place)."""
+    def write_synced(tmp):
         with open(tmp, 'wb') as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+    in_place(path, write_synced)
+
+
+def in_place(path, make):
+    """make(tmp) makes a temp file, which then replaces path, durably: path is the old file or the
+    new, never half of one. The temp file is this process's own (processes may write one path at
+    once) and in the same folder (os.replace is atomic only within one filesystem); one that fails
+    (a full disk) is removed: it would hold the space a retry needs."""
+    tmp = f'{path}.{os.getpid()}.tmp'
+    # a killed process's temp file of this name may be a link to a checkpoint: unlinked, never
+    # truncated
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(tmp)
+    try:
+        make(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
-    sync_folder(path)
-
-
-def sync_folder(path):
-    """fsync path's folder: makes a rename into it durable."""
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)  # the rename, durable
     try:
         os.fsync(fd)
     finally:
@@ -97,20 +103,12 @@ def sync_folder(path):
 def link_file(source, path):
     """path becomes a second name of the file source, atomically (a hard link made beside path, then
     renamed over it): one state written once for best.pt and last.pt. Where the filesystem has no
-    hard links, a copy, written as atomic_write writes."""
-    tmp = f'{path}.{os.getpid()}.tmp'
+    hard links, a copy."""
     try:
-        os.link(source, tmp)
+        in_place(path, lambda tmp: os.link(source, tmp))
     except OSError:
         with open(source, 'rb') as f:
-            return atomic_write(path, lambda out: shutil.copyfileobj(f, out))
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-    sync_folder(path)
+            atomic_write(path, lambda out: shutil.copyfileobj(f, out))
 
 
 def write_json(path, obj):

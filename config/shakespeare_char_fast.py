@@ -1,6 +1,6 @@
-# shakespeare_char on a CPU, fast: nanoGPT's val loss 1.886 in a quarter of the time of nanoGPT's own
-# CPU recipe beside it, or less (docs/benchmarks.md, runs after a machine's first: 6.3x with bfloat16
-# units, 4.3-4.5x with AVX2 alone, emulated).
+# shakespeare_char on a CPU, fast: nanoGPT's val loss 1.886 in a quarter of the time of nanoGPT's
+# own CPU recipe beside it, or less (docs/benchmarks.md, runs after a machine's first: 6.3x with
+# bfloat16 units, 4.3-4.5x with AVX2 alone, emulated).
 # config/shakespeare_char_cpu.py's shape, with the modern recipe: Muon for
 # the blocks' matrices, rotary positions, QK-norm, an untied zero-initialized head, soft-capped logits,
 # warmup-stable-decay.
