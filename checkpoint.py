@@ -411,8 +411,10 @@ class Writer:
         """None, or what failed, (names, iteration, why): this write, or in the background the last
         one (this one's failure comes from failed() or wait() later)."""
         failed = self.wait()
-        if failed or not self.background:
-            return failed or self._write(ckpt, names)
+        if failed:
+            return failed
+        if not self.background:
+            return self._write(ckpt, names)
         self.thread = threading.Thread(target=self._write_in_background,
                                        args=(host_copy(ckpt), names))
         self.thread.start()
