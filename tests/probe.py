@@ -26,9 +26,9 @@ PROBE_DATA=R:N:HOW:PATH  at rank R's N-th micro-batch, truncates the file PATH t
                      vocabulary (HOW=rewrite), as a job re-preparing the data under the run would
 PROBE_FSIZE=BYTES    no file this process writes may grow past BYTES (RLIMIT_FSIZE): writes fail with EFBIG,
                      as on a full disk where no small filesystem can be mounted
-PROBE_CUDA_MEMORY=BYTES  from the training loop's start (perf.reset_peak_memory), the CUDA allocator
-                     may hold at most BYTES of GPU 0, as on a smaller card
-                     (set_per_process_memory_fraction)
+PROBE_CUDA_MEMORY=BYTES  from fit_batch's first try (smoke.fit_batch) or the training loop's
+                     start (perf.reset_peak_memory), the CUDA allocator may hold at most BYTES of
+                     GPU 0, as on a smaller card (set_per_process_memory_fraction)
 Always: the GIL changes hands at most once a second unless its holder releases it (sys.setswitchinterval), so
 a collective's tensors that gloo's worker thread frees late reach Python's shutdown unless train.py's exit
 gives way (distributed.destroy_process_group).
@@ -59,14 +59,22 @@ if 'PROBE_FSIZE' in os.environ:
 if 'PROBE_CUDA_MEMORY' in os.environ:  # not before: a GPU missing from perf.GPU_PEAKS is measured
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # perf's folder
     import perf
-    reset_peak_memory = perf.reset_peak_memory
+    import smoke
+    reset_peak_memory, fit_batch = perf.reset_peak_memory, smoke.fit_batch
 
-    def reset_and_cap(device):
-        reset_peak_memory(device)
+    def cap(device):
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(int(os.environ['PROBE_CUDA_MEMORY']) / total,
                                                    device)
-    perf.reset_peak_memory = reset_and_cap
+
+    def reset_and_cap(device):
+        reset_peak_memory(device)
+        cap(device)
+
+    def cap_and_fit(batch_size, accum, try_step, parts, device):
+        cap(device)
+        return fit_batch(batch_size, accum, try_step, parts, device)
+    perf.reset_peak_memory, smoke.fit_batch = reset_and_cap, cap_and_fit
 micro_batches = 0
 
 

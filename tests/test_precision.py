@@ -143,6 +143,29 @@ def test_fit_batch_halves_to_what_fits_keeps_the_global_batch_and_resumes(tmp_pa
     assert steps[0] == steps[1] and len(steps[0]) == 6
 
 
+# CUDA's allocator alone can be capped (PROBE_CUDA_MEMORY): real out-of-memory errors, on a GPU
+@pytest.mark.parametrize('device', DEVICES[1:])
+def test_fit_batch_on_a_small_gpu_finds_a_size_equal_to_it_given_by_hand(tmp_path, data_dir,
+                                                                         device):
+    fitted, by_hand = str(tmp_path / 'fitted'), str(tmp_path / 'by_hand')
+    args = ['--n_embd=128', '--dtype=float32', '--max_iters=4', '--lr_decay_iters=4',
+            '--eval_interval=4', '--gradient_accumulation_steps=1', f'--device={device}',
+            '--deterministic=True']
+    # capped at 256 MiB, as on a small card: 1024 windows need ~700 MB
+    result = run_train(fitted, data_dir, *args, '--batch_size=1024', '--fit_batch=True', probe=True,
+                       env={**os.environ, 'PROBE_CUDA_MEMORY': str(256 * 2**20)})
+    config = json.load(open(os.path.join(fitted, 'config.json')))
+    size = config['batch_size']['value']
+    assert size < 1024 and config['batch_size']['source'] == 'fit_batch, from batch_size=1024'
+    assert config['gradient_accumulation_steps']['value'] * size == 1024
+    assert f"fit_batch: batch_size=1024 runs out of memory, {size} fits" in result.stdout
+    run_train(by_hand, data_dir, *args, f'--batch_size={size}',
+              f'--gradient_accumulation_steps={1024 // size}')
+    steps = [[(r['step'], r['loss'], r['grad_norm']) for r in read_metrics(d, 'train')]
+             for d in (fitted, by_hand)]
+    assert steps[0] == steps[1] and len(steps[0]) == 4
+
+
 @pytest.mark.parametrize('device', DEVICES)
 def test_out_of_memory_is_one_clear_message(tmp_path, data_dir, device):
     out = str(tmp_path / 'oom')

@@ -92,24 +92,28 @@ def test_float32_resume_after_evaluation_and_from_best_is_bitwise(tmp_path, data
     assert trajectory(from_best) == [t for t in trajectory(straight) if t[0] > 20]
 
 
+@pytest.mark.parametrize('device', DEVICES)
 def test_kept_checkpoints_are_the_latest_k_and_each_replays_the_run_written_in_the_background(
-        tmp_path, data_dir):
+        tmp_path, data_dir, device):
     run, replay = str(tmp_path / 'run'), str(tmp_path / 'replay')
-    args = ['--max_iters=40', '--lr_decay_iters=40', '--eval_interval=10', '--keep_checkpoints=2']
+    args = ['--max_iters=40', '--lr_decay_iters=40', '--eval_interval=10', '--keep_checkpoints=2',
+            '--dropout=0.1', '--ema_decay=0.9', f'--device={device}',
+            f'--deterministic={device == "cuda"}']
     # written in the background from a copy taken at the save, while 0.2 s of steps go on: what a
     # resume needs, nothing later
-    run_train(run, data_dir, *args, '--async_save=True', '--dropout=0.1', probe=True,
+    run_train(run, data_dir, *args, '--async_save=True', probe=True,
               env={**os.environ, 'PROBE_SAVE_DELAY': '0.2'})
     assert sorted(f for f in os.listdir(run) if f.startswith('ckpt-')) == ['ckpt-000030.pt',
                                                                            'ckpt-000040.pt']
     assert os.path.samefile(os.path.join(run, 'ckpt-000040.pt'), os.path.join(run, 'last.pt'))
-    # the earlier replays the run to the later, bitwise
-    run_train(replay, data_dir, *args, '--dropout=0.1', '--init_from=resume',
+    # the earlier replays the run to the later, bitwise, the EMA of the weights too
+    run_train(replay, data_dir, *args, '--init_from=resume',
               f"--resume_from={os.path.join(run, 'ckpt-000030.pt')}")
     assert trajectory(replay) == [t for t in trajectory(run) if t[0] > 30]
-    a, b = (torch.load(path, weights_only=True)['model']
+    a, b = (torch.load(path, weights_only=True)
             for path in (os.path.join(run, 'ckpt-000040.pt'), os.path.join(replay, 'last.pt')))
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    for weights in ('model', 'ema'):
+        assert all(torch.equal(a[weights][k], b[weights][k]) for k in a[weights])
 
 
 def start_train(out_dir, data_dir, *overrides, hold_save=None):

@@ -2,12 +2,13 @@
 on 1 process and on 2 ranks; an edited weight or logged figure is caught and named."""
 import json
 import os
+import re
 
 import pytest
 import torch
 
 import forked
-from conftest import ok, run_train, torchrun
+from conftest import DEVICES, ok, run_train, torchrun
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
 
@@ -19,9 +20,23 @@ def verify(run):
     return forked.run('verify.py', f'--out_dir={run}')
 
 
-def test_a_run_verifies_and_an_edited_weight_and_logged_loss_are_named(tmp_path, data_dir):
+def edit_logged_loss(run, step):
+    """Changes the last digit of iteration step's loss in run's metrics.jsonl: (new, old)."""
+    with open(os.path.join(run, 'metrics.jsonl')) as f:
+        records = [json.loads(line) for line in f]
+    [record] = [r for r in records if r['kind'] == 'train' and r['step'] == step]
+    logged = repr(record['loss'])
+    record['loss'] = float(logged[:-1] + str((int(logged[-1]) + 1) % 10))
+    with open(os.path.join(run, 'metrics.jsonl'), 'w') as f:
+        f.writelines(json.dumps(r) + '\n' for r in records)
+    return record['loss'], float(logged)
+
+
+# a GPU's kernels repeat bitwise only with deterministic=True
+@pytest.mark.parametrize('device', DEVICES)
+def test_a_run_verifies_and_an_edited_weight_and_logged_loss_are_named(tmp_path, data_dir, device):
     run = str(tmp_path / 'run')
-    run_train(run, data_dir, *ARGS)
+    run_train(run, data_dir, *ARGS, f'--device={device}', f'--deterministic={device == "cuda"}')
     result = verify(run)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith('reproduced: iterations 11-20, 10 logged steps'), result.stdout
@@ -30,21 +45,33 @@ def test_a_run_verifies_and_an_edited_weight_and_logged_loss_are_named(tmp_path,
     ckpt = torch.load(later, weights_only=True)
     ckpt['model']['blocks.1.mlp.c_fc.weight'][0, 0] += 1e-6
     torch.save(ckpt, later)
-    with open(os.path.join(run, 'metrics.jsonl')) as f:
-        records = [json.loads(line) for line in f]
-    [step_15] = [r for r in records if r['kind'] == 'train' and r['step'] == 15]
-    logged = repr(step_15['loss'])
-    step_15['loss'] = float(logged[:-1] + str((int(logged[-1]) + 1) % 10))
-    with open(os.path.join(run, 'metrics.jsonl'), 'w') as f:
-        f.writelines(json.dumps(r) + '\n' for r in records)
+    edited, logged = edit_logged_loss(run, 15)
     result = verify(run)
     assert result.returncode == 1, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith(f"diverged at iteration 15: loss {step_15['loss']!r} in the run, "
-                               f"{float(logged)!r} here"), result.stdout
+    assert lines[0].startswith(f"diverged at iteration 15: loss {edited!r} in the run, "
+                               f"{logged!r} here"), result.stdout
     assert lines[1] == ('diverged in the state at iteration 20: model.blocks.1.mlp.c_fc.weight '
                         'differs (largest difference 1e-06)'), result.stdout
     assert lines[2] == "this machine matches the run's (hardware and versions in meta.json)"
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_a_gpu_run_without_deterministic_drifts_and_says_by_how_much(tmp_path, data_dir, device):
+    run = str(tmp_path / 'run')
+    run_train(run, data_dir, *ARGS, f'--device={device}')
+    if device == 'cpu':  # the verdict reads the run's device in meta.json; the replay's is the CPU
+        meta = json.load(open(os.path.join(run, 'meta.json')))
+        with open(os.path.join(run, 'meta.json'), 'w') as f:
+            json.dump({**meta, 'device': 'cuda:0'}, f)
+    edit_logged_loss(run, 15)  # at least this drift, whatever the kernels' order of addition gives
+    result = verify(run)
+    assert result.returncode == 0, result.stdout + result.stderr
+    drift = re.fullmatch(r"drifted, as a GPU run without deterministic=True does \(its kernels add "
+                         r"in varying order\): the largest relative difference over iterations "
+                         r"11-20 is (\S+); train with deterministic=True to verify bitwise\n",
+                         result.stdout)
+    assert drift and float(drift.group(1)) > 0, result.stdout
 
 
 def test_a_two_rank_run_verifies_under_torchrun(tmp_path, data_dir):
