@@ -148,9 +148,8 @@ def test_fit_batch_halves_to_what_fits_keeps_the_global_batch_and_resumes(tmp_pa
 def test_fit_batch_on_a_small_gpu_finds_a_size_equal_to_it_given_by_hand(tmp_path, data_dir,
                                                                          device):
     fitted, by_hand = str(tmp_path / 'fitted'), str(tmp_path / 'by_hand')
-    args = ['--n_embd=128', '--dtype=float32', '--max_iters=4', '--lr_decay_iters=4',
-            '--eval_interval=4', '--gradient_accumulation_steps=1', f'--device={device}',
-            '--deterministic=True']
+    args = ['--n_embd=128', '--dtype=float32', '--max_iters=4', '--eval_interval=4',
+            '--gradient_accumulation_steps=1', f'--device={device}', '--deterministic=True']
     # capped at 256 MiB, as on a small card: 1024 windows need ~700 MB
     result = run_train(fitted, data_dir, *args, '--batch_size=1024', '--fit_batch=True', probe=True,
                        env={**os.environ, 'PROBE_CUDA_MEMORY': str(256 * 2**20)})

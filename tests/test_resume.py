@@ -110,7 +110,8 @@ def test_kept_checkpoints_are_the_latest_k_and_each_replays_the_run_written_in_t
     run_train(replay, data_dir, *args, '--init_from=resume',
               f"--resume_from={os.path.join(run, 'ckpt-000030.pt')}")
     assert trajectory(replay) == [t for t in trajectory(run) if t[0] > 30]
-    a, b = (torch.load(path, weights_only=True)
+    # map_location: a background write holds host copies, a write at once the GPU's tensors
+    a, b = (torch.load(path, map_location='cpu', weights_only=True)
             for path in (os.path.join(run, 'ckpt-000040.pt'), os.path.join(replay, 'last.pt')))
     for weights in ('model', 'ema'):
         assert all(torch.equal(a[weights][k], b[weights][k]) for k in a[weights])

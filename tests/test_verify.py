@@ -1,6 +1,7 @@
 """verify.py: a run replayed between two kept checkpoints reproduces what it recorded, bit for bit,
 on 1 process and on 2 ranks; an edited weight or logged figure is caught and named."""
 import json
+import math
 import os
 import re
 
@@ -21,15 +22,16 @@ def verify(run):
 
 
 def edit_logged_loss(run, step):
-    """Changes the last digit of iteration step's loss in run's metrics.jsonl: (new, old)."""
+    """Moves iteration step's loss in run's metrics.jsonl to the next float (one unit in the last
+    place: a changed last decimal digit can round to the same float): (new, old)."""
     with open(os.path.join(run, 'metrics.jsonl')) as f:
         records = [json.loads(line) for line in f]
     [record] = [r for r in records if r['kind'] == 'train' and r['step'] == step]
-    logged = repr(record['loss'])
-    record['loss'] = float(logged[:-1] + str((int(logged[-1]) + 1) % 10))
+    logged = record['loss']
+    record['loss'] = math.nextafter(logged, math.inf)
     with open(os.path.join(run, 'metrics.jsonl'), 'w') as f:
         f.writelines(json.dumps(r) + '\n' for r in records)
-    return record['loss'], float(logged)
+    return record['loss'], logged
 
 
 # a GPU's kernels repeat bitwise only with deterministic=True
@@ -40,7 +42,7 @@ def test_a_run_verifies_and_an_edited_weight_and_logged_loss_are_named(tmp_path,
     result = verify(run)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith('reproduced: iterations 11-20, 10 logged steps'), result.stdout
-    # one weight moved by 1e-6 in the later checkpoint, one logged loss changed in its last digit
+    # a weight moved by 1e-6 in the later checkpoint, a logged loss by one unit in the last place
     later = os.path.join(run, 'ckpt-000020.pt')
     ckpt = torch.load(later, weights_only=True)
     ckpt['model']['blocks.1.mlp.c_fc.weight'][0, 0] += 1e-6
