@@ -572,11 +572,17 @@ def test_one_state_saved_under_two_names_is_written_once_and_each_name_replaced_
 def test_a_background_write_copies_tied_weights_once_and_reports_any_failure(tmp_path):
     from model import GPT, GPTConfig
     state = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=16)).state_dict()
-    copy = checkpoint.host_copy({'model': state})['model']
+    buffers = {}
+    copy = checkpoint.host_copy({'model': state}, {}, buffers)['model']
     # the tied head: two names over one tensor's memory, copied once, shared still
     assert (copy['wte.weight'].untyped_storage().data_ptr()
             == copy['lm_head.weight'].untyped_storage().data_ptr())
     assert copy['wte.weight'].data_ptr() != state['wte.weight'].data_ptr()
+    # the next copy into the same buffers, with the values of then
+    state['wte.weight'].add_(1)
+    again = checkpoint.host_copy({'model': state}, buffers, {})['model']
+    assert all(again[k].data_ptr() == copy[k].data_ptr() and torch.equal(again[k], state[k])
+               for k in state)
     writer = checkpoint.Writer(str(tmp_path), keep=0, background=True, last_saved=0)
     # not a full disk: an error torch.save raises for a value it cannot pickle
     assert writer.write({'iter_num': 10, 'x': lambda: 0}, ['last.pt']) is None
