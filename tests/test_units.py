@@ -23,7 +23,7 @@ import perf
 import prepare
 import runlog
 from configurator import ConfigError, configure
-from conftest import OLD_CHECKPOINTS, epoch_batches
+from conftest import DEVICES, OLD_CHECKPOINTS, epoch_batches
 from model import GPT, GPTConfig
 
 
@@ -589,6 +589,22 @@ def test_a_background_write_copies_tied_weights_once_and_reports_any_failure(tmp
     names, iter_num, why = writer.wait()
     assert names == ['last.pt'] and iter_num == 10 and why and writer.last_saved == 0
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize('device', DEVICES[1:])
+def test_a_background_write_of_gpu_tensors_holds_their_values_at_the_save(tmp_path, device):
+    state = {'weight': torch.zeros(2**20, device=device), 'iter_num': 1}
+    writer = checkpoint.Writer(str(tmp_path), keep=0, background=True, last_saved=0)
+    # the first write allocates the pinned buffers (which can wait for the GPU); the second reuses
+    for value in (1, 2):
+        torch.cuda._sleep(2 * 10**9)  # the GPU busy for about a second: the copies land after it
+        state['weight'].add_(1)
+        assert writer.write(state, ['last.pt']) is None
+        state['weight'].add_(10)  # the next step's change
+        assert writer.wait() is None
+        saved = torch.load(tmp_path / 'last.pt', weights_only=True)['weight']
+        assert torch.equal(saved, torch.full((2**20,), float(value)))
+        state['weight'].sub_(10)
 
 
 def test_kept_checkpoints_count_only_those_up_to_the_one_written(tmp_path):
