@@ -7,7 +7,8 @@ kill leaves the old file or the new one, never half of one, and read with weight
 cannot run code. One state saved under two names (best.pt and last.pt at a new best) is one file
 with two names (hard links; a copy where the filesystem has none): written once, each name replaced
 alone. In fsdp mode every rank writes its part of the weights and optimizer state to
-out_dir/shards-ITER/ with torch.distributed.checkpoint, and the .pt file, written after, points there.
+out_dir/shards-ITER/ with torch.distributed.checkpoint, and the .pt file, written after, points
+there (with async_save, DCP's async_save writes the shards in a thread, and the .pt waits for them).
 
 FORMAT numbers the layout; this code writes its own. 4: the embedding and head have padded
 vocabulary rows, one optimizer and scheduler state, each rank's RNG state holds its own CUDA
@@ -338,43 +339,49 @@ def kept_checkpoints(out_dir, up_to=None):
 
 
 def save(names, out_dir, parts, rng, progress, run, sharded, writer):
-    """Write each of names (best.pt, last.pt, ...) into out_dir, holding state(), through rank 0's
-    writer (Writer: at once, or in the background). Every rank calls it: in fsdp mode each first
-    writes its shards to shards-ITER/, and only then does rank 0 write the files that point there,
-    so a shards folder counts only once complete; folders no file points to are removed. Returns
-    None, or what failed on this rank: (names, iteration, why: a full disk's 'No space left on
-    device'), for the ranks to agree on before any goes on. A failed write leaves every file on disk
-    whole."""
+    """Write each of names (best.pt, last.pt, ...) into out_dir, holding state(), through writer
+    (Writer: at once, or in the background). Every rank calls it: in fsdp mode each first writes its
+    shards to shards-ITER/, and only then does rank 0 write the files that point there, so a shards
+    folder counts only once complete. Returns None, or what failed on this rank: (names, iteration,
+    why: a full disk's 'No space left on device'), for the ranks to agree on before any goes on. A
+    failed write leaves every file on disk whole."""
     try:
-        shards = None
+        shards = shards_written = None
         if sharded:
             import torch.distributed.checkpoint as dcp
             shards = f"shards-{progress.iter_num}"
-            dcp.save(sharded_state(parts['model'], parts['optimizer'], parts.get('ema')),
-                     checkpoint_id=os.path.join(out_dir, shards))
-        if writer is None:  # not rank 0
+            folder = os.path.join(out_dir, shards)
+            state_now = sharded_state(parts['model'], parts['optimizer'], parts.get('ema'))
+            try:
+                if writer.background:  # copied to host memory now, written by DCP's thread
+                    shards_written = dcp.async_save(state_now, checkpoint_id=folder,
+                                                    process_group=writer.group)
+                else:
+                    dcp.save(state_now, checkpoint_id=folder)
+            except dcp.api.CheckpointException as e:  # a BaseException, raised on every rank
+                return names, progress.iter_num, reason(e)
+        elif not writer.master:  # rank 0 writes the whole state
             return None
         last = os.path.join(out_dir, 'last.pt')
         # one new file (the other names link to it), with room to spare
-        if os.path.exists(last) and shutil.disk_usage(out_dir).free < 2 * os.path.getsize(last):
+        if (writer.master and os.path.exists(last)
+                and shutil.disk_usage(out_dir).free < 2 * os.path.getsize(last)):
             print(f"warning: {out_dir} has {shutil.disk_usage(out_dir).free / 2**20:,.0f} MB free and a "
                   f"checkpoint takes {os.path.getsize(last) / 2**20:,.0f} MB: free space before a save "
                   f"fails", file=sys.stderr)
-        failed = writer.write(state(parts, rng, progress, run, shards), names)
-        if sharded and not failed:
-            named = [os.path.join(out_dir, n) for n in ('best.pt', 'last.pt', 'stable.pt')]
-            in_use = {load(path)['shards'] for path in named + kept_checkpoints(out_dir)
-                      if os.path.exists(path)}
-            for folder in os.listdir(out_dir):
-                if folder.startswith('shards-') and folder not in in_use:
-                    shutil.rmtree(os.path.join(out_dir, folder))
-        return failed
+        return writer.write(state(parts, rng, progress, run, shards), names, shards_written)
     except (OSError, CheckpointError) as e:
         return names, progress.iter_num, reason(e)
 
 
 def reason(error):
-    """Why a write failed, in a few words: an OSError's (a full disk: 'No space left on device')."""
+    """Why a write failed, in a few words: an OSError's (a full disk: 'No space left on device'); of
+    DCP's CheckpointException (its failures: {rank: (error, traceback)}), the first rank's with an
+    OSError (torch.save's own error can hide one), else the first rank's."""
+    if getattr(error, 'failures', None):
+        _, rank, first = min((not isinstance(e, OSError), rank, e)
+                             for rank, (e, _) in error.failures.items())
+        return f"{reason(first)}, rank {rank}"
     return error.strerror if isinstance(error, OSError) and error.strerror else str(error)
 
 
@@ -401,22 +408,29 @@ def host_copy(state, buffers, copies):
 
 
 class Writer:
-    """Rank 0's checkpoint files in out_dir: each state written once under its first name and linked
-    under the others, then the kept checkpoints beyond keep removed. With background (async_save),
-    in a thread from a host copy of the state while training goes on, one at a time: the next
-    write waits for the last, and so does the interpreter's exit (the thread is not a daemon); the
-    host copy's buffers are kept for the next (a copy of the state in host memory, for the run).
-    last_saved: the iteration last.pt holds."""
+    """A rank's checkpoint files in out_dir: rank 0 (master) writes each state once under its first
+    name and links it under the others, then removes the kept checkpoints beyond keep, and the
+    shards folders no checkpoint names; in fsdp mode (sharded) every rank has written its shards
+    first. With background (async_save), in a thread from a host copy of the state while training
+    goes on, one at a time: the next write waits for the last, and so does the interpreter's exit
+    (the thread is not a daemon); the host copy's buffers are kept for the next (a copy of the state
+    in host memory, for the run). last_saved: the iteration last.pt holds. Every rank builds its
+    Writer at the same point: in fsdp mode with background, it makes a process group."""
 
-    def __init__(self, out_dir, keep, background, last_saved):
+    def __init__(self, out_dir, keep, background, last_saved, master=True, sharded=False):
         self.out_dir, self.keep, self.background = out_dir, keep, background
-        self.last_saved = last_saved
+        self.last_saved, self.master = last_saved, master
         self.thread, self.failure = None, None
         self.buffers = {}  # {view: host tensor}: the last host copy's (host_copy)
+        # DCP's background write gathers across ranks in its thread: a group of its own, never the
+        # one training's collectives run on, and on the CPU (gloo), as DCP's async_save requires
+        self.group = (torch.distributed.new_group(backend='gloo') if background and sharded
+                      else None)
 
-    def write(self, ckpt, names):
+    def write(self, ckpt, names, shards_written=None):
         """None, or what failed, (names, iteration, why): this write, or in the background the last
-        one (this one's failure comes from failed() or wait() later)."""
+        one (this one's failure comes from failed() or wait() later). shards_written: DCP's
+        async_save's future, which the write waits for."""
         failed = self.wait()
         if failed:
             return failed
@@ -427,11 +441,14 @@ class Writer:
         self.buffers = copies  # a tensor gone since the last copy frees its buffer
         if any(view[0].type == 'cuda' for view in copies):
             torch.cuda.synchronize()  # the copies are whole before training changes the originals
-        self.thread = threading.Thread(target=self._write_in_background, args=(copy, names))
+        self.thread = threading.Thread(target=self._write_in_background,
+                                       args=(copy, names, shards_written))
         self.thread.start()
         return None
 
     def _write(self, ckpt, names):
+        if not self.master:
+            return None
         try:
             first = os.path.join(self.out_dir, names[0])
             save_file(ckpt, first)
@@ -445,10 +462,19 @@ class Writer:
             for path in kept_checkpoints(self.out_dir, up_to=ckpt['iter_num'])[:-self.keep]:
                 with contextlib.suppress(OSError):  # one left behind harms nothing
                     os.remove(path)
+        if 'shards' in ckpt:  # then the shards folders no checkpoint names
+            named = [os.path.join(self.out_dir, n) for n in ('best.pt', 'last.pt', 'stable.pt')]
+            in_use = {load(path)['shards'] for path in named + kept_checkpoints(self.out_dir)
+                      if os.path.exists(path)}
+            for folder in os.listdir(self.out_dir):
+                if folder.startswith('shards-') and folder not in in_use:
+                    shutil.rmtree(os.path.join(self.out_dir, folder))
         return None
 
-    def _write_in_background(self, ckpt, names):
+    def _write_in_background(self, ckpt, names, shards_written):
         try:
+            if shards_written is not None:  # every rank's shards (DCP's last step gathers them)
+                shards_written.result()
             self.failure = self._write(ckpt, names)
         except BaseException as e:  # any error, not only a full disk's: the run must hear of it
             self.failure = names, ckpt['iter_num'], reason(e)

@@ -66,9 +66,6 @@ def settings(defaults, argv, world_size, ddp):
     check(not (ddp and c['parallel'] == 'fsdp' and c['fit_batch']),
           "fit_batch tries each rank's forward alone, and under parallel='fsdp' a forward needs "
           "every rank: set batch_size by hand, or use parallel='ddp'")
-    check(not (ddp and c['parallel'] == 'fsdp' and c['async_save']),
-          "async_save writes rank 0's whole state, and under parallel='fsdp' every rank writes its "
-          "shards: leave async_save off, or use parallel='ddp'")
     # torch 2.13's Muon steps FSDP2's sharded matrices without an error, but not to the update of
     # the whole matrix
     check(not (ddp and c['parallel'] == 'fsdp' and c['optimizer'] == 'muon'),

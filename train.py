@@ -292,9 +292,10 @@ progress = checkpoint.Progress()  # the loop's counters: a checkpoint saves and 
 if resuming:
     progress = checkpoint.resume(ckpt, ckpt_path, parts, rank, world_size, device)
 start_iter = progress.iter_num
-# rank 0's files: written at once or, with async_save, in the background (last_saved: the iteration
-# last.pt holds)
-writer = checkpoint.Writer(out_dir, keep_checkpoints, async_save, last_saved=progress.iter_num)
+# rank 0's files (and in fsdp mode every rank's shards): written at once or, with async_save, in
+# the background (last_saved: the iteration last.pt holds)
+writer = checkpoint.Writer(out_dir, keep_checkpoints, async_save, progress.iter_num, master,
+                           sharded)
 seconds_before = progress.train_seconds
 raw_model = model  # the plain GPT whose state_dict is saved: no '_orig_mod.' or 'module.' prefixes
 if compile:
@@ -493,10 +494,11 @@ def save(names, rng):
     assert rng is not None, ("an iteration that saves gathers the RNG states: add its reason to "
                              "the rng line")
     start = time.time()
+    # the last background write, on every rank (and rank 0's removals) before new shards
+    end_if_unsaved(writer.wait(), progress.iter_num)
     progress.train_seconds = seconds_before + time.time() - t_start
     run = run_record | {'log_bytes': runlog.log_bytes()}
-    failed = checkpoint.save(names, out_dir, parts, rng, progress, run, sharded,
-                             writer if master else None)
+    failed = checkpoint.save(names, out_dir, parts, rng, progress, run, sharded, writer)
     end_if_unsaved(failed, progress.iter_num)
     seconds = time.time() - start
     log(f"saved {' and '.join(names)} in {seconds:.2f} s"

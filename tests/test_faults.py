@@ -7,6 +7,7 @@ read-only; elsewhere the fault is made at the same call (tests/probe.py)."""
 import contextlib
 import glob
 import os
+import re
 import runpy
 import shutil
 import subprocess
@@ -110,6 +111,29 @@ def test_a_failed_background_save_ends_the_run_at_the_next_step_in_one_line(tmp_
     assert whole_checkpoints(out) == {}
     [abort] = read_metrics(out, 'abort')
     assert 10 < abort['step'] < 20
+
+
+@pytest.mark.parametrize('background', [False, True], ids=['at_once', 'background'])
+def test_a_full_disk_under_fsdp_ends_every_rank_in_one_line(tmp_path, data_dir, background):
+    out, logs = str(tmp_path / 'run'), str(tmp_path / 'logs')
+    # each file stops at 200 KB: the ranks' shards of iteration 10 fail in DCP's save (in its
+    # thread with async_save, and the first step after it ends the run). Each rank's output to a
+    # file of its own, apart from torchrun's report (a traceback)
+    result = torchrun(out, data_dir, *ARGS, '--parallel=fsdp', '--gradient_accumulation_steps=2',
+                      '--dtype=float32', f'--async_save={background}', probe=True, timeout=120,
+                      env_extra={'PROBE_FSIZE': str(200_000)},
+                      torchrun_args=['--standalone', f'--log-dir={logs}', '--redirects=3'])
+    assert result.returncode == 1
+    stderr = [open(path).read() for path in
+              sorted(glob.glob(os.path.join(logs, '*', 'attempt_0', '*', 'stderr.log')))]
+    # rank 0 says it: the first rank whose write failed with an OSError
+    assert len(stderr) == 2 and stderr[1] == '' and re.fullmatch(
+        r"error: saving best.pt and last.pt at iteration 10 failed \(File too large, rank [01]\): "
+        r"the files on disk are whole; free space in .*, then run again with init_from=auto\n",
+        stderr[0]), stderr
+    assert whole_checkpoints(out) == {}
+    [abort] = read_metrics(out, 'abort')
+    assert 10 < abort['step'] < 20 if background else abort['step'] == 10
 
 
 def test_an_out_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path, data_dir):

@@ -35,9 +35,11 @@ def test_fsdp_matches_one_process_resumes_exactly_and_checkpoints_activations(tm
     run_train(one, data_dir, *SAME, '--layer_lr_decay=0.5', '--lr_schedule=wsd')
     # this run alone smoke-tests first (smoke.py): sharded too, the run after it is the run
     # without it
-    # the EMA of the weights, sharded too, changes no training loss
+    # the EMA of the weights, sharded too, changes no training loss; shards written in the
+    # background (DCP's async_save: a torch.save per tensor, each delayed) while steps go on
     ok(torchrun(fsdp, data_dir, *SAME, '--layer_lr_decay=0.5', '--parallel=fsdp', '--ema_decay=0.8',
-                '--lr_schedule=wsd', '--keep_checkpoints=2', '--smoke_steps=30'))
+                '--lr_schedule=wsd', '--keep_checkpoints=2', '--smoke_steps=30',
+                '--async_save=True', probe=True, env_extra={'PROBE_SAVE_DELAY': '0.005'}))
     for (s1, l1, lr1, g1), (s2, l2, lr2, g2) in zip(trajectory(one), trajectory(fsdp), strict=True):
         assert s1 == s2 and lr1 == lr2 and abs(l1 - l2) <= RTOL * l1 and abs(g1 - g2) <= RTOL * g1
     # older shards cleaned up, but those stable.pt (the stable phase's end, 26) and the two kept
@@ -47,12 +49,13 @@ def test_fsdp_matches_one_process_resumes_exactly_and_checkpoints_activations(tm
     assert folders == ['shards-20', 'shards-26', 'shards-30'] and stable == 'shards-26'
     assert sorted(f for f in os.listdir(fsdp) if f.startswith('ckpt-')) == ['ckpt-000020.pt',
                                                                             'ckpt-000030.pt']
-    # stop at 14 (after sharded checkpoints at 10 and 14) and resume from the shards, the second part with
-    # activation checkpointing on: bitwise the uninterrupted run, so neither the resume nor recomputation
-    # changes a loss; the EMA's val losses neither
+    # stop at 14 (after sharded checkpoints at 10 and 14, written in the background) and resume
+    # from the shards, the second part with activation checkpointing on: bitwise the uninterrupted
+    # run, so neither the resume nor recomputation changes a loss; the EMA's val losses neither
     decayed = [*SAME, '--layer_lr_decay=0.5', '--parallel=fsdp', '--ema_decay=0.8',
                '--lr_schedule=wsd']
-    ok(torchrun(split, data_dir, *decayed, '--max_iters=14'))
+    ok(torchrun(split, data_dir, *decayed, '--max_iters=14', '--async_save=True', probe=True,
+                env_extra={'PROBE_SAVE_DELAY': '0.005'}))
     ok(torchrun(split, data_dir, *decayed, '--init_from=resume', '--activation_checkpointing=True'))
     assert trajectory(split) == trajectory(fsdp)
     evals = lambda d: [(e['step'], e['val_loss'], e['ema_val_loss'])
