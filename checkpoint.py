@@ -32,6 +32,7 @@ import threading
 import numpy as np
 import torch
 
+import distributed
 from model import GPT, GPTConfig
 
 FORMAT = 4
@@ -344,12 +345,13 @@ def save(names, out_dir, parts, rng, progress, run, sharded, writer):
     shards to shards-ITER/, and only then does rank 0 write the files that point there, so a shards
     folder counts only once complete. Returns None, or what failed on this rank: (names, iteration,
     why: a full disk's 'No space left on device'), for the ranks to agree on before any goes on. A
-    failed write leaves every file on disk whole."""
+    failed write leaves every file on disk whole. The last background write must have ended on every
+    rank (train.py waits and agrees first): its shards and rank 0's removals."""
     try:
         shards = shards_written = None
         if sharded:
             import torch.distributed.checkpoint as dcp
-            shards = f"shards-{progress.iter_num}"
+            shards = distributed.gather(unused_name(out_dir, f"shards-{progress.iter_num}"))[0]
             folder = os.path.join(out_dir, shards)
             state_now = sharded_state(parts['model'], parts['optimizer'], parts.get('ema'))
             try:
@@ -372,6 +374,16 @@ def save(names, out_dir, parts, rng, progress, run, sharded, writer):
         return writer.write(state(parts, rng, progress, run, shards), names, shards_written)
     except (OSError, CheckpointError) as e:
         return names, progress.iter_num, reason(e)
+
+
+def unused_name(out_dir, name):
+    """name, or name.K, the first that out_dir lacks: DCP writes its files in place, and after a
+    resume from an earlier checkpoint into the same out_dir, a later one may name shards-ITER."""
+    taken, k = name, 0
+    while os.path.exists(os.path.join(out_dir, taken)):
+        k += 1
+        taken = f"{name}.{k}"
+    return taken
 
 
 def reason(error):
