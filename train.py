@@ -382,6 +382,7 @@ def data_fault(step, fault):
     """End the run on every rank, once they agree that one of them could not read a shard because
     it changed under the run (in a training micro-batch or an evaluation): what happened, and what
     to do."""
+    writer.wait()  # a write in flight ends first: last.pt then holds the iteration named
     abort(step, f"{fault}: restore the data and resume from last.pt (iteration "
                 f"{writer.last_saved}), or start a new out_dir")
 

@@ -149,20 +149,24 @@ def test_an_out_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path, data
         assert not os.path.exists(out)
 
 
-# in the training process the change is met at the next read; a loader worker has read ahead
-@pytest.mark.parametrize('how, workers, met_at, refused_for', [
-    ('truncate', 0, [14], 'but its header says'),  # the shard's size no longer fits its header
-    ('rewrite', 1, [14, 15, 16, 17], 'was trained on other data (shards changed toy_train_000000.bin)')])
+# in the training process the change is met at the next read; a loader worker has read ahead.
+# Truncated: while the save of 10 is still written in the background (async_save, torch.save
+# delayed 2 s): the line names the iteration last.pt holds once it is whole
+@pytest.mark.parametrize('how, workers, met_at, refused_for, background', [
+    ('truncate', 0, [14], 'but its header says', True),  # the size no longer fits its header
+    ('rewrite', 1, [14, 15, 16, 17],
+     'was trained on other data (shards changed toy_train_000000.bin)', False)])
 def test_data_changed_under_the_run_ends_it_in_one_line_and_a_resume_on_restored_data_is_exact(
-        tmp_path, data_dir, straight, how, workers, met_at, refused_for):
+        tmp_path, data_dir, straight, how, workers, met_at, refused_for, background):
     data = tmp_path / 'data'
     shutil.copytree(os.path.join(data_dir, 'toy'), data / 'toy')
     shard = str(data / 'toy' / 'toy_train_000000.bin')
     shutil.copy2(shard, tmp_path / 'backup.bin')
     out = str(tmp_path / 'run')
     # changed during iteration 13, read again at 14: the run stops there, last.pt holds iteration 10
+    delay = {'PROBE_SAVE_DELAY': '2'} if background else {}
     result = probed_train(out, str(data), *ARGS, f'--num_workers={workers}',
-                          PROBE_DATA=f'0:13:{how}:{shard}')
+                          f'--async_save={background}', PROBE_DATA=f'0:13:{how}:{shard}', **delay)
     assert result.returncode == 1
     error = error_line(result)
     assert error.startswith(f'error: {shard} changed while the run was reading it'), error
