@@ -52,16 +52,15 @@ def test_deterministic_compiled_run_on_two_threads_resumes_bitwise(tmp_path, dat
     args = [*ARGS, '--deterministic=True', '--dropout=0.1', '--gradient_accumulation_steps=2', '--n_embd=128']
     two_threads = {**os.environ, 'OMP_NUM_THREADS': '2'}
 
-    # one after another: the first compiles, the others find its kernels in the cache
+    # one after another: the first compiles, the second finds its kernels in the cache
     def run(out_dir, *extra):
         if ranks == 1:
             run_train(out_dir, data_dir, *args, *extra, env=two_threads, timeout=900)
         else:
             ok(torchrun(out_dir, data_dir, *args, *extra, env_extra=two_threads, timeout=900))
-    straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
-    run(straight)
-    run(split, '--max_iters=14')
-    run(split, '--init_from=resume')
-    assert trajectory(split) == trajectory(straight)
-    with open(os.path.join(split, 'meta.json')) as f:
+    straight, resumed = str(tmp_path / 'straight'), str(tmp_path / 'resumed')
+    run(straight, '--keep_checkpoints=2')  # its checkpoint of 10 (after an evaluation) is kept
+    run(resumed, '--init_from=resume', f"--resume_from={os.path.join(straight, 'ckpt-000010.pt')}")
+    assert trajectory(resumed) == [t for t in trajectory(straight) if t[0] > 10]
+    with open(os.path.join(resumed, 'meta.json')) as f:
         assert json.load(f)['hardware']['torch_threads'] == 2  # the runs had the threads to race on
