@@ -314,7 +314,8 @@ def test_the_smoke_test_changes_nothing_after_it_and_stops_a_model_that_cannot_l
     off, on = str(tmp_path / 'off'), str(tmp_path / 'on')
     # float16 from a scale that overflows: the smoke steps lower it, and it must come back
     args = ['--max_iters=6', '--eval_interval=3', '--dropout=0.1', '--dtype=float16',
-            f'--init_scale={2.0 ** 40}', f'--device={device}', f'--deterministic={device == "cuda"}']
+            f'--init_scale={2.0 ** 40}', f'--device={device}',
+            f'--deterministic={device == "cuda"}']
     run_train(off, data_dir, *args)
     result = run_train(on, data_dir, *args, '--smoke_steps=30', '--write_report=True')
     losses = [[r['loss'] for r in read_metrics(d, 'train')] for d in (off, on)]
