@@ -59,7 +59,8 @@ MEASURE_TOKENS = 8192
 
 @functools.cache
 def cpu_name():
-    """The processor's model name and its bfloat16 matmul units: what decides CPU speed per dtype."""
+    """The processor's model name, its bfloat16 matmul units and the vector kernels torch runs
+    on it: what decides CPU speed per dtype."""
     name = 'unknown CPU'
     try:
         with open('/proc/cpuinfo') as f:
@@ -68,7 +69,16 @@ def cpu_name():
         pass
     units = [unit for unit, present in (('amx', torch.cpu._is_amx_tile_supported()),
                                         ('avx512_bf16', torch.cpu._is_avx512_bf16_supported())) if present]
-    return f"{name} ({', '.join(units) or 'no bf16 units'})"
+    kernels = torch.backends.cpu.get_cpu_capability()
+    return f"{name} ({', '.join(units) or 'no bf16 units'}; {kernels} kernels)"
+
+
+def bfloat16_units():
+    """Whether torch's CPU kernels can use bfloat16 matmul units: the CPU has AMX or AVX512-BF16,
+    and ATEN_CPU_CAPABILITY leaves the kernels at AVX-512 (capped at AVX2 they emulate bfloat16, as
+    on a CPU without the units: docs/benchmarks.md caps them so, to time an AVX2-only CPU)."""
+    return ((torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
+            and torch.backends.cpu.get_cpu_capability() == 'AVX512')
 
 
 def cuda_autocast_dtype(capability):
@@ -223,7 +233,7 @@ def auto_dtype(device, model_args, batch_size):
         return cuda_autocast_dtype(capability), {'rule': f"CUDA compute capability "
                                                          f"{capability[0]}.{capability[1]}: bfloat16 from "
                                                          f"8.0 on, else float16"}
-    if not (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()):
+    if not bfloat16_units():
         return 'float32', {'rule': 'CPU without bfloat16 matmul units: bfloat16 would be emulated, many '
                                    'times slower'}
     shape = {k: model_args[k] for k in sorted(model_args) if k != 'dropout'}
@@ -254,7 +264,7 @@ def auto_muon_dtype(device, shapes):
         dtype = 'bfloat16' if capability >= (8, 0) else 'float32'
         return dtype, {'rule': f"CUDA compute capability {capability[0]}.{capability[1]}: "
                                f"bfloat16 from 8.0 on, else float32"}
-    if not (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()):
+    if not bfloat16_units():
         return 'float32', {'rule': 'CPU without bfloat16 matmul units: bfloat16 would be emulated'}
     shapes = sorted(set(map(tuple, shapes)))
     matrices = [torch.full((1, *shape), 0.5, device=device) for shape in shapes]
@@ -309,30 +319,31 @@ def best_seconds(a, b, budget):
     return min(times[1:])
 
 
-def measure_flops(device, dtype, budget=0.1, trials=3):
-    """The best FLOP/s of square matmuls. Every timing bounds the peak from below, so take the best over sizes
-    (small ones run from cache), over the layouts a Linear multiplies in (forward x W^T, backward dY W and
-    dY^T X: an emulated dtype's speed differs tenfold between them), over repeats and over trials a
-    moment apart (other work on the machine slows only some). Sizes double from 128 until the
-    fastest layout takes 10 ms per product, or up to 8192."""
-    best, n, trial = (0.0, 0), 128, 1
+def measure_flops(device, dtype, budget=0.02, last_budget=0.15):
+    """The best FLOP/s of square matmuls. Every timing bounds the peak from below, so take the best
+    over sizes (small ones run from cache), over the layouts a Linear multiplies in (forward x W^T,
+    backward dY W and dY^T X: an emulated dtype's speed differs tenfold between them) and over
+    repeats, each layout timed for budget seconds. Sizes double from 128 until the fastest layout
+    takes 10 ms per product, or up to 8192; that last size, where the peak usually is (AMX reaches
+    it after tens of ms), is timed for last_budget seconds. About 1-3 s on a 2-core CPU: a first
+    run waits for it (docs/benchmarks.md)."""
+    best, n = (0.0, 0), 128
     while True:
         # no torch.randn: the values do not change the speed, and the global RNG (dropout's) must stay
         # untouched
         a, b = (torch.full((n, n), 0.5, device=device, dtype=dtype),
                 torch.full((n, n), 0.25, device=device, dtype=dtype))
-        fastest = min(best_seconds(x, y, budget) for x, y in ((a, b.T), (a, b), (a.T, b)))
+        layouts = ((a, b.T), (a, b), (a.T, b))
+        fastest = min(best_seconds(x, y, budget) for x, y in layouts)
+        last = fastest > 0.01 or n == 8192
+        if last:
+            fastest = min(fastest, *(best_seconds(x, y, last_budget) for x, y in layouts))
         best = max(best, (2 * n**3 / fastest, n))
-        if (fastest > 0.01 or n == 8192) and trial == trials:
+        if last:
             name = str(dtype).removeprefix('torch.')
             return best[0], (f"measured: {best[1]}x{best[1]} {name} matmul, the fastest of 3 "
-                             f"layouts, sizes 128 to {n} and {trials} trials")
-        # the next trial, after a pause that a burst of other work may end
-        if fastest > 0.01 or n == 8192:
-            n, trial = 128, trial + 1
-            time.sleep(0.2)
-        else:
-            n *= 2
+                             f"layouts and sizes 128 to {n}")
+        n *= 2
 
 
 def peak_flops(device, dtype, beaten=0.0, announce=lambda: None):

@@ -80,7 +80,7 @@ def test_auto_dtype_is_measured_on_cpu_and_can_be_forced(tmp_path, data_dir):
               env=unforced)
     meta = json.load(open(os.path.join(out, 'meta.json')))
     choice = meta['dtype_choice']
-    if torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported():
+    if perf.bfloat16_units():
         # bfloat16 units: both timed on this model's shape, the faster one trains
         assert (set(choice['seconds']) == {'float32', 'bfloat16'}
                 and meta['dtype'] == min(choice['seconds'], key=choice['seconds'].get))

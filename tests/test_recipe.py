@@ -219,8 +219,7 @@ def test_muon_dtype_auto_is_bfloat16_where_native_float32_where_emulated_else_th
         monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device: capability)
         assert perf.auto_muon_dtype('cuda', shapes)[0] == dtype
     # a CPU with bfloat16 units (whatever this one has): measured, and the faster kept
-    monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: False)
-    monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: True)
+    monkeypatch.setattr(perf, 'bfloat16_units', lambda: True)
     monkeypatch.setattr(perf, 'fastest', lambda runs: {'float32': 2e-3, 'bfloat16': 1e-3})
     dtype, how = perf.auto_muon_dtype('cpu', shapes)
     assert dtype == 'bfloat16' and how['seconds'] == {'float32': 2e-3, 'bfloat16': 1e-3}
@@ -230,9 +229,22 @@ def test_muon_dtype_auto_is_bfloat16_where_native_float32_where_emulated_else_th
     assert perf.auto_muon_dtype('cpu', shapes[:1])[0] == 'float32'
     # without bfloat16 units it would be emulated: float32, nothing measured
     monkeypatch.setattr(perf, 'fastest', None)
-    monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: False)
+    monkeypatch.setattr(perf, 'bfloat16_units', lambda: False)
     assert perf.auto_muon_dtype('cpu', shapes) == ('float32', {
         'rule': 'CPU without bfloat16 matmul units: bfloat16 would be emulated'})
+
+
+def test_bfloat16_units_count_only_where_the_kernels_can_use_them(monkeypatch):
+    """AMX or AVX512-BF16 in the CPU, and kernels at AVX-512: ATEN_CPU_CAPABILITY=avx2 caps them
+    below the units, and bfloat16 is emulated, as on a CPU without them."""
+    for amx, avx512_bf16, kernels, usable in ((True, True, 'AVX512', True),
+                                              (False, True, 'AVX512', True),
+                                              (True, True, 'AVX2', False),
+                                              (False, False, 'AVX512', False)):
+        monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: amx)
+        monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: avx512_bf16)
+        monkeypatch.setattr(torch.backends.cpu, 'get_cpu_capability', lambda: kernels)
+        assert perf.bfloat16_units() == usable
 
 
 def test_export_refuses_what_gpt2_cannot_hold():
