@@ -30,17 +30,13 @@ import zlib
 
 import numpy as np
 
+import data  # the shard format: data.py reads what this writes
 import tokenizer
 from configurator import fail
 
 SHAKESPEARE_URL = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt'
 KNOWN_DATASETS = ('pystdlib_char', 'shakespeare_char', 'shakespeare')
 SPLITS = ('train', 'val', 'test')
-# llm.c's shard header (dev/data/data_common.py): 256 int32, [0] magic, [1] version, [2] tokens; then the
-# tokens
-HEADER_INTS = 256
-HEADER_BYTES = HEADER_INTS * 4
-SHARD_FORMATS = {'uint16': (20240520, 1), 'uint32': (20240801, 7)}  # llm.c's gpt-2 and llama-3 layouts
 BATCH_BYTES = 1 << 20  # text per task sent to a tokenizer process: large enough that pickling costs little
 VAL_FRACTION, TEST_FRACTION = 0.10, 0.05
 BPE_SAMPLE_BYTES = 1_000_000_000  # the most train text a BPE learns from: bounds its memory (docs/design.md)
@@ -54,9 +50,9 @@ class PrepareError(Exception):
 # text out; a single text's pieces come with their split (by position) and offset in the file, a document with
 # None, 0
 
-def decode_utf8(data, where, offset=0):
+def decode_utf8(raw, where, offset=0):
     try:
-        return data.decode('utf-8')
+        return raw.decode('utf-8')
     except UnicodeDecodeError as e:
         raise PrepareError(f'{where} is not UTF-8 (invalid byte at offset {offset + e.start}): '
                            f'convert it first, e.g. iconv -f LATIN1 -t UTF-8 IN > OUT') from None
@@ -153,9 +149,9 @@ def text_chunks(path, start, end, progress):
                 yield progress.bytes_done - cut, block[:cut]
 
 
-def char_boundary(data, i):
-    """The first position at or after i where a UTF-8 character starts."""
-    while i < len(data) and data[i] & 0xC0 == 0x80:  # continuation bytes are 10xxxxxx
+def char_boundary(raw, i):
+    """The first position at or after i where a UTF-8 character starts in the bytes raw."""
+    while i < len(raw) and raw[i] & 0xC0 == 0x80:  # continuation bytes are 10xxxxxx
         i += 1
     return i
 
@@ -284,14 +280,15 @@ def process_batch(batch):
                 raise PrepareError(f'{doc_id} has {key!r}: {json.dumps(text)[:40]}, not a string: fix or '
                                    f'drop that record')
             try:
-                data = text.encode('utf-8')
+                encoded = text.encode('utf-8')
             except UnicodeEncodeError as e:  # JSON's \ud800 escapes can name half a character
                 raise PrepareError(f'{doc_id} holds a lone surrogate {text[e.start]!r}, which is not text: '
                                    f'fix or drop that record') from None
         else:
-            text, data = decode_utf8(raw, doc_id, offset), raw
-        digest = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), 'little')
-        out.append((digest, split, bool(text) and not text.isspace(), len(data), worker['job'](text, digest)))
+            text, encoded = decode_utf8(raw, doc_id, offset), raw
+        digest = int.from_bytes(hashlib.blake2b(encoded, digest_size=8).digest(), 'little')
+        out.append((digest, split, bool(text) and not text.isspace(), len(encoded),
+                    worker['job'](text, digest)))
     return out
 
 
@@ -430,13 +427,6 @@ def train_bpe(vocab_size, text_path, reader, num_proc, seed, folder, name):
 # -----------------------------------------------------------------------------
 # write: each split's ids appended to its shards, then meta.json
 
-def shard_header(num_tokens, dtype):
-    magic, version = SHARD_FORMATS[np.dtype(dtype).name]
-    header = np.zeros(HEADER_INTS, dtype=np.int32)
-    header[:3] = magic, version, num_tokens
-    return header.tobytes()
-
-
 class ShardWriter:
     """A split's tokens appended to NAME_SPLIT_000000.bin, NAME_SPLIT_000001.bin, ... of shard_size tokens
     each (the last one shorter). The header's token count is written when a shard is complete."""
@@ -451,7 +441,7 @@ class ShardWriter:
             if self.file is None:
                 self.file = open(os.path.join(self.folder,
                                               f'{self.name}_{self.split}_{len(self.files):06d}.bin'), 'wb')
-                self.file.write(shard_header(0, self.dtype))
+                self.file.write(data.SHARD.header(0, self.dtype))
             piece, tokens = tokens[:self.shard_size - self.count], tokens[self.shard_size - self.count:]
             self.file.write(piece.astype(self.dtype).tobytes())
             self.count += len(piece)
@@ -461,7 +451,7 @@ class ShardWriter:
     def close(self):
         if self.file is not None:
             self.file.seek(0)
-            self.file.write(shard_header(self.count, self.dtype))
+            self.file.write(data.SHARD.header(self.count, self.dtype))
             self.file.close()
             self.files.append(os.path.basename(self.file.name))
             self.file, self.count = None, 0

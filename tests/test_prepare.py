@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+import data
 import prepare
 import tokenizer
 from conftest import write_ranks
@@ -26,7 +27,7 @@ def read_split(out_dir, split):
     """A split's tokens: its shards' tokens after their 1024-byte headers, concatenated."""
     meta = read_meta(out_dir)
     return np.concatenate([np.fromfile(os.path.join(out_dir, f), dtype=meta['dtype'],
-                                       offset=prepare.HEADER_BYTES)
+                                       offset=data.SHARD.HEADER_BYTES)
                            for f in meta['splits'][split]['shards']])
 
 
