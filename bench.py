@@ -1,8 +1,9 @@
 """
-Measure training speed by running train.py as users run it and reading back what it records (metrics.jsonl,
-config.json, meta.json): per setting, the median time per iteration after a warm-up, tokens/s, model FLOPs
-utilization (MFU) against the peak train.py measured, the whole process's wall time, what each rank holds, and
-where one iteration's time goes (train.py's profile_iter). Every figure printed also goes to a JSON file.
+Measure training speed by running train.py as users run it and reading back what it records
+(metrics.jsonl, config.json, meta.json): per setting, the median time per iteration after a warm-up,
+tokens/s, model FLOPs utilization (MFU) against the peak train.py measured, the whole process's wall
+time, what each rank holds, and where one iteration's time goes (train.py's profile_iter). Every
+figure printed also goes to a JSON file.
 
     python bench.py config/tiny.py --batch_size=8
     python bench.py config/tiny.py --compare='--compile=True'
@@ -10,24 +11,24 @@ where one iteration's time goes (train.py's profile_iter). Every figure printed 
         --compare=--parallel=ddp
     python bench.py config/tiny.py \
         --reference='cd ../nanoGPT && python train.py config/train_shakespeare_char.py ...'
-    python bench.py --loader=out/fineweb --bench_iters=2000   # the train loader of that run's config
-    python bench.py --sample=out/tiny --new_tokens=1000        # generate() with the KV cache and without
+    python bench.py --loader=out/fineweb --bench_iters=2000  # the train loader of that run's config
+    python bench.py --sample=out/tiny --new_tokens=1000  # generate() with the KV cache and without
     python bench.py config/shakespeare_char_fast.py --whole=True --target=1.886 \
         --reference='cd ../nanoGPT && python train.py config/train_shakespeare_char.py ...'
 
-Takes the keys below; every other argument goes to train.py as it is (train.py checks it). Each run of
-train.py gets a fresh out_dir in a temporary folder and bench_warmup + bench_iters iterations, each one
-logged, then one more that the first round profiles; its one evaluation (of 1 batch) and checkpoint come
-after, outside the timed iterations. With compare, a setting B (the same arguments plus those overrides) runs
-too; with reference, that shell command runs as B instead, timed by the lines it prints in nanoGPT's format,
-"iter N: loss X, time Y ms". The settings run in turns, A B A B ..., one process each, so that other load on
-the machine hits both alike. With loader, no model runs: the batches/s of the train loader a run (its out_dir)
-used, built from its config.json in this process, over bench_iters batches. With sample, no training either:
-the tokens/s of model.generate() with the KV cache and without it, in turns, in this process, on the model of
-a run (its out_dir's last.pt), float32, batch 1, greedy from a 1-token prompt. With whole, each
-setting (and the reference) runs as a user runs it, its own iterations, evaluations and end-of-run
-extras: the whole process's wall time and, with target, the second its val loss was first printed at
-or below target.
+Takes the keys below; every other argument goes to train.py as it is (train.py checks it). Each run
+of train.py gets a fresh out_dir in a temporary folder and bench_warmup + bench_iters iterations,
+each one logged, then one more that the first round profiles; its one evaluation (of 1 batch) and
+checkpoint come after, outside the timed iterations. With compare, a setting B (the same arguments
+plus those overrides) runs too; with reference, that shell command runs as B instead, timed by the
+lines it prints in nanoGPT's format, "iter N: loss X, time Y ms". The settings run in turns, A B A B
+..., one process each, so that other load on the machine hits both alike. With loader, no model
+runs: the batches/s of the train loader a run (its out_dir) used, built from its config.json in this
+process, over bench_iters batches. With sample, no training either: the tokens/s of model.generate()
+with the KV cache and without it, in turns, in this process, on the model of a run (its out_dir's
+last.pt), float32, batch 1, greedy from a 1-token prompt. With whole, each setting (and the
+reference) runs as a user runs it, its own iterations, evaluations and end-of-run extras: the whole
+process's wall time and, with target, the second its val loss was first printed at or below target.
 """
 import difflib
 import glob
@@ -45,18 +46,21 @@ from json import dump, load, loads
 from configurator import ConfigError, configure
 
 bench_iters = 20  # timed iterations per process
-# iterations dropped at the start of every process: one-time work, allocator, loader workers, compilation
+# iterations dropped at the start of every process: one-time work, allocator, loader workers,
+# compilation
 bench_warmup = 5
 rounds = 3  # processes per setting, run in turns with the other setting's
 compare = ''  # overrides that make a setting B, e.g. '--compile=True'
-# a shell command run as B instead, e.g. nanoGPT's train.py with the same shapes and --log_interval=1
+# a shell command run as B instead, e.g. nanoGPT's train.py with the same shapes and
+# --log_interval=1
 reference = ''
-reference_tokens_per_iter = 0  # tokens per iteration of the reference; 0: as many as ours (the shapes match)
+# tokens per iteration of the reference; 0: as many as ours (the shapes match)
+reference_tokens_per_iter = 0
 nproc = 1  # processes per run of train.py, under torchrun
 # break one iteration of each setting down (train.py's profile_iter): data, forward, backward, ...
 profile = True
-# write that iteration's chrome trace (chrome://tracing, ui.perfetto.dev) here; with compare, NAME_A.json,
-# NAME_B.json
+# write that iteration's chrome trace (chrome://tracing, ui.perfetto.dev) here; with compare,
+# NAME_A.json, NAME_B.json
 trace = ''
 json = ''  # write every figure to this file too; '' writes bench.json in the runs' temporary folder
 loader = ''  # a run's out_dir: time its train loader alone (is the data path ever the bottleneck?)
@@ -67,9 +71,9 @@ sample = ''  # a run's out_dir: time generate() on its model, with the KV cache 
 whole = False
 target = 0.0  # whole: the val loss to time (ours' 'eval N: ...' lines, nanoGPT's 'step N: ...')
 new_tokens = 200  # sample: tokens each generate() call adds
-bench_keys = ['bench_iters', 'bench_warmup', 'rounds', 'compare', 'reference', 'reference_tokens_per_iter',
-              'nproc', 'profile', 'trace', 'json', 'loader', 'sample', 'new_tokens', 'whole',
-              'target']
+bench_keys = ['bench_iters', 'bench_warmup', 'rounds', 'compare', 'reference',
+              'reference_tokens_per_iter', 'nproc', 'profile', 'trace', 'json', 'loader', 'sample',
+              'new_tokens', 'whole', 'target']
 folder = None  # the runs' temporary folder, once made
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')
 ITER_LINE = re.compile(r'^iter (\d+): loss [^,]*, time ([\d.]+) ?ms', re.M)  # nanoGPT's log line
@@ -79,8 +83,8 @@ VAL_LINE = re.compile(r'^(?:eval \d+: train [\d.]+, val'
 
 
 def stop(message, code=2):
-    """A mistake in the arguments (exit code 2: nothing measured, so the runs' folder goes too) or a run that
-    failed (1: its log stays): one line, or the run's last lines."""
+    """A mistake in the arguments (exit code 2: nothing measured, so the runs' folder goes too) or a
+    run that failed (1: its log stays): one line, or the run's last lines."""
     if code == 2 and folder:
         shutil.rmtree(folder)
     print(f"error: {message}", file=sys.stderr)
@@ -88,8 +92,8 @@ def stop(message, code=2):
 
 
 def is_bench_key(arg):
-    """Whether an argument is bench.py's: one of its keys, or a misspelt one (train.py's keys are not near
-    them)."""
+    """Whether an argument is bench.py's: one of its keys, or a misspelt one (train.py's keys are
+    not near them)."""
     key = arg[2:].partition('=')[0]
     return arg.startswith('--') and (key in bench_keys
                                      or difflib.get_close_matches(key, bench_keys, cutoff=0.8))
@@ -97,13 +101,14 @@ def is_bench_key(arg):
 
 try:
     bench_args = [a for a in sys.argv[1:] if is_bench_key(a)]
-    globals().update(configure({k: globals()[k] for k in bench_keys}, bench_args, minimums=dict.fromkeys(
-        ('bench_iters', 'bench_warmup', 'rounds', 'nproc', 'new_tokens'), 1))[0])
+    globals().update(configure({k: globals()[k] for k in bench_keys}, bench_args,
+                               minimums=dict.fromkeys(('bench_iters', 'bench_warmup', 'rounds',
+                                                       'nproc', 'new_tokens'), 1))[0])
 except ConfigError as e:
     stop(e)
 if compare and reference:
-    stop("compare and reference are both set: give one, a setting B (compare) or a command to run as B "
-         "(reference)")
+    stop("compare and reference are both set: give one, a setting B (compare) or a command to run "
+         "as B (reference)")
 if sum(map(bool, (loader, sample, whole))) > 1:
     stop("more than one of loader, sample and whole is set: give one")
 if whole and nproc > 1:
@@ -111,11 +116,12 @@ if whole and nproc > 1:
          f"--reference instead")
 train_args = [a for a in sys.argv[1:] if not is_bench_key(a)]
 if (loader or sample) and train_args:  # they rebuild what the run used, from its out_dir
-    stop(f"{'loader' if loader else 'sample'} reads a run's out_dir and takes no train.py arguments: drop "
-         f"{shlex.join(train_args)}")
+    stop(f"{'loader' if loader else 'sample'} reads a run's out_dir and takes no train.py "
+         f"arguments: drop {shlex.join(train_args)}")
 for key, path in (('json', json), ('trace', trace)):  # known before the runs, not after them
     if path and (os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path)))):
-        stop(f"{key}={path} is a folder, or in one that does not exist: name a file in an existing folder")
+        stop(f"{key}={path} is a folder, or in one that does not exist: name a file in an existing "
+             f"folder")
 try:
     settings = {'A': train_args} | ({'B': train_args + shlex.split(compare)} if compare else {})
 except ValueError as e:  # an unclosed quote
@@ -127,9 +133,10 @@ json = json or os.path.join(folder, 'bench.json')
 
 def train_argv(args, out_dir, iters, profile_iter):
     """train.py's command line: the arguments given, then the bench's own, which win."""
-    return [TRAIN, *args, f'--out_dir={out_dir}', f'--max_iters={iters}', f'--eval_interval={iters + 1}',
-            '--eval_iters=1', '--log_interval=1', '--checkpoint_interval=0', '--init_from=scratch',
-            '--test_eval=False', '--sample_tokens=0', '--write_report=False', '--wandb_log=False',
+    return [TRAIN, *args, f'--out_dir={out_dir}', f'--max_iters={iters}',
+            f'--eval_interval={iters + 1}', '--eval_iters=1', '--log_interval=1',
+            '--checkpoint_interval=0', '--init_from=scratch', '--test_eval=False',
+            '--sample_tokens=0', '--write_report=False', '--wandb_log=False',
             '--tensorboard_log=False', '--smoke_steps=0', f'--profile_iter={profile_iter}']
 
 
@@ -169,8 +176,8 @@ def remove_checkpoints(out_dir):
 
 
 def run_ours(name, round):
-    """One run of train.py: its iteration times after the warm-up and what it recorded. The first round also
-    profiles the iteration after the timed ones."""
+    """One run of train.py: its iteration times after the warm-up and what it recorded. The first
+    round also profiles the iteration after the timed ones."""
     out_dir = os.path.join(folder, f'{name}{round}')
     launcher = [sys.executable] + (['-m', 'torch.distributed.run', '--standalone',
                                     f'--nproc_per_node={nproc}'] if nproc > 1 else [])
@@ -192,22 +199,25 @@ def run_ours(name, round):
     if profile_iter and trace:
         shutil.copy(os.path.join(out_dir, 'trace.json'),
                     f"{os.path.splitext(trace)[0]}_{name}.json" if compare else trace)
-    return {'seconds': seconds[bench_warmup:-1], 'first_seconds': seconds[0], 'wall_seconds': wall_seconds,
-            'losses': [r['loss'] for r in train],
+    return {'seconds': seconds[bench_warmup:-1], 'first_seconds': seconds[0],
+            'wall_seconds': wall_seconds, 'losses': [r['loss'] for r in train],
             'memory_ranks': next(r['ranks'] for r in records if r['kind'] == 'memory'),
             'profile_ms': next((r['ms'] for r in records if r['kind'] == 'profile'), None),
-            'tokens_per_iter': used['gradient_accumulation_steps'] * used['batch_size'] * used['block_size'],
-            # train.py's MFU is tokens/s * FLOPs per token / (peak * processes): its FLOPs per token, read
-            # back
-            'flops_per_token': train[-1]['mfu'] * peak * meta['world_size'] / train[-1]['tokens_per_sec'],
-            'peak_flops': peak, 'peak_how': meta['peak_flops']['how'], 'world_size': meta['world_size'],
-            'device': meta['device'], 'dtype': meta['dtype'], 'dtype_choice': meta['dtype_choice'],
-            'cpu': meta['hardware']['cpu'], 'torch': meta['versions']['torch'], 'compile': used['compile'],
-            'out_dir': out_dir}
+            'tokens_per_iter': (used['gradient_accumulation_steps'] * used['batch_size']
+                                * used['block_size']),
+            # train.py's MFU is tokens/s * FLOPs per token / (peak * processes): its FLOPs per
+            # token, read back
+            'flops_per_token': (train[-1]['mfu'] * peak * meta['world_size']
+                                / train[-1]['tokens_per_sec']),
+            'peak_flops': peak, 'peak_how': meta['peak_flops']['how'],
+            'world_size': meta['world_size'], 'device': meta['device'], 'dtype': meta['dtype'],
+            'dtype_choice': meta['dtype_choice'], 'cpu': meta['hardware']['cpu'],
+            'torch': meta['versions']['torch'], 'compile': used['compile'], 'out_dir': out_dir}
 
 
 def run_reference(round):
-    """One run of the reference command: the times of its iterations after the warm-up, from its log lines."""
+    """One run of the reference command: the times of its iterations after the warm-up, from its log
+    lines."""
     log_path = os.path.join(folder, f'reference{round}.log')
     wall_seconds, output, _ = run(reference, log_path, shell=True)
     ms = [float(t) for _, t in ITER_LINE.findall(output)]
@@ -218,12 +228,13 @@ def run_reference(round):
              f"--max_iters={bench_warmup + bench_iters - 1})", 1)
     return {'seconds': [t / 1e3 for t in ms[bench_warmup:]], 'first_seconds': ms[0] / 1e3,
             'wall_seconds': wall_seconds, 'iters': len(ms),
-            'tokens_per_iter': reference_tokens_per_iter or runs['A'][-1]['tokens_per_iter']}  # A ran first
+            # A ran first
+            'tokens_per_iter': reference_tokens_per_iter or runs['A'][-1]['tokens_per_iter']}
 
 
 def summary(setting_runs):
-    """A setting's figures over all its runs: the median iteration and each round's tokens/s; for ours, the
-    MFU."""
+    """A setting's figures over all its runs: the median iteration and each round's tokens/s; for
+    ours, the MFU."""
     first, tokens_per_iter = setting_runs[0], setting_runs[0]['tokens_per_iter']
     median = statistics.median(s for run in setting_runs for s in run['seconds'])
     result = {'tokens_per_iter': tokens_per_iter, 'ms_per_iter': median * 1e3,
@@ -234,8 +245,8 @@ def summary(setting_runs):
               'first_seconds': statistics.median(run['first_seconds'] for run in setting_runs),
               'runs': setting_runs}
     if 'peak_flops' in first:  # train.py's
-        result |= {k: first[k] for k in ('device', 'dtype', 'dtype_choice', 'world_size', 'compile', 'cpu',
-                                         'torch', 'flops_per_token', 'memory_ranks')}
+        result |= {k: first[k] for k in ('device', 'dtype', 'dtype_choice', 'world_size', 'compile',
+                                         'cpu', 'torch', 'flops_per_token', 'memory_ranks')}
         # the same in every round, unless a round ran faster than the peak and measured it again
         highest = max(setting_runs, key=lambda run: run['peak_flops'])
         result |= {k: highest[k] for k in ('peak_flops', 'peak_how')}
@@ -247,15 +258,17 @@ def summary(setting_runs):
 def measure_loader():
     """Windows/s of the train loader of the run in out_dir loader, from its config.json, timed over
     bench_iters batches after bench_warmup."""
-    import data  # torch: imported only in the modes that need it, so a mistake in the arguments fails at once
+    # torch: imported only in the modes that need it, so a mistake in the arguments fails at once
+    import data
     from perf import cpu_name
     try:
         used = {k: v['value'] for k, v in read_json(os.path.join(loader, 'config.json')).items()
                 if k != 'resolved'}
     except OSError as e:
-        stop(f"loader={loader}: no config.json there ({e.strerror}): pass the out_dir of a train.py run")
-    block_size, batch_size, num_workers, seed = (used[k] for k in ('block_size', 'batch_size', 'num_workers',
-                                                                   'seed'))
+        stop(f"loader={loader}: no config.json there ({e.strerror}): pass the out_dir of a "
+             f"train.py run")
+    block_size, batch_size, num_workers, seed = (used[k] for k in ('block_size', 'batch_size',
+                                                                   'num_workers', 'seed'))
     try:
         _, shards = data.open_dataset(used['data_dir'], used['dataset'])
         train = data.TokenWindows(shards['train'], block_size)
@@ -272,22 +285,22 @@ def measure_loader():
     seconds = time.perf_counter() - start
     result = {'batches': bench_iters, 'seconds': seconds,
               'windows_per_sec': bench_iters * batch_size / seconds,
-              'tokens_per_sec': bench_iters * batch_size * block_size / seconds, 'batch_size': batch_size,
-              'block_size': block_size, 'num_workers': num_workers, 'train_shards': len(shards['train']),
-              'train_tokens': train.num_tokens}
+              'tokens_per_sec': bench_iters * batch_size * block_size / seconds,
+              'batch_size': batch_size, 'block_size': block_size, 'num_workers': num_workers,
+              'train_shards': len(shards['train']), 'train_tokens': train.num_tokens}
     print(f"loader on {cpu_name()}: {result['windows_per_sec']:,.0f} windows/s "
-          f"({result['tokens_per_sec']:,.0f} tokens/s), {bench_iters} batches of {batch_size} x {block_size} "
-          f"with num_workers={num_workers} from {len(shards['train'])} train shard(s), {train.num_tokens:,} "
-          f"tokens")
+          f"({result['tokens_per_sec']:,.0f} tokens/s), {bench_iters} batches of {batch_size} x "
+          f"{block_size} with num_workers={num_workers} from {len(shards['train'])} train "
+          f"shard(s), {train.num_tokens:,} tokens")
     with open(json, 'w') as f:
         dump({'command': sys.argv, 'cpu': cpu_name(), 'loader': result}, f, indent=1)
     print(f"all figures: {json}")
 
 
 def measure_sampling():
-    """Tokens/s of model.generate() for new_tokens tokens, with the cache and without, one after the other in
-    each of `rounds` rounds, after an untimed warm-up of bench_warmup tokens each. Greedy: both must give the
-    same tokens."""
+    """Tokens/s of model.generate() for new_tokens tokens, with the cache and without, one after the
+    other in each of `rounds` rounds, after an untimed warm-up of bench_warmup tokens each. Greedy:
+    both must give the same tokens."""
     import torch
 
     import checkpoint
@@ -313,26 +326,29 @@ def measure_sampling():
         for name in list(seconds)[::1 if round % 2 == 0 else -1]:
             start = time.perf_counter()
             # tolist() waits for a GPU to finish
-            tokens[name] = model.generate(prompt, new_tokens, top_k=1, use_cache=name == 'cached').tolist()
+            tokens[name] = model.generate(prompt, new_tokens, top_k=1,
+                                          use_cache=name == 'cached').tolist()
             seconds[name].append(time.perf_counter() - start)
     result = {name: {'seconds': s, 'tokens_per_sec': new_tokens / statistics.median(s),
-                     'round_tokens_per_sec': [new_tokens / t for t in s]} for name, s in seconds.items()}
+                     'round_tokens_per_sec': [new_tokens / t for t in s]}
+              for name, s in seconds.items()}
     ratio = result['cached']['tokens_per_sec'] / result['uncached']['tokens_per_sec']
     shape = saved['model_args']
     result |= {'new_tokens': new_tokens, 'model_args': shape, 'device': device, 'ratio': ratio,
-               'same_tokens': tokens['cached'] == tokens['uncached'], 'load_average_before': load_average}
-    print(f"sampling on {cpu_name()}, torch {torch.__version__}, {device} float32: {new_tokens} new tokens, "
-          f"batch 1, {shape['n_layer']} layers, {shape['n_head']} heads, {shape['n_embd']} wide, block "
-          f"{shape['block_size']}, vocab {shape['vocab_size']}; median of {rounds} rounds, load average "
-          f"{load_average:.2f} before them")
+               'same_tokens': tokens['cached'] == tokens['uncached'],
+               'load_average_before': load_average}
+    print(f"sampling on {cpu_name()}, torch {torch.__version__}, {device} float32: {new_tokens} "
+          f"new tokens, batch 1, {shape['n_layer']} layers, {shape['n_head']} heads, "
+          f"{shape['n_embd']} wide, block {shape['block_size']}, vocab {shape['vocab_size']}; "
+          f"median of {rounds} rounds, load average {load_average:.2f} before them")
     for name in seconds:
         per_round = result[name]['round_tokens_per_sec']
-        print(f"{name}: {result[name]['tokens_per_sec']:,.1f} tokens/s (rounds {min(per_round):,.1f}-"
-              f"{max(per_round):,.1f})")
+        print(f"{name}: {result[name]['tokens_per_sec']:,.1f} tokens/s (rounds "
+              f"{min(per_round):,.1f}-{max(per_round):,.1f})")
     print(f"cached/uncached: {ratio:.2f}; the same tokens: {result['same_tokens']}")
     with open(json, 'w') as f:
-        dump({'command': sys.argv, 'cpu': cpu_name(), 'torch': torch.__version__, 'sample': result}, f,
-             indent=1)
+        dump({'command': sys.argv, 'cpu': cpu_name(), 'torch': torch.__version__, 'sample': result},
+             f, indent=1)
     print(f"all figures: {json}")
 
 
@@ -400,9 +416,9 @@ if whole:
     measure_whole()
     sys.exit(0)
 load_average = os.getloadavg()[0]
-print(f"{len(names)} setting(s), {rounds} round(s) of {bench_warmup} + {bench_iters} iterations, {nproc} "
-      f"process(es) per run; load average {load_average:.2f} on {os.cpu_count()} CPUs before the runs; runs "
-      f"in {folder}")
+print(f"{len(names)} setting(s), {rounds} round(s) of {bench_warmup} + {bench_iters} iterations, "
+      f"{nproc} process(es) per run; load average {load_average:.2f} on {os.cpu_count()} CPUs "
+      f"before the runs; runs in {folder}")
 print(f"A: train.py {shlex.join(train_args)}" + (f"\nB: A {compare}" if compare else '') +
       (f"\nreference: {reference}" if reference else ''), flush=True)
 runs = {name: [] for name in names}
@@ -414,14 +430,16 @@ for round in range(1, rounds + 1):
               f"ms/iter, the process {runs[name][-1]['wall_seconds']:.0f} s", flush=True)
 results = {name: summary(runs[name]) for name in names}
 report = {'command': sys.argv, 'cpu': runs['A'][0]['cpu'], 'torch': runs['A'][0]['torch'],
-          'cpu_count': os.cpu_count(), 'load_average_before': load_average, 'bench_iters': bench_iters,
-          'bench_warmup': bench_warmup, 'rounds': rounds, 'nproc': nproc, 'settings': results}
+          'cpu_count': os.cpu_count(), 'load_average_before': load_average,
+          'bench_iters': bench_iters, 'bench_warmup': bench_warmup, 'rounds': rounds,
+          'nproc': nproc, 'settings': results}
 if len(names) == 2:  # B over A, or ours over the reference
     over, under = ('A', 'reference') if reference else ('B', 'A')
     per_round = [a / b for a, b in zip(results[over]['round_tokens_per_sec'],
                                        results[under]['round_tokens_per_sec'])]
     report['ratio'] = {'of': f'{over}/{under}',
-                       'tokens_per_sec': results[over]['tokens_per_sec'] / results[under]['tokens_per_sec'],
+                       'tokens_per_sec': (results[over]['tokens_per_sec']
+                                          / results[under]['tokens_per_sec']),
                        'rounds': per_round}
 profiles = {name: runs[name][0]['profile_ms'] for name in settings if runs[name][0]['profile_ms']}
 if profiles:
@@ -429,24 +447,24 @@ if profiles:
                                 'shares': {p: t / sum(ms.values()) for p, t in ms.items()}}
                          for name, ms in profiles.items()}
 
-print(f"\non {report['cpu']}, torch {report['torch']}: median of {rounds} x {bench_iters} iterations per "
-      f"setting")
+print(f"\non {report['cpu']}, torch {report['torch']}: median of {rounds} x {bench_iters} "
+      f"iterations per setting")
 for name, r in results.items():
     print(f"{name}: {r['ms_per_iter']:.1f} ms/iter, {r['tokens_per_sec']:,.0f} tokens/s (rounds "
           f"{min(r['round_tokens_per_sec']):,.0f}-{max(r['round_tokens_per_sec']):,.0f}) at "
-          f"{r['tokens_per_iter']:,} tokens/iter; whole process {r['wall_seconds']:.1f} s, first iteration "
-          f"{r['first_seconds']:.2f} s")
+          f"{r['tokens_per_iter']:,} tokens/iter; whole process {r['wall_seconds']:.1f} s, first "
+          f"iteration {r['first_seconds']:.2f} s")
     if name == 'reference':
         continue
-    print(f"   {r['device']} {r['dtype']}, {'compiled' if r['compile'] else 'eager'}, {r['world_size']} "
-          f"process(es): MFU {r['mfu']:.1%}, {r['achieved_flops'] / 1e9:,.2f} GFLOP/s "
-          f"({r['flops_per_token'] / 1e6:,.2f} MFLOP/token) of {r['peak_flops'] / 1e9:,.1f} per process "
-          f"({r['peak_how']}); loss {r['runs'][0]['losses'][-1]:.4f} at iteration "
-          f"{len(r['runs'][0]['losses'])}")
+    print(f"   {r['device']} {r['dtype']}, {'compiled' if r['compile'] else 'eager'}, "
+          f"{r['world_size']} process(es): MFU {r['mfu']:.1%}, {r['achieved_flops'] / 1e9:,.2f} "
+          f"GFLOP/s ({r['flops_per_token'] / 1e6:,.2f} MFLOP/token) of "
+          f"{r['peak_flops'] / 1e9:,.1f} per process ({r['peak_how']}); loss "
+          f"{r['runs'][0]['losses'][-1]:.4f} at iteration {len(r['runs'][0]['losses'])}")
     for rank, held in enumerate(r['memory_ranks']):
-        print(f"   rank {rank} holds weights {held['weights_mb']:,.2f} MB, grads {held['grads_mb']:,.2f} MB, "
-              f"optimizer state {held['optimizer_mb']:,.2f} MB; peak memory {held['peak_mb']:,.0f} MB after "
-              f"the first iteration")
+        print(f"   rank {rank} holds weights {held['weights_mb']:,.2f} MB, grads "
+              f"{held['grads_mb']:,.2f} MB, optimizer state {held['optimizer_mb']:,.2f} MB; peak "
+              f"memory {held['peak_mb']:,.0f} MB after the first iteration")
     if name in report.get('profile', {}):
         p = report['profile'][name]
         print(f"   profile of one iteration ({p['iteration_ms']:.1f} ms): "

@@ -1,14 +1,16 @@
 """
-What a checkpoint holds and how it is restored, side by side, and files that survive a kill at any moment.
+What a checkpoint holds and how it is restored, side by side, and files that survive a kill at any
+moment.
 
-A checkpoint is a dict of state_dicts, tensors and plain values: state() builds it, resume() applies it. Files
-are written atomically (temp file in the same folder, flush, fsync, os.replace, fsync of the folder), so a
-kill leaves the old file or the new one, never half of one, and read with weights_only=True, so a checkpoint
-cannot run code. One state saved under two names (best.pt and last.pt at a new best) is one file
-with two names (hard links; a copy where the filesystem has none): written once, each name replaced
-alone. In fsdp mode every rank writes its part of the weights and optimizer state to
-out_dir/shards-ITER/ with torch.distributed.checkpoint, and the .pt file, written after, points
-there (with async_save, DCP's async_save writes the shards in a thread, and the .pt waits for them).
+A checkpoint is a dict of state_dicts, tensors and plain values: state() builds it, resume() applies
+it. Files are written atomically (temp file in the same folder, flush, fsync, os.replace, fsync of
+the folder), so a kill leaves the old file or the new one, never half of one, and read with
+weights_only=True, so a checkpoint cannot run code. One state saved under two names (best.pt and
+last.pt at a new best) is one file with two names (hard links; a copy where the filesystem has
+none): written once, each name replaced alone. In fsdp mode every rank writes its part of the
+weights and optimizer state to out_dir/shards-ITER/ with torch.distributed.checkpoint, and the .pt
+file, written after, points there (with async_save, DCP's async_save writes the shards in a thread,
+and the .pt waits for them).
 
 FORMAT numbers the layout; this code writes its own. 4: the embedding and head have padded
 vocabulary rows, one optimizer and scheduler state, each rank's RNG state holds its own CUDA
@@ -40,10 +42,10 @@ FORMAT = 4
 # write, speed knobs, the start's and end's extras, and the learning-rate schedule and clipping from
 # here on (how a user recovers from a blow-up; past steps keep their rates). Any other change is
 # refused: it would be another run.
-RESUMABLE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'max_iters', 'eval_interval', 'log_interval',
-             'eval_iters', 'always_save_checkpoint', 'checkpoint_interval', 'patience', 'num_workers',
-             'compile', 'device', 'backend', 'threads', 'keep_checkpoints', 'async_save',
-             'max_consecutive_skips', 'activation_checkpointing',
+RESUMABLE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'max_iters', 'eval_interval',
+             'log_interval', 'eval_iters', 'always_save_checkpoint', 'checkpoint_interval',
+             'patience', 'num_workers', 'compile', 'device', 'backend', 'threads',
+             'keep_checkpoints', 'async_save', 'max_consecutive_skips', 'activation_checkpointing',
              'profile_iter', 'tensorboard_log', 'wandb_log', 'wandb_project', 'wandb_run_name',
              'cost_per_hour', 'smoke_steps', 'test_eval', 'sample_tokens', 'write_report',
              'eval_tasks', 'eval_tasks_examples', 'learning_rate', 'muon_lr', 'decay_lr',
@@ -114,13 +116,14 @@ def link_file(source, path):
 
 
 def write_json(path, obj):
-    """obj as indented JSON in path, atomically: config.json, meta.json and the caches others may read."""
+    """obj as indented JSON in path, atomically: config.json, meta.json and the caches others may
+    read."""
     atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2) + '\n').encode()))
 
 
 class KeepWriteError:
-    """A file for torch.save that keeps the OSError of its writes: torch.save reports a full disk only as a
-    RuntimeError ('unexpected pos ...') that names no cause."""
+    """A file for torch.save that keeps the OSError of its writes: torch.save reports a full disk
+    only as a RuntimeError ('unexpected pos ...') that names no cause."""
 
     def __init__(self, f):
         self.f, self.error = f, None
@@ -137,8 +140,8 @@ class KeepWriteError:
 
 
 def save_file(obj, path):
-    """torch.save(obj) to path, atomically; a failed write raises its OSError (errno ENOSPC for a full
-    disk)."""
+    """torch.save(obj) to path, atomically; a failed write raises its OSError (errno ENOSPC for a
+    full disk)."""
     def write(f):
         kept = KeepWriteError(f)
         try:
@@ -157,24 +160,26 @@ def load(path, resumable=False):
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} does not exist, so there is nothing to resume (a run "
-                              f"stopped before its first checkpoint starts again with init_from=scratch or "
-                              f"auto): check out_dir / resume_from")
+        raise CheckpointError(f"checkpoint {path} does not exist, so there is nothing to resume (a "
+                              f"run stopped before its first checkpoint starts again with "
+                              f"init_from=scratch or auto): check out_dir / resume_from")
     except Exception as e:
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupt: {first_line}): "
-                              f"use another file (train.py: resume_from=PATH), or start a new out_dir")
+        raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupt: "
+                              f"{first_line}): use another file (train.py: resume_from=PATH), or "
+                              f"start a new out_dir")
     if not isinstance(ckpt, dict):
-        raise CheckpointError(f"{path} holds a {type(ckpt).__name__}, not a checkpoint: pass the best.pt or "
-                              f"last.pt of a run")
+        raise CheckpointError(f"{path} holds a {type(ckpt).__name__}, not a checkpoint: pass the "
+                              f"best.pt or last.pt of a run")
     if ckpt.get('format', 1) > FORMAT:
-        raise CheckpointError(f"checkpoint {path} has format {ckpt['format']}, newer than this code's "
-                              f"{FORMAT}: update honestgpt (git pull) to resume it")
+        raise CheckpointError(f"checkpoint {path} has format {ckpt['format']}, newer than this "
+                              f"code's {FORMAT}: update honestgpt (git pull) to resume it")
     if migrated := migrate(ckpt, path):
         ckpt['migrated'] = migrated
     if resumable and 'scheduler' not in ckpt:
-        raise CheckpointError(f"checkpoint {path} holds weights only (sample.py --export writes those), no "
-                              f"training state to resume: resume from a run's last.pt, best.pt or stable.pt")
+        raise CheckpointError(f"checkpoint {path} holds weights only (sample.py --export writes "
+                              f"those), no training state to resume: resume from a run's last.pt, "
+                              f"best.pt or stable.pt")
     return ckpt
 
 
@@ -248,7 +253,8 @@ def changed_settings(ckpt, config, defaults):
 
 
 def why_not_resume(ckpt, config, defaults):
-    """Why this config may not resume the checkpoint ('was trained with other settings (...)'), or ''."""
+    """Why this config may not resume the checkpoint ('was trained with other settings (...)'), or
+    ''."""
     changed = [f"{k}={old!r} there, {new!r} here"
                for k, (old, new) in changed_settings(ckpt, config, defaults).items()
                if k not in RESUMABLE]
@@ -258,17 +264,18 @@ def why_not_resume(ckpt, config, defaults):
 # -----------------------------------------------------------------------------
 # the state: built here, applied here
 
-# parts: the run's objects whose state_dicts a checkpoint holds, by name (torchtitan's and DCP's app state):
-# 'model' (the plain GPT, not its compiled or DDP wrapper), 'optimizer', 'scheduler', 'scaler',
-# 'sampler', and under ema_decay 'ema' (an AveragedModel: the weights' moving average, n_averaged)
+# parts: the run's objects whose state_dicts a checkpoint holds, by name (torchtitan's and DCP's app
+# state): 'model' (the plain GPT, not its compiled or DDP wrapper), 'optimizer', 'scheduler',
+# 'scaler', 'sampler', and under ema_decay 'ema' (an AveragedModel: the weights' moving average,
+# n_averaged)
 OTHER_PARTS = ('scheduler', 'scaler', 'sampler')
 
 
 def state(parts, rng, progress, run, shards=None):
-    """The checkpoint: weights and optimizer state (in fsdp mode, the name of the shards folder that holds
-    them), the schedule, the loss scale, the data position, every rank's RNG state (rng, in rank order), the
-    loop's counters (progress: a Progress) and what the run is (run: config, model_args, dataset,
-    dtype, ...)."""
+    """The checkpoint: weights and optimizer state (in fsdp mode, the name of the shards folder that
+    holds them), the schedule, the loss scale, the data position, every rank's RNG state (rng, in
+    rank order), the loop's counters (progress: a Progress) and what the run is (run: config,
+    model_args, dataset, dtype, ...)."""
     weights = {'shards': shards} if shards else {
         'model': parts['model'].state_dict(), 'optimizer': parts['optimizer'].state_dict(),
         **({'ema': parts['ema'].state_dict()} if 'ema' in parts else {})}
@@ -307,7 +314,8 @@ def load_weights(ckpt, path, model, optimizer=None, ema=None):
             ema.load_state_dict(ckpt['ema'])
         return
     import torch.distributed.checkpoint as dcp  # imported only by sharded runs: ~1 s
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
+                                                         set_optimizer_state_dict)
     sharded = sharded_state(model, optimizer, ema)
     dcp.load(sharded, checkpoint_id=os.path.join(os.path.dirname(path), ckpt['shards']))
     set_model_state_dict(model, sharded['model'])
@@ -321,7 +329,8 @@ def load_weights(ckpt, path, model, optimizer=None, ema=None):
 def sharded_state(model, optimizer=None, ema=None):
     """This rank's part of an FSDP model's weights (and optimizer state, and the EMA's weights), as
     DCP reads and writes it."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict)
     return ({'model': get_model_state_dict(model)}
             | ({'optimizer': get_optimizer_state_dict(model, optimizer.optimizers)}
                if optimizer else {})
@@ -368,9 +377,9 @@ def save(names, out_dir, parts, rng, progress, run, sharded, writer):
         # one new file (the other names link to it), with room to spare
         if (writer.master and os.path.exists(last)
                 and shutil.disk_usage(out_dir).free < 2 * os.path.getsize(last)):
-            print(f"warning: {out_dir} has {shutil.disk_usage(out_dir).free / 2**20:,.0f} MB free and a "
-                  f"checkpoint takes {os.path.getsize(last) / 2**20:,.0f} MB: free space before a save "
-                  f"fails", file=sys.stderr)
+            print(f"warning: {out_dir} has {shutil.disk_usage(out_dir).free / 2**20:,.0f} MB free "
+                  f"and a checkpoint takes {os.path.getsize(last) / 2**20:,.0f} MB: free space "
+                  f"before a save fails", file=sys.stderr)
         return writer.write(state(parts, rng, progress, run, shards), names, shards_written)
     except (OSError, CheckpointError) as e:
         return names, progress.iter_num, reason(e)
@@ -515,7 +524,8 @@ def save_failure(failed, out_dir, last_saved):
     held = f" (last.pt holds iteration {last_saved})" if has_last else ''
     why = why or 'on another rank'
     return (f"saving {' and '.join(names)} at iteration {iter_num} failed ({why}): "
-            f"the files on disk are whole; free space in {out_dir}, then run again with init_from=auto{held}")
+            f"the files on disk are whole; free space in {out_dir}, then run again with "
+            f"init_from=auto{held}")
 
 
 # -----------------------------------------------------------------------------
@@ -544,15 +554,16 @@ def restore(parts, saved, device):
 
 def rng_state(device):
     """Every RNG this process draws from, as plain Python values: they pass through
-    torch.load(weights_only=True) and dist.all_gather_object alike. On CUDA only the process's own device's
-    generator, the one its dropout draws from: get_rng_state_all() would hold one per visible GPU, and fail to
-    restore where another number is visible."""
+    torch.load(weights_only=True) and dist.all_gather_object alike. On CUDA only the process's own
+    device's generator, the one its dropout draws from: get_rng_state_all() would hold one per
+    visible GPU, and fail to restore where another number is visible."""
     np_state = np.random.get_state()
     return {
         'python': random.getstate(),
         'numpy': (np_state[0], np_state[1].tolist(), *np_state[2:]),
         'torch': torch.get_rng_state().tolist(),
-        'cuda': torch.cuda.get_rng_state(device).tolist() if torch.device(device).type == 'cuda' else None,
+        'cuda': (torch.cuda.get_rng_state(device).tolist() if torch.device(device).type == 'cuda'
+                 else None),
     }
 
 

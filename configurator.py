@@ -10,7 +10,8 @@ ones, so a typo never trains the wrong model silently. No number may be negative
 name each key's allowed values (choices) or a least value above 0 (minimums). Returns the resolved
 config and where each value came from ('default', the config file's path, or 'command line').
 
-fail() is how every script reports a user's mistake: one line naming the problem and the fix, exit code 2.
+fail() is how every script reports a user's mistake: one line naming the problem and the fix, exit
+code 2.
 """
 import ast
 import difflib
@@ -58,7 +59,8 @@ def config_files(missing):
 
 def _unknown(key, defaults):
     close = difflib.get_close_matches(key, list(defaults), n=3, cutoff=0.6)
-    hint = f"did you mean {' or '.join(close)}?" if close else "see the defaults at the top of the script"
+    hint = (f"did you mean {' or '.join(close)}?" if close
+            else "see the defaults at the top of the script")
     return ConfigError(f"unknown config key '{key}': {hint}")
 
 
@@ -78,22 +80,23 @@ def _parse(key, text, default):
     except (ValueError, SyntaxError):
         if isinstance(default, str):
             return text  # --device=cpu: a bare word is a string
-        raise ConfigError(f"command line: cannot parse --{key}={text}: expected a {type(default).__name__} "
-                          f"like the default {default!r}")
+        raise ConfigError(f"command line: cannot parse --{key}={text}: expected a "
+                          f"{type(default).__name__} like the default {default!r}")
     if isinstance(default, str) and not isinstance(value, str):
         return text  # --out_dir=2024 stays the string '2024'
     return value
 
 
 def configure(defaults, argv, choices=None, minimums=None):
-    """defaults: {name: value} of int/float/bool/str; argv: sys.argv[1:]; choices: {name: allowed values};
-    minimums: {name: least value} where it is above 0. Returns (config, sources), both dicts over the same
-    keys."""
+    """defaults: {name: value} of int/float/bool/str; argv: sys.argv[1:]; choices: {name: allowed
+    values}; minimums: {name: least value} where it is above 0. Returns (config, sources), both
+    dicts over the same keys."""
     config, sources = dict(defaults), {k: 'default' for k in defaults}
     for arg in argv:
         if not arg.startswith('--'):
             if not arg.endswith('.py'):
-                raise ConfigError(f"'{arg}' is neither a config file (*.py) nor a --key=value override")
+                raise ConfigError(f"'{arg}' is neither a config file (*.py) nor a --key=value "
+                                  f"override")
             try:
                 with open(arg) as f:
                     code = f.read()
@@ -118,14 +121,17 @@ def configure(defaults, argv, choices=None, minimums=None):
             if key not in defaults:
                 raise _unknown(key, defaults)
             value = _parse(key, text, defaults[key])
-            config[key], sources[key] = _checked(key, value, defaults[key], 'command line'), 'command line'
+            config[key], sources[key] = (_checked(key, value, defaults[key], 'command line'),
+                                         'command line')
     for key, allowed in (choices or {}).items():
         if config[key] not in allowed:
             *others, last = map(repr, allowed)
             listed = f"{', '.join(others)} or {last}" if others else last
             raise ConfigError(f"{key}={config[key]!r}: use {listed}")
-    assert set(minimums or {}) <= set(config), f"minimums names unknown keys: {set(minimums) - set(config)}"
-    for key, value in config.items():  # no setting is negative: minimums name those that must be more
+    assert set(minimums or {}) <= set(config), (f"minimums names unknown keys: "
+                                                f"{set(minimums) - set(config)}")
+    # no setting is negative: minimums name those that must be more
+    for key, value in config.items():
         if key in (minimums or {}) and value < minimums[key]:
             raise ConfigError(f"{key}={value} must be at least {minimums[key]}")
         if isinstance(value, (int, float)) and value < 0:

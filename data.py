@@ -1,12 +1,12 @@
 """
-A dataset's shards, token windows over a split's shards, and the samplers that decide which windows a rank
-sees.
+A dataset's shards, token windows over a split's shards, and the samplers that decide which windows
+a rank sees.
 
 - A dataset is a folder with meta.json and shards in llm.c's format named NAME_SPLIT_000000.bin
-  (modded-nanogpt's names), as prepare.py writes them or as llm.c and modded-nanogpt publish them, or a glob
-  of such files.
-- TokenWindows: a split's shards, read as one token stream. A window is named by its start
-  position in that stream: x = tokens[s : s+T], y = tokens[s+1 : s+T+1], across a shard boundary if it falls
+  (modded-nanogpt's names), as prepare.py writes them or as llm.c and modded-nanogpt publish them,
+  or a glob of such files.
+- TokenWindows: a split's shards, read as one token stream. A window is named by its start position
+  in that stream: x = tokens[s : s+T], y = tokens[s+1 : s+T+1], across a shard boundary if it falls
   there.
 - TrainSampler: each epoch, a random offset and a permutation drawn from (seed + epoch) alone,
   so every rank computes the same order, takes its own shard (perm[rank::world_size]) and any
@@ -37,7 +37,8 @@ import prepare
 import tokenizer
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
-EMPTY_WINDOW = -1  # an eval window with no targets: pads a rank's batches without counting anything twice
+# an eval window with no targets: pads a rank's batches without counting anything twice
+EMPTY_WINDOW = -1
 SHARD_NAME = re.compile(r'_(train|val|test)_(\d+)\.bin$')  # fineweb_train_000001.bin
 # in a shards' folder: each shard's hash, and the size and time it was taken at
 FINGERPRINTS = 'fingerprints.json'
@@ -98,17 +99,17 @@ def read_shard_header(path):
     dtype, num_tokens = SHARD.parse_header(path, head)
     expected = SHARD.HEADER_BYTES + num_tokens * dtype.itemsize
     if size != expected:
-        raise DataError(f"{path} is {size} bytes but its header says {num_tokens} {dtype.name} tokens "
-                        f"({expected} bytes): truncated? prepare or download it again")
+        raise DataError(f"{path} is {size} bytes but its header says {num_tokens} {dtype.name} "
+                        f"tokens ({expected} bytes): truncated? prepare or download it again")
     return dtype, num_tokens
 
 
 def fingerprints(paths):
-    """{shard file name: [sha256 of its whole content, its largest token id (-1: none)]}. Both read every
-    byte, so each folder keeps them in FINGERPRINTS with the size and modification time of the file read, and
-    a shard is read again only when either has changed (every time where the folder cannot be written). Any
-    write or copy of a file moves its modification time; an edit that keeps size and time both (touch -d)
-    goes unseen."""
+    """{shard file name: [sha256 of its whole content, its largest token id (-1: none)]}. Both read
+    every byte, so each folder keeps them in FINGERPRINTS with the size and modification time of the
+    file read, and a shard is read again only when either has changed (every time where the folder
+    cannot be written). Any write or copy of a file moves its modification time; an edit that keeps
+    size and time both (touch -d) goes unseen."""
     result = {}
     for folder in sorted({os.path.dirname(p) for p in paths}):
         cache = os.path.join(folder, FINGERPRINTS)
@@ -136,28 +137,29 @@ def fingerprints(paths):
 
 
 def prepare_once(data_dir, name):
-    """Prepare a built-in dataset (prepare.py, offline) where it is missing. Under torchrun the first process
-    of each node calls this, since nodes need not share storage; those that do take turns on a lock file and
-    find it prepared by the first."""
+    """Prepare a built-in dataset (prepare.py, offline) where it is missing. Under torchrun the
+    first process of each node calls this, since nodes need not share storage; those that do take
+    turns on a lock file and find it prepared by the first."""
     try:
         os.makedirs(data_dir, exist_ok=True)
     except OSError as e:  # a file in the way
-        raise DataError(f"data_dir '{data_dir}' cannot hold datasets ({e.strerror}): set data_dir to a "
-                        f"folder")
+        raise DataError(f"data_dir '{data_dir}' cannot hold datasets ({e.strerror}): set data_dir "
+                        f"to a folder")
     with open(os.path.join(data_dir, f'.{name}.lock'), 'w') as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(os.path.join(data_dir, name, f'{name}_train_000000.bin')):
-            print(f"preparing the default dataset {name} into {os.path.join(data_dir, name)}", flush=True)
+            print(f"preparing the default dataset {name} into {os.path.join(data_dir, name)}",
+                  flush=True)
             prepare.prepare(name, data_dir=data_dir)
 
 
 def open_dataset(data_dir, dataset):
-    """(meta, {split: [shard paths]}) of a dataset: a folder under data_dir, or a glob of shard files under
-    data_dir whose folder holds meta.json. The splits come from the file names; test may be missing (FineWeb's
-    shards have none), train and val may not. A hand-written meta.json needs only vocab_size and tokenizer
-    (gpt2 or PATH.tiktoken, a relative path inside the folder); a char vocabulary comes only from prepare.py.
-    The meta returned names a ranks file by its absolute path, checked against the sha256 that prepare.py
-    recorded."""
+    """(meta, {split: [shard paths]}) of a dataset: a folder under data_dir, or a glob of shard
+    files under data_dir whose folder holds meta.json. The splits come from the file names; test may
+    be missing (FineWeb's shards have none), train and val may not. A hand-written meta.json needs
+    only vocab_size and tokenizer (gpt2 or PATH.tiktoken, a relative path inside the folder); a char
+    vocabulary comes only from prepare.py. The meta returned names a ranks file by its absolute
+    path, checked against the sha256 that prepare.py recorded."""
     path = os.path.join(data_dir, dataset)
     if any(c in dataset for c in '*?['):
         files = sorted(glob.glob(path))
@@ -183,17 +185,20 @@ def open_dataset(data_dir, dataset):
             meta = json.load(f)
     except ValueError as e:
         raise DataError(f"{meta_path} is not valid JSON ({e}): fix it") from None
-    missing = [k for k in ('vocab_size', 'tokenizer') if not isinstance(meta, dict) or k not in meta]
+    missing = [k for k in ('vocab_size', 'tokenizer')
+               if not isinstance(meta, dict) or k not in meta]
     if missing:
-        raise DataError(f"{meta_path} lacks {' and '.join(missing)}: add them, e.g. {{\"vocab_size\": 50257, "
-                        f"\"tokenizer\": \"gpt2\"}}")
+        raise DataError(f"{meta_path} lacks {' and '.join(missing)}: add them, e.g. "
+                        f"{{\"vocab_size\": 50257, \"tokenizer\": \"gpt2\"}}")
     if type(meta['vocab_size']) is not int or meta['vocab_size'] < 1:
         raise DataError(f"{meta_path} has vocab_size {meta['vocab_size']!r}: write the tokenizer's "
                         f"vocabulary size as a whole number, e.g. 50257")
     entry = meta['tokenizer']
-    if entry == 'char' or isinstance(entry, dict) and entry.get('kind') == 'char' and 'chars' not in entry:
-        raise DataError(f"{meta_path} names a char tokenizer without its characters, which only prepare.py "
-                        f"writes: prepare the dataset with prepare.py, or name \"gpt2\" or a .tiktoken path")
+    if (entry == 'char' or isinstance(entry, dict) and entry.get('kind') == 'char'
+            and 'chars' not in entry):
+        raise DataError(f"{meta_path} names a char tokenizer without its characters, which only "
+                        f"prepare.py writes: prepare the dataset with prepare.py, or name \"gpt2\" "
+                        f"or a .tiktoken path")
     if isinstance(entry, str):  # a hand-written meta.json: 'gpt2' or a .tiktoken path
         entry = {'kind': 'tiktoken', 'encoding': entry}
     try:  # a ranks file that is missing or changed would give the ids another meaning
@@ -205,24 +210,25 @@ def open_dataset(data_dir, dataset):
     for f in files:
         match = SHARD_NAME.search(os.path.basename(f))
         if match is None and os.path.basename(f) in ('train.bin', 'val.bin', 'test.bin'):
-            raise DataError(f"{folder} was prepared by an older prepare.py (train.bin, no shards): run "
-                            f"python prepare.py {meta['name']} again (with the --input it had, if any)")
+            raise DataError(f"{folder} was prepared by an older prepare.py (train.bin, no shards): "
+                            f"run python prepare.py {meta['name']} again (with the --input it had, "
+                            f"if any)")
         if match is None:
-            raise DataError(f"{f} is not named like NAME_SPLIT_000000.bin with SPLIT train, val or test: "
-                            f"rename it or narrow the dataset's glob")
+            raise DataError(f"{f} is not named like NAME_SPLIT_000000.bin with SPLIT train, val or "
+                            f"test: rename it or narrow the dataset's glob")
         shards.setdefault(match.group(1), []).append((int(match.group(2)), f))
     for split in ('train', 'val'):
         if split not in shards:
-            raise DataError(f"dataset '{dataset}' has no {split} shards (files like NAME_{split}_000000.bin "
-                            f"in {folder})")
+            raise DataError(f"dataset '{dataset}' has no {split} shards (files like "
+                            f"NAME_{split}_000000.bin in {folder})")
     return meta, {split: [f for _, f in sorted(files)] for split, files in shards.items()}
 
 
 def open_splits(data_dir, dataset, block_size, first_on_node=True):
-    """(meta, {split: TokenWindows}, identity) of a run's dataset; identity is what the ranks compare and a
-    checkpoint records (its name, source, vocabulary, tokenizer and every shard's fingerprint). The first
-    process of each node prepares the default dataset on first use and hashes new shards while the others
-    wait."""
+    """(meta, {split: TokenWindows}, identity) of a run's dataset; identity is what the ranks
+    compare and a checkpoint records (its name, source, vocabulary, tokenizer and every shard's
+    fingerprint). The first process of each node prepares the default dataset on first use and
+    hashes new shards while the others wait."""
     if first_on_node:
         if dataset == 'pystdlib_char':
             prepare_once(data_dir, dataset)
@@ -231,11 +237,13 @@ def open_splits(data_dir, dataset, block_size, first_on_node=True):
         torch.distributed.barrier()
     meta, shard_paths = open_dataset(data_dir, dataset)
     splits = {s: TokenWindows(paths, block_size) for s, paths in shard_paths.items()}
-    for windows in splits.values():  # an id past the vocabulary would fail in the model, or on a GPU assert
+    # an id past the vocabulary would fail in the model, or on a GPU assert
+    for windows in splits.values():
         for path, largest in zip(windows.paths, windows.largest_ids):
             if largest >= meta['vocab_size']:
-                raise DataError(f"{path} holds token id {largest} but the dataset's meta.json has vocab_size "
-                                f"{meta['vocab_size']}: set it to the tokenizer's vocabulary size")
+                raise DataError(f"{path} holds token id {largest} but the dataset's meta.json has "
+                                f"vocab_size {meta['vocab_size']}: set it to the tokenizer's "
+                                f"vocabulary size")
     identity = {'name': meta['name'], 'source_sha256': meta.get('source_sha256'),
                 'vocab_size': meta['vocab_size'], 'tokenizer': meta['tokenizer'],
                 'shards': [shard for s in splits.values() for shard in s.shards]}
@@ -250,9 +258,10 @@ def head_fingerprint(path):
 
 
 def data_change(recorded, current, splits):
-    """Why a checkpoint's data (its recorded dataset id) is not this run's ('was trained on other data
-    (...)'), or '' when it is the same. splits: this run's TokenWindows by split, whose files give
-    a head_fingerprint where the checkpoint recorded one: its data is checked as its code did."""
+    """Why a checkpoint's data (its recorded dataset id) is not this run's ('was trained on other
+    data (...)'), or '' when it is the same. splits: this run's TokenWindows by split, whose files
+    give a head_fingerprint where the checkpoint recorded one: its data is checked as its code
+    did."""
     if 'shards' not in recorded:  # the same source prepared now puts other documents in train
         return ("was trained on a dataset prepared before shards, whose documents were split by an "
                 "older rule: no dataset this code prepares is that one")
@@ -264,9 +273,12 @@ def data_change(recorded, current, splits):
     before = {name: (tokens, fp) for name, tokens, fp in recorded['shards']}
     now = {name: (tokens, head_fingerprint(paths[name]) if name in by_head else fp)
            for name, tokens, fp in current['shards']}
-    changes = [f"{what} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}" for what, names in (
-        ('added', sorted(now.keys() - before.keys())), ('removed', sorted(before.keys() - now.keys())),
-        ('changed', sorted(n for n in before.keys() & now.keys() if before[n] != now[n]))) if names]
+    changes = [f"{what} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+               for what, names in (('added', sorted(now.keys() - before.keys())),
+                                   ('removed', sorted(before.keys() - now.keys())),
+                                   ('changed', sorted(n for n in before.keys() & now.keys()
+                                                      if before[n] != now[n])))
+               if names]
     return f"was trained on other data (shards {'; '.join(changes)})" if changes else ''
 
 
@@ -278,8 +290,8 @@ class TokenWindows(Dataset):
         self.paths, self.block_size = list(paths), block_size
         headers = [read_shard_header(p) for p in self.paths]
         if len({dtype for dtype, _ in headers}) > 1:
-            raise DataError(f"the shards of {os.path.dirname(self.paths[0])} mix uint16 and uint32 tokens: "
-                            f"prepare them again")
+            raise DataError(f"the shards of {os.path.dirname(self.paths[0])} mix uint16 and uint32 "
+                            f"tokens: prepare them again")
         self.dtype = headers[0][0]
         facts = fingerprints(self.paths)  # {name: [sha256, largest token id]}
         names = [os.path.basename(p) for p in self.paths]
@@ -287,8 +299,8 @@ class TokenWindows(Dataset):
         self.largest_ids = [facts[name][1] for name in names]
         self.offsets = np.cumsum([0] + [n for _, n in headers])
         self.num_tokens = int(self.offsets[-1])
-        # what every read checks: a shard truncated or rewritten under a running job fails the read, not the
-        # model
+        # what every read checks: a shard truncated or rewritten under a running job fails the read,
+        # not the model
         self.stats = [(s.st_size, s.st_mtime_ns) for s in map(os.stat, self.paths)]
 
     def read(self, start, stop):
@@ -296,17 +308,19 @@ class TokenWindows(Dataset):
         boundaries."""
         pieces = []
         while start < stop:
-            i = int(np.searchsorted(self.offsets, start, side='right')) - 1  # empty shards are never picked
+            # empty shards are never picked
+            i = int(np.searchsorted(self.offsets, start, side='right')) - 1
             end = min(stop, int(self.offsets[i + 1]))
-            # opened for this read alone: a file kept open per shard would exhaust the descriptor limit (often
-            # 1024) on a dataset of a thousand shards; open, fstat, pread and close cost ~6 us a window
-            # (docs/design.md)
+            # opened for this read alone: a file kept open per shard would exhaust the descriptor
+            # limit (often 1024) on a dataset of a thousand shards; open, fstat, pread and close
+            # cost ~6 us a window (docs/design.md)
             fd = os.open(self.paths[i], os.O_RDONLY)
             try:
                 stat = os.fstat(fd)
                 if (stat.st_size, stat.st_mtime_ns) != self.stats[i]:
-                    raise DataError(f"{self.paths[i]} changed while the run was reading it (its size or "
-                                    f"modification time is not what it was when the run opened it)")
+                    raise DataError(f"{self.paths[i]} changed while the run was reading it (its "
+                                    f"size or modification time is not what it was when the run "
+                                    f"opened it)")
                 pieces.append(SHARD.read(fd, self.dtype, int(start - self.offsets[i]), end - start))
             finally:
                 os.close(fd)
@@ -317,7 +331,8 @@ class TokenWindows(Dataset):
         if start == EMPTY_WINDOW:
             chunk = torch.zeros(1, dtype=torch.long)  # no targets
         else:
-            chunk = torch.from_numpy(self.read(start, min(start + self.block_size + 1, self.num_tokens))
+            chunk = torch.from_numpy(self.read(start, min(start + self.block_size + 1,
+                                                          self.num_tokens))
                                      .astype(np.int64))
         x = torch.zeros(self.block_size, dtype=torch.long)
         y = torch.full((self.block_size,), IGNORE_INDEX, dtype=torch.long)
@@ -329,28 +344,33 @@ class TokenWindows(Dataset):
 class TrainSampler(Sampler):
     """Yields batches (lists of window starts) for one rank, forever, epoch after epoch.
     Each epoch is cut to a whole number of optimizer steps (global_batch windows, all ranks), so
-    an optimizer step never straddles epochs and 1 process and N ranks see the same windows per step."""
+    an optimizer step never straddles epochs and 1 process and N ranks see the same windows per
+    step."""
 
-    def __init__(self, num_tokens, block_size, batch_size, global_batch, seed, rank=0, world_size=1):
+    def __init__(self, num_tokens, block_size, batch_size, global_batch, seed, rank=0,
+                 world_size=1):
         self.num_tokens, self.block_size, self.batch_size = num_tokens, block_size, batch_size
-        self.global_batch, self.seed, self.rank, self.world_size = global_batch, seed, rank, world_size
+        self.global_batch, self.seed, self.rank, self.world_size = (global_batch, seed, rank,
+                                                                    world_size)
         fewest_windows = (num_tokens - block_size) // block_size  # with the largest offset
         if fewest_windows < global_batch:
-            raise DataError(f"the train split ({num_tokens} tokens) holds {max(fewest_windows, 0)} windows "
-                            f"of block_size={block_size}, fewer than one optimizer step needs "
-                            f"({global_batch} = batch_size x gradient_accumulation_steps): lower those or "
-                            f"use more text")
+            raise DataError(f"the train split ({num_tokens} tokens) holds {max(fewest_windows, 0)} "
+                            f"windows of block_size={block_size}, fewer than one optimizer step "
+                            f"needs ({global_batch} = batch_size x gradient_accumulation_steps): "
+                            f"lower those or use more text")
         self.epoch, self.position = 0, 0  # the next batch the loop will consume
 
     def _epoch_layout(self, epoch):
         g = torch.Generator().manual_seed(self.seed + epoch)
-        offset = int(torch.randint(self.block_size, (1,), generator=g))  # new window boundaries each epoch
+        # new window boundaries each epoch
+        offset = int(torch.randint(self.block_size, (1,), generator=g))
         n = (self.num_tokens - 1 - offset) // self.block_size
         return g, offset, n, n // self.global_batch * self.global_batch  # windows kept this epoch
 
     def epoch_starts(self, epoch):
-        """This rank's window starts of an epoch, in order, as one int64 tensor: 8 bytes a window, where lists
-        of Python ints take about 50 (over half a GB per rank for FineWeb10B at block_size 1024)."""
+        """This rank's window starts of an epoch, in order, as one int64 tensor: 8 bytes a window,
+        where lists of Python ints take about 50 (over half a GB per rank for FineWeb10B at
+        block_size 1024)."""
         g, offset, n, kept = self._epoch_layout(epoch)
         perm = torch.randperm(n, generator=g)[:kept]
         return offset + perm[self.rank::self.world_size] * self.block_size
@@ -374,24 +394,26 @@ class TrainSampler(Sampler):
             self.epoch, self.position = self.epoch + 1, 0
 
     def state_dict(self):
-        # position in windows consumed by all ranks: a resume on another number of ranks continues at the same
-        # place
+        # position in windows consumed by all ranks: a resume on another number of ranks continues
+        # at the same place
         return {'epoch': self.epoch, 'position': self.position * self.batch_size * self.world_size}
 
     def load_state_dict(self, state):
-        self.epoch, self.position = state['epoch'], state['position'] // (self.batch_size * self.world_size)
+        self.epoch, self.position = (state['epoch'],
+                                     state['position'] // (self.batch_size * self.world_size))
 
 
 class EvalSampler(Sampler):
     """Batches of window starts covering the split once; max_windows > 0 keeps that many windows
-    evenly spread over the split (the same ones at every evaluation). Rank r takes windows r::world_size.
-    equal_batches gives every rank the same batches count and sizes (sharded models need it) by adding
-    empty windows (start -1: no targets), never by repeating real ones."""
+    evenly spread over the split (the same ones at every evaluation). Rank r takes windows
+    r::world_size. equal_batches gives every rank the same batches count and sizes (sharded models
+    need it) by adding empty windows (start -1: no targets), never by repeating real ones."""
 
     def __init__(self, num_tokens, block_size, batch_size, max_windows=0, rank=0, world_size=1,
                  equal_batches=False):
         if num_tokens < 2:
-            raise DataError(f"a split of {num_tokens} token(s) has nothing to predict: use more text")
+            raise DataError(f"a split of {num_tokens} token(s) has nothing to predict: use more "
+                            f"text")
         starts = torch.arange(0, num_tokens - 1, block_size)
         if 0 < max_windows < len(starts):
             starts = starts[torch.linspace(0, len(starts) - 1, max_windows).round().long().unique()]
@@ -410,9 +432,9 @@ class EvalSampler(Sampler):
 
 
 def seed_worker(worker_id):
-    # Ctrl-C reaches the whole process group, and torchrun passes SIGTERM to it: the training process decides
-    # when to stop (after the step under way) and then shuts its workers down; a worker that died first would
-    # fail that step
+    # Ctrl-C reaches the whole process group, and torchrun passes SIGTERM to it: the training
+    # process decides when to stop (after the step under way) and then shuts its workers down; a
+    # worker that died first would fail that step
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # DataLoader seeds torch in each worker from the loader's generator; numpy and random follow it
@@ -423,8 +445,8 @@ def seed_worker(worker_id):
 
 def make_loader(dataset, batch_sampler, num_workers, seed, pin_memory):
     # the loader's own generator: creating an iterator must not draw from the global RNG (dropout's)
-    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers, pin_memory=pin_memory,
-                      worker_init_fn=seed_worker,
+    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers,
+                      pin_memory=pin_memory, worker_init_fn=seed_worker,
                       generator=torch.Generator().manual_seed(seed))
 
 

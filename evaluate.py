@@ -1,8 +1,8 @@
 """
 Evaluation: the mean loss over a split (loss(), what train.py evaluates), and benchmark accuracy on
-multiple-choice tasks, as llm.c and build-nanogpt measure HellaSwag: each ending is
-scored by the model's loss on the ending's tokens given the context. acc: the ending with the lowest summed
-loss is the answer; acc_norm: the lowest mean loss per ending token. A run's checkpoint (with its own
+multiple-choice tasks, as llm.c and build-nanogpt measure HellaSwag: each ending is scored by the
+model's loss on the ending's tokens given the context. acc: the ending with the lowest summed loss
+is the answer; acc_norm: the lowest mean loss per ending token. A run's checkpoint (with its own
 tokenizer) or GPT-2's weights:
 
     python evaluate.py --out_dir=out/tiny --tasks=mytask.jsonl              # out/tiny/best.pt
@@ -10,13 +10,13 @@ tokenizer) or GPT-2's weights:
     python evaluate.py --ckpt=out/tiny/last.pt --tasks=a.jsonl,b.jsonl --max_examples=500
 
 A task file is jsonl, one example a line, in either format (per line):
-- HellaSwag's published file as it is: {"ctx": str, "endings": [str, ...], "label": int}; the ending is
-  scored as " " + ending after the context, as llm.c and build-nanogpt render it.
-- generic: {"context": str, "choices": [str, ...], "answer": int}; each choice follows the context exactly as
-  written, so a choice carries its own separator (" Paris", not "Paris").
-A context too long for block_size loses its first tokens; an ending is never cut. Per task, stdout gets one
-line: the example count, acc and acc_norm with 95% intervals, and chance level. What was loaded, and how long
-it took, goes to stderr.
+- HellaSwag's published file as it is: {"ctx": str, "endings": [str, ...], "label": int}; the ending
+  is scored as " " + ending after the context, as llm.c and build-nanogpt render it.
+- generic: {"context": str, "choices": [str, ...], "answer": int}; each choice follows the context
+  exactly as written, so a choice carries its own separator (" Paris", not "Paris").
+A context too long for block_size loses its first tokens; an ending is never cut. Per task, stdout
+gets one line: the example count, acc and acc_norm with 95% intervals, and chance level. What was
+loaded, and how long it took, goes to stderr.
 """
 import json
 import math
@@ -42,13 +42,16 @@ from runlog import check, progress
 # -----------------------------------------------------------------------------
 out_dir = 'out'  # evaluates out_dir/best.pt
 ckpt = ''  # a checkpoint file instead of out_dir/best.pt, e.g. out/tiny/last.pt
-init_from = ''  # GPT-2 weights instead: gpt2, gpt2-medium, ..., a Hugging Face folder or .safetensors file
-tokenizer = ''  # with init_from: 'gpt2' (the default) or PATH.tiktoken; a checkpoint brings its run's own
+# GPT-2 weights instead: gpt2, gpt2-medium, ..., a Hugging Face folder or .safetensors file
+init_from = ''
+# with init_from: 'gpt2' (the default) or PATH.tiktoken; a checkpoint brings its run's own
+tokenizer = ''
 tasks = ''  # task files (jsonl), comma-separated
 max_examples = 0  # > 0: only the first max_examples of each file, the same ones every time; 0: all
 batch_size = 8  # examples per forward, each with all its endings
 device = 'auto'  # 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...
-dtype = 'auto'  # 'auto' (train.py's choice for this model on this device), 'float32', 'bfloat16', 'float16'
+# 'auto' (train.py's choice for this model on this device), 'float32', 'bfloat16', 'float16'
+dtype = 'auto'
 threads = 0  # torch's CPU threads; 0: its own count, capped by a container's CPU quota
 # True: a checkpoint's trained weights even where it also holds their EMA (train.py's ema_decay)
 raw_weights = False
@@ -56,7 +59,8 @@ raw_weights = False
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 
-HELLASWAG = ('ctx', 'endings', 'label')  # the fields of each format, in the order context, endings, answer
+# the fields of each format, in the order context, endings, answer
+HELLASWAG = ('ctx', 'endings', 'label')
 GENERIC = ('context', 'choices', 'answer')
 Z_95 = 1.959963984540054  # the standard normal's 97.5% quantile
 
@@ -71,7 +75,8 @@ class Example(NamedTuple):
     label: int  # the index of the right ending; -1 in DUMMY
 
 
-# a forward that counts nothing: pads a rank that has fewer batches than the others (see rank_batches)
+# a forward that counts nothing: pads a rank that has fewer batches than the others (see
+# rank_batches)
 DUMMY = Example(rows=[[0, 0]], ending_lengths=[1], label=-1)
 
 # -----------------------------------------------------------------------------
@@ -79,14 +84,16 @@ DUMMY = Example(rows=[[0, 0]], ending_lengths=[1], label=-1)
 
 
 def parse_line(line, where, encode, block_size):
-    """One jsonl line (at where, 'FILE:LINE') as an Example, its context left-truncated so each row fits."""
+    """One jsonl line (at where, 'FILE:LINE') as an Example, its context left-truncated so each row
+    fits."""
     try:
         record = json.loads(line)
     except ValueError as e:
         raise TaskError(f"{where}: not valid JSON ({e}): write one JSON object per line") from None
     if not isinstance(record, dict) or not any(k in record for k in HELLASWAG + GENERIC):
-        raise TaskError(f"{where}: neither HellaSwag's fields ({', '.join(HELLASWAG)}) nor the generic ones "
-                        f"({', '.join(GENERIC)}): write each line as a JSON object with one of these sets")
+        raise TaskError(f"{where}: neither HellaSwag's fields ({', '.join(HELLASWAG)}) nor the "
+                        f"generic ones ({', '.join(GENERIC)}): write each line as a JSON object "
+                        f"with one of these sets")
     fields = HELLASWAG if any(k in record for k in HELLASWAG) else GENERIC
     name = 'HellaSwag' if fields is HELLASWAG else 'generic'
     missing = [k for k in fields if k not in record]
@@ -96,14 +103,15 @@ def parse_line(line, where, encode, block_size):
     context, endings, label = (record[k] for k in fields)
     context_key, endings_key, label_key = fields
     if not isinstance(context, str) or not context:
-        raise TaskError(f"{where}: {context_key} must be a non-empty string: give the text the endings "
-                        f"continue")
+        raise TaskError(f"{where}: {context_key} must be a non-empty string: give the text the "
+                        f"endings continue")
     if not isinstance(endings, list) or len(endings) < 2:
-        raise TaskError(f"{where}: {endings_key} must be a list of at least 2 strings: give every candidate")
+        raise TaskError(f"{where}: {endings_key} must be a list of at least 2 strings: give every "
+                        f"candidate")
     for i, ending in enumerate(endings):
         if not isinstance(ending, str) or not ending:
-            raise TaskError(f"{where}: {endings_key}[{i}] is {ending!r}: every candidate must be a non-empty "
-                            f"string")
+            raise TaskError(f"{where}: {endings_key}[{i}] is {ending!r}: every candidate must be a "
+                            f"non-empty string")
     if type(label) is not int or not 0 <= label < len(endings):
         raise TaskError(f"{where}: {label_key}={label!r} is not an index of the {len(endings)} "
                         f"{endings_key}: use an int from 0 to {len(endings) - 1}")
@@ -113,16 +121,18 @@ def parse_line(line, where, encode, block_size):
     longest = max(len(ids) for ids in ending_ids)
     if longest > block_size:
         raise TaskError(f"{where}: an ending of {longest} tokens leaves no room for context in "
-                        f"block_size={block_size}: shorten it, or evaluate a model with a larger block_size")
-    # the input is row[:-1]: context and ending together may take block_size + 1 ids, the context at least one
+                        f"block_size={block_size}: shorten it, or evaluate a model with a larger "
+                        f"block_size")
+    # the input is row[:-1]: context and ending together may take block_size + 1 ids, the context at
+    # least one
     rows = [context_ids[-(block_size + 1 - len(ids)):] + ids for ids in ending_ids]
     return Example(rows, [len(ids) for ids in ending_ids], label)
 
 
 def read_task(path, encode, block_size, max_examples=0):
-    """The examples of a task file as token ids (encode: str -> list[int], the model's tokenizer). Every line
-    is checked, also past max_examples, so a bad file fails at once; max_examples > 0 then keeps the first
-    ones."""
+    """The examples of a task file as token ids (encode: str -> list[int], the model's tokenizer).
+    Every line is checked, also past max_examples, so a bad file fails at once; max_examples > 0
+    then keeps the first ones."""
     try:
         with open(path, encoding='utf-8') as f:
             examples = [parse_line(line, f"{path}:{number}", encode, block_size)
@@ -137,10 +147,12 @@ def read_task(path, encode, block_size, max_examples=0):
 
 
 def read_tasks(paths, encode, block_size, max_examples=0):
-    """{path: examples} of comma-separated task files, all read (and checked) before any is evaluated."""
+    """{path: examples} of comma-separated task files, all read (and checked) before any is
+    evaluated."""
     names = [p.strip() for p in paths.split(',') if p.strip()]
     if not names:
-        raise TaskError(f"no task file in tasks='{paths}': name one or more jsonl files, comma-separated")
+        raise TaskError(f"no task file in tasks='{paths}': name one or more jsonl files, "
+                        f"comma-separated")
     return {path: read_task(path, encode, block_size, max_examples) for path in names}
 
 # -----------------------------------------------------------------------------
@@ -148,9 +160,9 @@ def read_tasks(paths, encode, block_size, max_examples=0):
 
 
 def rank_batches(examples, batch_size, rank=0, world_size=1):
-    """This rank's examples, rank::world_size, in batches of batch_size. Every rank gets as many batches as
-    the fullest one, a short rank a [DUMMY] batch per missing one: under FSDP each forward is a collective of
-    all ranks."""
+    """This rank's examples, rank::world_size, in batches of batch_size. Every rank gets as many
+    batches as the fullest one, a short rank a [DUMMY] batch per missing one: under FSDP each
+    forward is a collective of all ranks."""
     part = examples[rank::world_size]
     batches = [part[i:i + batch_size] for i in range(0, len(part), batch_size)]
     fullest = -(-len(examples) // world_size)  # examples of the fullest rank, rounded up
@@ -158,11 +170,11 @@ def rank_batches(examples, batch_size, rank=0, world_size=1):
 
 
 def choice_losses(model, examples, batch_size, device, autocast, rank=0, world_size=1):
-    """Every ending's summed and mean loss over its own tokens, in float32: (summed, mean, labels) of shapes
-    (E, C), (E, C) and (E,), on device, over this rank's batches in order (a DUMMY has label -1). C is the
-    most endings of any example; an example with fewer has +inf in the rest. Call it in eval mode under
-    inference_mode, as score() does. All endings of an example go into one forward, right-padded; padding is
-    never a target."""
+    """Every ending's summed and mean loss over its own tokens, in float32: (summed, mean, labels)
+    of shapes (E, C), (E, C) and (E,), on device, over this rank's batches in order (a DUMMY has
+    label -1). C is the most endings of any example; an example with fewer has +inf in the rest.
+    Call it in eval mode under inference_mode, as score() does. All endings of an example go into
+    one forward, right-padded; padding is never a target."""
     num_choices = max(len(e.rows) for e in examples)
     summed, mean, labels = [], [], []
     for batch in progress(rank_batches(examples, batch_size, rank, world_size), 'tasks'):
@@ -182,21 +194,24 @@ def choice_losses(model, examples, batch_size, device, autocast, rank=0, world_s
             for x in (positions, targets, owners, slots, lengths, [e.label for e in batch]))
         with autocast:
             logits = model(idx.to(device, non_blocking=True))  # (R, T, vocab)
-        losses = F.cross_entropy(logits.flatten(0, 1)[positions].float(), targets, reduction='none')  # (M,)
+        losses = F.cross_entropy(logits.flatten(0, 1)[positions].float(), targets,
+                                 reduction='none')  # (M,)
         row_sums = torch.zeros(len(rows), device=device).index_add_(0, owners, losses)  # (R,)
         for table, values in ((summed, row_sums), (mean, row_sums / lengths_t)):
             empty = torch.full((len(batch) * num_choices,), math.inf, device=device)
-            table.append(empty.index_copy_(0, slots, values).view(len(batch), num_choices))  # (B, C)
+            table.append(empty.index_copy_(0, slots, values)
+                         .view(len(batch), num_choices))  # (B, C)
         labels.append(batch_labels)
     return torch.cat(summed), torch.cat(mean), torch.cat(labels)
 
 
 def loss(model, loader, device, autocast, label='eval'):
-    """Mean loss over a split's evaluation windows (loader: over a data.EvalSampler), every target token
-    counted once across ranks: sums on the device, one all-reduce, one host sync. In model.eval() and
-    inference_mode. A shard that changed under the run, met by any rank, raises data.DataError
-    with its message on every rank after the all-reduce, which carries a fault flag: the rank that
-    met it runs its other batches all the same (a sharded model's forward is a collective)."""
+    """Mean loss over a split's evaluation windows (loader: over a data.EvalSampler), every target
+    token counted once across ranks: sums on the device, one all-reduce, one host sync. In
+    model.eval() and inference_mode. A shard that changed under the run, met by any rank, raises
+    data.DataError with its message on every rank after the all-reduce, which carries a fault flag:
+    the rank that met it runs its other batches all the same (a sharded model's forward is a
+    collective)."""
     was_training = model.training
     model.eval()
     with torch.inference_mode():
@@ -225,94 +240,106 @@ def score(model, examples, batch_size, device, autocast, rank=0, world_size=1):
     was_training = model.training
     model.eval()
     with torch.inference_mode():
-        summed, mean, labels = choice_losses(model, examples, batch_size, device, autocast, rank, world_size)
+        summed, mean, labels = choice_losses(model, examples, batch_size, device, autocast, rank,
+                                             world_size)
+        # correct, correct_norm, examples (DUMMY has label -1)
         counts = torch.stack([(summed.argmin(1) == labels).sum(), (mean.argmin(1) == labels).sum(),
-                              (labels >= 0).sum()])  # correct, correct_norm, examples (DUMMY has label -1)
+                              (labels >= 0).sum()])
         correct, correct_norm, count = distributed.all_ranks(counts).tolist()
     model.train(was_training)
-    return {'examples': count, 'correct': correct, 'correct_norm': correct_norm, 'acc': correct / count,
-            'acc_norm': correct_norm / count,
+    return {'examples': count, 'correct': correct, 'correct_norm': correct_norm,
+            'acc': correct / count, 'acc_norm': correct_norm / count,
             'chance': sum(1 / len(e.rows) for e in examples) / len(examples)}
 
 
 def score_tasks(model, tasks, batch_size, device, autocast, rank=0, world_size=1):
-    """score() of each task ({path: examples}, as read_tasks gives them), named by its file without folder or
-    extension, and the mean acc_norm over the tasks (0.0 without any): what train.py records at every
-    evaluation, and what best_by='acc_norm' compares."""
+    """score() of each task ({path: examples}, as read_tasks gives them), named by its file without
+    folder or extension, and the mean acc_norm over the tasks (0.0 without any): what train.py
+    records at every evaluation, and what best_by='acc_norm' compares."""
     accuracy = {os.path.splitext(os.path.basename(path))[0]:
                 score(model, examples, batch_size, device, autocast, rank, world_size)
                 for path, examples in tasks.items()}
-    return accuracy, sum(a['acc_norm'] for a in accuracy.values()) / len(accuracy) if accuracy else 0.0
+    return accuracy, (sum(a['acc_norm'] for a in accuracy.values()) / len(accuracy) if accuracy
+                      else 0.0)
 
 
 def task_fields(accuracy):
-    """score_tasks' accuracy as metrics fields: TASK/acc, TASK/acc_norm, TASK/chance, TASK/examples."""
+    """score_tasks' accuracy as metrics fields: TASK/acc, TASK/acc_norm, TASK/chance,
+    TASK/examples."""
     return {f'{task}/{k}': a[k] for task, a in accuracy.items()
             for k in ('acc', 'acc_norm', 'chance', 'examples')}
 
 
 def tasks_line(accuracy):
-    """score_tasks' accuracy for the eval line: ', TASK acc_norm A (chance C)' per task; '' without tasks."""
+    """score_tasks' accuracy for the eval line: ', TASK acc_norm A (chance C)' per task; '' without
+    tasks."""
     return ''.join(f", {task} acc_norm {a['acc_norm']:.4f} (chance {a['chance']:.2f})"
                    for task, a in accuracy.items())
 
 
 def wilson_interval(correct, n, z=Z_95):
     """The Wilson score interval of a proportion correct / n: unlike the normal approximation
-    (p +- z sqrt(p(1-p)/n)), it stays within [0, 1] and keeps its coverage at small n and at accuracies near 0
-    or 1."""
+    (p +- z sqrt(p(1-p)/n)), it stays within [0, 1] and keeps its coverage at small n and at
+    accuracies near 0 or 1."""
     p, z2 = correct / n, z * z
     center = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
-    return max(0.0, center - half), min(1.0, center + half)  # clamped: rounding at 0 and n can step outside
+    # clamped: rounding at 0 and n can step outside
+    return max(0.0, center - half), min(1.0, center + half)
 
 
 def describe(name, result):
-    """One line for a score() result: the example count, acc and acc_norm with 95% Wilson intervals, and
-    chance level."""
+    """One line for a score() result: the example count, acc and acc_norm with 95% Wilson intervals,
+    and chance level."""
     n = result['examples']
     acc_low, acc_high = wilson_interval(result['correct'], n)
     norm_low, norm_high = wilson_interval(result['correct_norm'], n)
-    return (f"{name}: {n} examples, acc {result['acc']:.4f} [{acc_low:.4f}, {acc_high:.4f}], acc_norm "
-            f"{result['acc_norm']:.4f} [{norm_low:.4f}, {norm_high:.4f}] (95% Wilson intervals), "
-            f"chance {result['chance']:.4f}")
+    return (f"{name}: {n} examples, acc {result['acc']:.4f} [{acc_low:.4f}, {acc_high:.4f}], "
+            f"acc_norm {result['acc_norm']:.4f} [{norm_low:.4f}, {norm_high:.4f}] (95% Wilson "
+            f"intervals), chance {result['chance']:.4f}")
 
 # -----------------------------------------------------------------------------
 # the command
 
 
 def load_pretrained(source, tokenizer_spec, device):
-    """(GPT in eval mode on device, encode) of GPT-2 weights and a tiktoken tokenizer of their vocabulary."""
+    """(GPT in eval mode on device, encode) of GPT-2 weights and a tiktoken tokenizer of their
+    vocabulary."""
     tok = tokenizers.gpt2() if tokenizer_spec == 'gpt2' else tokenizers.ranks_file(tokenizer_spec)
-    model_args, state, _ = hf.load_gpt2(source, None, None)  # all the positions, the weights' vocabulary
+    # all the positions, the weights' vocabulary
+    model_args, state, _ = hf.load_gpt2(source, None, None)
     if model_args['vocab_size'] != tok.vocab_size:
-        raise hf.HFError(f"the weights of {source} know {model_args['vocab_size']} tokens, tokenizer "
-                         f"{tokenizer_spec} {tok.vocab_size}: pass the tokenizer they were trained with "
-                         f"(gpt2 or PATH.tiktoken)")
+        raise hf.HFError(f"the weights of {source} know {model_args['vocab_size']} tokens, "
+                         f"tokenizer {tokenizer_spec} {tok.vocab_size}: pass the tokenizer they "
+                         f"were trained with (gpt2 or PATH.tiktoken)")
     model = GPT(GPTConfig(**model_args))
     model.load_state_dict(state)
     return model.to(device).eval(), tok.encode
 
 
 def load(config, device):
-    """(model in eval mode on device, encode, what it is) as the config names it; mistakes exit 2."""
+    """(model in eval mode on device, encode, what it is) as the config names it; mistakes exit
+    2."""
     if config['init_from']:
-        check(not config['ckpt'], "both ckpt and init_from are set: evaluate one, a checkpoint or GPT-2 "
-                                  "weights")
-        check(hf.is_source(config['init_from']), f"init_from='{config['init_from']}': use a GPT-2 name "
-              f"({', '.join(hf.GPT2_NAMES)}) or the path of a Hugging Face model folder or .safetensors file")
+        check(not config['ckpt'], "both ckpt and init_from are set: evaluate one, a checkpoint or "
+                                  "GPT-2 weights")
+        check(hf.is_source(config['init_from']), f"init_from='{config['init_from']}': use a GPT-2 "
+              f"name ({', '.join(hf.GPT2_NAMES)}) or the path of a Hugging Face model folder or "
+              f".safetensors file")
         spec = config['tokenizer'] or 'gpt2'
         check(spec == 'gpt2' or spec.endswith('.tiktoken'),
-              f"tokenizer='{spec}': with init_from use gpt2 (GPT-2's own) or the path of a .tiktoken file")
+              f"tokenizer='{spec}': with init_from use gpt2 (GPT-2's own) or the path of a "
+              f".tiktoken file")
         try:
             return *load_pretrained(config['init_from'], spec, device), config['init_from']
         except (hf.HFError, tokenizers.TokenizerError) as e:
             check(False, e)
-    check(not config['tokenizer'], f"tokenizer='{config['tokenizer']}' is for init_from: a checkpoint is "
-                                   f"evaluated with its run's tokenizer; leave tokenizer unset")
+    check(not config['tokenizer'], f"tokenizer='{config['tokenizer']}' is for init_from: a "
+                                   f"checkpoint is evaluated with its run's tokenizer; leave "
+                                   f"tokenizer unset")
     path = config['ckpt'] or os.path.join(config['out_dir'], 'best.pt')
-    check(os.path.isfile(path), f"checkpoint {path} does not exist: set out_dir to a run's folder, ckpt to "
-                                f"a .pt file, or init_from to GPT-2 weights")
+    check(os.path.isfile(path), f"checkpoint {path} does not exist: set out_dir to a run's folder, "
+                                f"ckpt to a .pt file, or init_from to GPT-2 weights")
     try:
         model, saved = sample.load_model(path, device, config['raw_weights'])
         return model, tokenizers.load(saved['dataset']['tokenizer']).encode, path
@@ -321,8 +348,8 @@ def load(config, device):
 
 
 def main(config):
-    check(config['tasks'], "tasks='' names no task file: pass --tasks=FILE.jsonl (comma-separated for "
-                           "several)")
+    check(config['tasks'], "tasks='' names no task file: pass --tasks=FILE.jsonl (comma-separated "
+                           "for several)")
     try:
         device, device_type = distributed.resolve_device(config['device'])
     except ValueError as e:

@@ -1,12 +1,13 @@
 """
-GPT-2 in and out of the Hugging Face format. In: OpenAI's GPT-2 by name (from the Hugging Face cache,
-downloaded once when online), a GPT2LMHeadModel folder, or a single .safetensors file, as this repo's GPT.
-Out: a GPT as a folder (config.json, model.safetensors, and the tokenizer's files if given) that transformers
-loads as GPT2LMHeadModel.
+GPT-2 in and out of the Hugging Face format. In: OpenAI's GPT-2 by name (from the Hugging Face
+cache, downloaded once when online), a GPT2LMHeadModel folder, or a single .safetensors file, as
+this repo's GPT. Out: a GPT as a folder (config.json, model.safetensors, and the tokenizer's files
+if given) that transformers loads as GPT2LMHeadModel.
 
-The two models are the same network under other names: GPT-2's blocks are h.N instead of blocks.N, its
-files carry a 'transformer.' prefix (or none, in OpenAI's originals), and its Conv1D layers store their
-weights as (in, out) where nn.Linear has (out, in). transformers itself is not needed for either direction.
+The two models are the same network under other names: GPT-2's blocks are h.N instead of blocks.N,
+its files carry a 'transformer.' prefix (or none, in OpenAI's originals), and its Conv1D layers
+store their weights as (in, out) where nn.Linear has (out, in). transformers itself is not needed
+for either direction.
 """
 import dataclasses
 import hashlib
@@ -25,7 +26,8 @@ GPT2_NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
 # GPTConfig.activation -> config.json's activation_function (a name in transformers' ACT2FN)
 HF_ACTIVATION = {'gelu': 'gelu', 'gelu_tanh': 'gelu_new'}
 # and back, with transformers' other name for the tanh approximation
-FROM_HF_ACTIVATION = {hf: ours for ours, hf in HF_ACTIVATION.items()} | {'gelu_pytorch_tanh': 'gelu_tanh'}
+FROM_HF_ACTIVATION = ({hf: ours for ours, hf in HF_ACTIVATION.items()}
+                      | {'gelu_pytorch_tanh': 'gelu_tanh'})
 SHAPE_KEYS = ('n_layer', 'n_head', 'n_embd', 'bias', 'activation')  # what GPT-2's weights decide
 CONV1D_WEIGHTS = ('attn.c_attn.weight', 'attn.c_proj.weight',
                   'mlp.c_fc.weight', 'mlp.c_proj.weight')  # stored (in, out)
@@ -52,21 +54,24 @@ def gpt2_shapes(n_layer, n_embd, vocab_size, n_positions):
     for i in range(n_layer):
         shapes |= {f'h.{i}.{name}': shape for name, shape in (
             ('ln_1.weight', (C,)), ('ln_1.bias', (C,)), ('attn.c_attn.weight', (C, 3 * C)),
-            ('attn.c_attn.bias', (3 * C,)), ('attn.c_proj.weight', (C, C)), ('attn.c_proj.bias', (C,)),
+            ('attn.c_attn.bias', (3 * C,)), ('attn.c_proj.weight', (C, C)),
+            ('attn.c_proj.bias', (C,)),
             ('ln_2.weight', (C,)), ('ln_2.bias', (C,)), ('mlp.c_fc.weight', (C, 4 * C)),
-            ('mlp.c_fc.bias', (4 * C,)), ('mlp.c_proj.weight', (4 * C, C)), ('mlp.c_proj.bias', (C,)))}
+            ('mlp.c_fc.bias', (4 * C,)), ('mlp.c_proj.weight', (4 * C, C)),
+            ('mlp.c_proj.bias', (C,)))}
     return shapes
 
 
 def layout_differences(tensors, expected):
-    """What keeps tensors {key: tensor} from being exactly the expected {key: shape}: a short description, or
-    ''."""
+    """What keeps tensors {key: tensor} from being exactly the expected {key: shape}: a short
+    description, or ''."""
     missing = [k for k in expected if k not in tensors]
     extra = [k for k in tensors if k not in expected]
     wrong = [f"{k} {tuple(tensors[k].shape)} vs {expected[k]}" for k in expected
              if k in tensors and tuple(tensors[k].shape) != expected[k]]
     parts = [f"{what}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
-             for what, keys in (('missing', missing), ('unexpected', extra), ('shapes', wrong)) if keys]
+             for what, keys in (('missing', missing), ('unexpected', extra), ('shapes', wrong))
+             if keys]
     return '; '.join(parts)
 
 
@@ -84,25 +89,28 @@ def file_sha256(path):
 def fetch(name):
     """config.json and model.safetensors of OpenAI's GPT-2 `name`: from the Hugging Face cache, else
     downloaded into it (huggingface_hub honours HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE)."""
-    how = (f"get them once online: pip install huggingface_hub, then hf download {name} config.json "
-           f"model.safetensors (or any run with init_from={name}); or put those two files of {name} in a "
-           f"folder and pass init_from=FOLDER")
+    how = (f"get them once online: pip install huggingface_hub, then hf download {name} "
+           f"config.json model.safetensors (or any run with init_from={name}); or put those two "
+           f"files of {name} in a folder and pass init_from=FOLDER")
     try:
         from huggingface_hub import constants, hf_hub_download
     except ImportError:
-        raise HFError(f"init_from={name} looks GPT-2 up in the Hugging Face cache with the huggingface_hub "
-                      f"package, which is not installed: {how}") from None
+        raise HFError(f"init_from={name} looks GPT-2 up in the Hugging Face cache with the "
+                      f"huggingface_hub package, which is not installed: {how}") from None
     try:
-        return [hf_hub_download(name, filename) for filename in ('config.json', 'model.safetensors')]
+        return [hf_hub_download(name, filename)
+                for filename in ('config.json', 'model.safetensors')]
     except Exception as e:  # offline, no network, a broken cache: the advice is the same
         why = ('HF_HUB_OFFLINE is set' if constants.HF_HUB_OFFLINE
                else (str(e).strip().splitlines() or [type(e).__name__])[0][:120])
-        raise HFError(f"GPT-2 weights '{name}' are not in the Hugging Face cache {constants.HF_HUB_CACHE} "
-                      f"and could not be downloaded ({why}): {how}") from None
+        raise HFError(f"GPT-2 weights '{name}' are not in the Hugging Face cache "
+                      f"{constants.HF_HUB_CACHE} and could not be downloaded ({why}): "
+                      f"{how}") from None
 
 
 def find_files(source):
-    """(config.json path or None, weights path) of a GPT-2 name, a model folder or a .safetensors file."""
+    """(config.json path or None, weights path) of a GPT-2 name, a model folder or a .safetensors
+    file."""
     if source in GPT2_NAMES:
         return fetch(source)
     if os.path.isdir(source):
@@ -110,11 +118,12 @@ def find_files(source):
                    if os.path.isfile(os.path.join(source, f))]
         if not weights or not os.path.isfile(os.path.join(source, 'config.json')):
             raise HFError(f"{source} is not a Hugging Face model folder: it needs config.json and "
-                          f"model.safetensors (or pytorch_model.bin), as save_pretrained writes them")
+                          f"model.safetensors (or pytorch_model.bin), as save_pretrained writes "
+                          f"them")
         return os.path.join(source, 'config.json'), weights[0]
     if not source.endswith('.safetensors'):
-        raise HFError(f"init_from={source} is neither a GPT-2 name, a model folder nor a .safetensors file: "
-                      f"use one of {', '.join(GPT2_NAMES)} or such a path")
+        raise HFError(f"init_from={source} is neither a GPT-2 name, a model folder nor a "
+                      f".safetensors file: use one of {', '.join(GPT2_NAMES)} or such a path")
     config = os.path.join(os.path.dirname(source), 'config.json')  # optional beside a single file
     return (config if os.path.isfile(config) else None), source
 
@@ -126,26 +135,30 @@ def read_tensors(path):
         return torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise HFError(f"cannot read the weights in {path} ({first_line}): download the file again") from None
+        raise HFError(f"cannot read the weights in {path} ({first_line}): download the file "
+                      f"again") from None
 
 
 def load_gpt2(source, block_size, vocab_size):
-    """GPT-2 weights as (model_args for GPTConfig, state_dict for GPT, a record of where they came from).
-    The shape comes from the weights; block_size crops the position embedding, as a finetune on short
-    windows needs; vocab_size is the dataset's, which must be the weights'. None for either: the weights' own
-    (evaluate.py checks its tokenizer itself). dropout is left to the caller."""
+    """GPT-2 weights as (model_args for GPTConfig, state_dict for GPT, a record of where they came
+    from). The shape comes from the weights; block_size crops the position embedding, as a finetune
+    on short windows needs; vocab_size is the dataset's, which must be the weights'. None for
+    either: the weights' own (evaluate.py checks its tokenizer itself). dropout is left to the
+    caller."""
     config_path, weights_path = find_files(source)
     hf_config = {}
     if config_path:
         with open(config_path) as f:
             hf_config = json.load(f)
     tensors = {re.sub(r'^transformer\.', '', k): v for k, v in read_tensors(weights_path).items()}
-    # OpenAI's files also hold each layer's causal mask as attn.bias / attn.masked_bias: buffers, not weights
-    tensors = {k: v for k, v in tensors.items() if not re.fullmatch(r'h\.\d+\.attn\.(masked_)?bias', k)}
+    # OpenAI's files also hold each layer's causal mask as attn.bias / attn.masked_bias: buffers,
+    # not weights
+    tensors = {k: v for k, v in tensors.items()
+               if not re.fullmatch(r'h\.\d+\.attn\.(masked_)?bias', k)}
     head = tensors.pop('lm_head.weight', None)
     if 'wte.weight' not in tensors or 'wpe.weight' not in tensors:
-        raise HFError(f"{weights_path} holds no GPT-2 embeddings (wte.weight, wpe.weight): pass a GPT-2 "
-                      f"model")
+        raise HFError(f"{weights_path} holds no GPT-2 embeddings (wte.weight, wpe.weight): pass a "
+                      f"GPT-2 model")
     n_vocab, n_embd = tensors['wte.weight'].shape
     n_positions = tensors['wpe.weight'].shape[0]
     n_layer = len({k.split('.')[1] for k in tensors if k.startswith('h.')})
@@ -165,15 +178,15 @@ def load_gpt2(source, block_size, vocab_size):
     # a single file without config.json: GPT-2's head size, 64
     n_head = hf_config.get('n_head', max(1, n_embd // 64))
     if block_size > n_positions:
-        raise HFError(f"block_size={block_size} exceeds the {n_positions} positions of the weights in "
-                      f"{weights_path}: set block_size={n_positions} or less")
+        raise HFError(f"block_size={block_size} exceeds the {n_positions} positions of the weights "
+                      f"in {weights_path}: set block_size={n_positions} or less")
     if vocab_size != n_vocab:
-        raise HFError(f"the weights in {weights_path} know {n_vocab} tokens, the dataset {vocab_size}: "
-                      f"prepare it with their tokenizer, for GPT-2: prepare.py NAME --input PATH --tokenizer "
-                      f"gpt2 (or PATH.tiktoken)")
+        raise HFError(f"the weights in {weights_path} know {n_vocab} tokens, the dataset "
+                      f"{vocab_size}: prepare it with their tokenizer, for GPT-2: prepare.py NAME "
+                      f"--input PATH --tokenizer gpt2 (or PATH.tiktoken)")
     if n_embd % n_head:
-        raise HFError(f"{weights_path}: n_embd={n_embd} is not divisible by n_head={n_head}: fix n_head in "
-                      f"its config.json")
+        raise HFError(f"{weights_path}: n_embd={n_embd} is not divisible by n_head={n_head}: fix "
+                      f"n_head in its config.json")
     state = {}
     for key, tensor in tensors.items():
         key = re.sub(r'^h\.', 'blocks.', key)
@@ -183,8 +196,8 @@ def load_gpt2(source, block_size, vocab_size):
     state['wte.weight'] = torch.cat([state['wte.weight'],
                                      torch.zeros(padded_vocab(n_vocab) - n_vocab, n_embd)])
     state['lm_head.weight'] = state['wte.weight']  # tied
-    model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=True,
-                      vocab_size=vocab_size, activation=activation)
+    model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size,
+                      bias=True, vocab_size=vocab_size, activation=activation)
     origin = {'init_from': source, 'weights': os.path.abspath(weights_path),
               'sha256': file_sha256(weights_path)}
     return model_args, state, origin
@@ -194,8 +207,9 @@ def load_gpt2(source, block_size, vocab_size):
 
 
 def cannot_hold(config):
-    """What of a GPTConfig GPT-2's architecture has no place for, as short phrases (empty: it fits). A model
-    option GPT-2 lacks gets a line here; GPT-2's weights are loaded and exported only when this is empty."""
+    """What of a GPTConfig GPT-2's architecture has no place for, as short phrases (empty: it fits).
+    A model option GPT-2 lacks gets a line here; GPT-2's weights are loaded and exported only when
+    this is empty."""
     return [reason for reason, lacking in (
         (f"activation='{config.activation}'", config.activation not in HF_ACTIVATION),
         ('an output head not tied to the token embedding (tie_head=False)', not config.tie_head),
@@ -207,11 +221,12 @@ def cannot_hold(config):
 
 def export_gpt2(model, folder, eot_id=None, tokenizer_files=None):
     """Write folder/config.json and folder/model.safetensors, loadable with transformers'
-    AutoModelForCausalLM.from_pretrained(folder) as GPT2LMHeadModel with the same outputs, and tokenizer_files
-    {name: text} (tokenizer.Tokenizer.hf_files) beside them. A model without biases gets zero biases, which
-    compute the same. The folder appears complete or not at all."""
+    AutoModelForCausalLM.from_pretrained(folder) as GPT2LMHeadModel with the same outputs, and
+    tokenizer_files {name: text} (tokenizer.Tokenizer.hf_files) beside them. A model without biases
+    gets zero biases, which compute the same. The folder appears complete or not at all."""
     if os.path.exists(folder) and not (os.path.isdir(folder) and not os.listdir(folder)):
-        raise HFError(f"{folder} already exists and is not an empty folder: pick a new path for the export")
+        raise HFError(f"{folder} already exists and is not an empty folder: pick a new path for "
+                      f"the export")
     config = model.config
     tensors = {}
     for key, tensor in model.state_dict().items():
@@ -222,22 +237,24 @@ def export_gpt2(model, folder, eot_id=None, tokenizer_files=None):
         key = re.sub(r'^blocks\.', 'h.', key)
         tensors[key] = ((tensor.t() if key.endswith(CONV1D_WEIGHTS) else tensor)
                         .detach().float().cpu().contiguous())
-    for key, tensor in list(tensors.items()):  # GPT-2 has a bias beside every weight but the embeddings'
+    # GPT-2 has a bias beside every weight but the embeddings'
+    for key, tensor in list(tensors.items()):
         if key.endswith('.weight') and key not in ('wte.weight', 'wpe.weight'):
             tensors.setdefault(key[:-len('weight')] + 'bias', torch.zeros(tensor.shape[-1]))
-    differences = layout_differences(tensors, gpt2_shapes(config.n_layer, config.n_embd, config.vocab_size,
-                                                          config.block_size))
+    differences = layout_differences(tensors, gpt2_shapes(config.n_layer, config.n_embd,
+                                                          config.vocab_size, config.block_size))
     tied = model.lm_head.weight is model.wte.weight  # a fork may untie them by hand
     problems = (cannot_hold(dataclasses.replace(config, tie_head=tied))
                 + ([differences] if differences else []))
     if problems:
         raise HFError(f"GPT-2's architecture cannot hold this model ({'; '.join(problems)}): "
-                      f"only models with GPT-2's blocks, learned positions, a tied head, GELU and no QK-norm "
-                      f"or soft-cap export")
+                      f"only models with GPT-2's blocks, learned positions, a tied head, GELU and "
+                      f"no QK-norm or soft-cap export")
     hf_config = {
         'architectures': ['GPT2LMHeadModel'], 'model_type': 'gpt2', 'vocab_size': config.vocab_size,
         'n_positions': config.block_size, 'n_embd': config.n_embd, 'n_layer': config.n_layer,
-        'n_head': config.n_head, 'n_inner': None, 'activation_function': HF_ACTIVATION[config.activation],
+        'n_head': config.n_head, 'n_inner': None,
+        'activation_function': HF_ACTIVATION[config.activation],
         'layer_norm_epsilon': 1e-5, 'resid_pdrop': config.dropout, 'embd_pdrop': config.dropout,
         'attn_pdrop': config.dropout, 'tie_word_embeddings': True, 'bos_token_id': eot_id,
         'eos_token_id': eot_id, 'dtype': 'float32',
@@ -246,7 +263,8 @@ def export_gpt2(model, folder, eot_id=None, tokenizer_files=None):
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as e:  # a file in the way
-        raise HFError(f"cannot make {parent} for the export ({e.strerror}): pick another path") from None
+        raise HFError(f"cannot make {parent} for the export ({e.strerror}): pick another "
+                      f"path") from None
     work = tempfile.mkdtemp(prefix=f'.{os.path.basename(os.path.abspath(folder))}.', dir=parent)
     try:
         save_file({'transformer.' + k: v for k, v in tensors.items()},

@@ -1,10 +1,11 @@
 """
 A GPT language model: token + position embeddings, pre-norm transformer blocks with causal
 self-attention (PyTorch's scaled_dot_product_attention) and an MLP, and a tied output head.
-GPTConfig's defaults are GPT-2's architecture; its other switches are what fast small-GPT trainers use:
-rotary positions, QK-norm, ReLU squared, an untied head, soft-capped logits and zero-initialized output
-projections. forward returns the logits, or with targets the cross-entropy loss, computed inside the model so
-that torch.compile fuses it with the output head instead of materializing float32 logits of B x T x vocab.
+GPTConfig's defaults are GPT-2's architecture; its other switches are what fast small-GPT trainers
+use: rotary positions, QK-norm, ReLU squared, an untied head, soft-capped logits and
+zero-initialized output projections. forward returns the logits, or with targets the cross-entropy
+loss, computed inside the model so that torch.compile fuses it with the output head instead of
+materializing float32 logits of B x T x vocab.
 """
 import math
 from contextlib import nullcontext
@@ -21,30 +22,35 @@ from torch.utils.checkpoint import checkpoint
 @dataclass
 class GPTConfig:
     block_size: int = 256
-    vocab_size: int = 65  # the tokenizer's; the embedding and head have padded_vocab(vocab_size) rows
+    # the tokenizer's; the embedding and head have padded_vocab(vocab_size) rows
+    vocab_size: int = 65
     n_layer: int = 6
     n_head: int = 6
     n_embd: int = 384
     dropout: float = 0.0
-    bias: bool = True  # bias in Linears and LayerNorms, like GPT-2; False is a bit better and faster
+    # bias in Linears and LayerNorms, like GPT-2; False is a bit better and faster
+    bias: bool = True
     activation: str = 'gelu'  # the MLP's nonlinearity, a key of ACTIVATIONS
     # 'learned': a trained vector per position (GPT-2); 'rope': rotary, no parameters
     pos_emb: str = 'learned'
-    qk_norm: bool = False  # RMS-normalize each head's queries and keys: attention logits cannot blow up
+    # RMS-normalize each head's queries and keys: attention logits cannot blow up
+    qk_norm: bool = False
     # the output head is the token embedding's matrix (GPT-2); False: a matrix of its own
     tie_head: bool = True
-    logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap), within (-cap, cap); 0: unbounded
+    # > 0: logits = cap * tanh(logits / cap), within (-cap, cap); 0: unbounded
+    logit_softcap: float = 0.0
     # output projections (and an untied head) start at zero: every block starts as the identity
     zero_init: bool = False
 
     def __post_init__(self):
-        """The one check of a model's shape, for every script: ValueError names the setting and the fix."""
+        """The one check of a model's shape, for every script: ValueError names the setting and the
+        fix."""
         for key in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd'):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key}={getattr(self, key)} must be positive")
         if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} is not a multiple of n_head={self.n_head}: change one of "
-                             f"them")
+            raise ValueError(f"n_embd={self.n_embd} is not a multiple of n_head={self.n_head}: "
+                             f"change one of them")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
         if self.activation not in ACTIVATIONS:
@@ -52,59 +58,66 @@ class GPTConfig:
         if self.pos_emb not in ('learned', 'rope'):
             raise ValueError(f"pos_emb='{self.pos_emb}': use 'learned' or 'rope'")
         if self.pos_emb == 'rope' and (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"pos_emb='rope' turns pairs of dimensions: make the head size n_embd/n_head="
-                             f"{self.n_embd // self.n_head} even")
+            raise ValueError(f"pos_emb='rope' turns pairs of dimensions: make the head size "
+                             f"n_embd/n_head={self.n_embd // self.n_head} even")
         if self.logit_softcap < 0:
             raise ValueError(f"logit_softcap={self.logit_softcap} must be 0 (off) or positive")
 
 
 ACTIVATIONS = {
     'gelu': F.gelu,  # exact (erf), nanoGPT's choice
-    'gelu_tanh': partial(F.gelu, approximate='tanh'),  # the tanh approximation GPT-2 was trained with
-    'relu2': lambda x: F.relu(x).square(),  # ReLU squared (Primer, So et al. 2021): sparse and cheap
+    # the tanh approximation GPT-2 was trained with
+    'gelu_tanh': partial(F.gelu, approximate='tanh'),
+    # ReLU squared (Primer, So et al. 2021): sparse and cheap
+    'relu2': lambda x: F.relu(x).square(),
 }
 
 
 def padded_vocab(vocab_size):
-    """Rows of the embedding and the head: the vocabulary rounded up to a multiple of 64, as nanoGPT pads
-    GPT-2's 50257 to 50304, so the head's matmul has GPU-friendly dimensions. The padding rows are never
-    predicted: forward cuts them off the logits, so they are never sampled and never enter a loss."""
+    """Rows of the embedding and the head: the vocabulary rounded up to a multiple of 64, as nanoGPT
+    pads GPT-2's 50257 to 50304, so the head's matmul has GPU-friendly dimensions. The padding rows
+    are never predicted: forward cuts them off the logits, so they are never sampled and never enter
+    a loss."""
     return -(-vocab_size // 64) * 64
 
 
 def rotary_tables(block_size, head_size):
-    """cos and sin of position t times frequency 10000^(-2i/head_size): each (block_size, head_size // 2)."""
+    """cos and sin of position t times frequency 10000^(-2i/head_size): each
+    (block_size, head_size // 2)."""
     freqs = 10000.0 ** (-torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)  # (hs/2,)
     angles = torch.outer(torch.arange(block_size, dtype=torch.float32), freqs)  # (block_size, hs/2)
     return angles.cos(), angles.sin()
 
 
 def rotate(x, cos, sin):
-    """Rotary position embedding (Su et al. 2021): each pair (x1[i], x2[i]) of x: (B, nh, T, hs) turns by the
-    angle of its position, so a query-key dot product depends on their positions only through the offset."""
+    """Rotary position embedding (Su et al. 2021): each pair (x1[i], x2[i]) of x: (B, nh, T, hs)
+    turns by the angle of its position, so a query-key dot product depends on their positions only
+    through the offset."""
     x1, x2 = x.chunk(2, dim=-1)  # 2 x (B, nh, T, hs/2)
     return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)  # (B, nh, T, hs)
 
 
 def causal_attention(q, k, v, dropout_p):
-    """PyTorch's fused attention (flash or memory-efficient kernels), each position attending to itself and
-    the positions before it. q: (B, nh, T, hs), k, v: (B, nh, Tk, hs) -> (B, nh, T, hs), in q's dtype; Tk > T
-    only in generate's decoding step, one query after the cached keys, which sees them all: no mask, where
-    is_causal would let it see the first key only. One device quirk: on a CPU, bfloat16 attention runs in
-    float32, because PyTorch's CPU flash-attention kernel was 3x slower in bfloat16 (its backward most) at
-    head size 32 on an AVX512-BF16 CPU, where the matmuls around it gain 2x (docs/design.md)."""
+    """PyTorch's fused attention (flash or memory-efficient kernels), each position attending to
+    itself and the positions before it. q: (B, nh, T, hs), k, v: (B, nh, Tk, hs) -> (B, nh, T, hs),
+    in q's dtype; Tk > T only in generate's decoding step, one query after the cached keys, which
+    sees them all: no mask, where is_causal would let it see the first key only. One device quirk:
+    on a CPU, bfloat16 attention runs in float32, because PyTorch's CPU flash-attention kernel was
+    3x slower in bfloat16 (its backward most) at head size 32 on an AVX512-BF16 CPU, where the
+    matmuls around it gain 2x (docs/design.md)."""
     upcast = q.device.type == 'cpu' and q.dtype == torch.bfloat16  # the CPU quirk
     dtype = torch.float32 if upcast else q.dtype
-    with torch.autocast('cpu', enabled=False) if upcast else nullcontext():  # autocast would cast them back
-        y = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), dropout_p=dropout_p,
-                                           is_causal=q.size(2) == k.size(2))
+    # autocast would cast them back
+    with torch.autocast('cpu', enabled=False) if upcast else nullcontext():
+        y = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype),
+                                           dropout_p=dropout_p, is_causal=q.size(2) == k.size(2))
     return y.to(q.dtype)
 
 
 class KVCache:
-    """One attention layer's keys and values of the tokens generate() has run, so that each new token is
-    computed alone against them: a prefill puts up to block_size tokens in, then every decoding step adds
-    one."""
+    """One attention layer's keys and values of the tokens generate() has run, so that each new
+    token is computed alone against them: a prefill puts up to block_size tokens in, then every
+    decoding step adds one."""
 
     def __init__(self):
         self.k = self.v = None  # (B, nh, tokens so far, hs)
@@ -136,7 +149,8 @@ class CausalSelfAttention(nn.Module):
             cos, sin = rotary_tables(config.block_size, config.n_embd // config.n_head)
             self.register_buffer('cos', cos, persistent=False)  # (block_size, hs/2)
             self.register_buffer('sin', sin, persistent=False)  # (block_size, hs/2)
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
+        # q, k, v in one matmul
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -156,7 +170,8 @@ class CausalSelfAttention(nn.Module):
             cos, sin = (self.cos[start:start + T].to(q.dtype),
                         self.sin[start:start + T].to(q.dtype))  # (T, hs/2)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # (B, nh, T, hs)
-        if cache is not None:  # generate: the earlier tokens' keys and values, cached, join this token's
+        # generate: the earlier tokens' keys and values, cached, join this token's
+        if cache is not None:
             k, v = cache.add(k, v)  # (B, nh, start + T, hs)
         # dropout_p must be 0 in eval: SDPA does not look at self.training
         y = causal_attention(q, k, v, self.dropout if self.training else 0.0)  # (B, nh, T, hs)
@@ -174,7 +189,8 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        return self.dropout(self.c_proj(self.act(self.c_fc(x))))  # (B, T, C) -> (B, T, 4C) -> (B, T, C)
+        # (B, T, C) -> (B, T, 4C) -> (B, T, C)
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
 
 
 class Block(nn.Module):
@@ -281,25 +297,28 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(padded_vocab(config.vocab_size), config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == 'learned' else None
+        self.wpe = (nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == 'learned'
+                    else None)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, padded_vocab(config.vocab_size), bias=False)
         if config.tie_head:
-            self.lm_head.weight = self.wte.weight  # weight tying: one matrix embeds and un-embeds tokens
+            # weight tying: one matrix embeds and un-embeds tokens
+            self.lm_head.weight = self.wte.weight
         # recompute each block's activations in backward: less memory, more compute
         self.activation_checkpointing = False
         self.init_weights()
 
     def init_weights(self):
         # GPT-2's init: N(0, 0.02) everywhere, zero biases, and residual projections scaled by
-        # 1/sqrt(2 * n_layer) so the residual stream's variance does not grow with depth. zero_init starts the
-        # residual projections at zero instead (each block adds nothing until it has learned something,
-        # modded-nanogpt), and an untied head too: the first logits are all zero, a uniform prediction, loss
-        # ln(vocab_size).
+        # 1/sqrt(2 * n_layer) so the residual stream's variance does not grow with depth. zero_init
+        # starts the residual projections at zero instead (each block adds nothing until it has
+        # learned something, modded-nanogpt), and an untied head too: the first logits are all zero,
+        # a uniform prediction, loss ln(vocab_size).
         for name, p in self.named_parameters():
-            if self.config.zero_init and (name.endswith('c_proj.weight') or name == 'lm_head.weight'):
+            if self.config.zero_init and (name.endswith('c_proj.weight')
+                                          or name == 'lm_head.weight'):
                 nn.init.zeros_(p)
             elif name.endswith('c_proj.weight'):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
@@ -311,8 +330,8 @@ class GPT(nn.Module):
                 nn.init.ones_(p)
 
     def num_params(self, non_embedding=True):
-        """Parameter count; the embeddings (lookups, no matmul) are left out by default, as in GPT-2's papers,
-        except a token embedding tied to the head, which is also a weight."""
+        """Parameter count; the embeddings (lookups, no matmul) are left out by default, as in
+        GPT-2's papers, except a token embedding tied to the head, which is also a weight."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
             n -= ((self.wpe.weight.numel() if self.wpe is not None else 0)
@@ -320,18 +339,20 @@ class GPT(nn.Module):
         return n
 
     def forward(self, idx, targets=None, reduction='mean', caches=None):
-        """idx: LongTensor (B, T) of token ids with T <= block_size. Without targets: the logits (B, T,
-        vocab_size), in the autocast dtype under autocast. With targets (B, T), -100 where nothing is
-        predicted: the float32 cross-entropy over the predicted positions, their mean or (reduction='sum')
-        their sum. With caches (generate's KVCache per block): idx follows the cached tokens; the logits are
-        its last position's only, (B, 1, vocab_size)."""
+        """idx: LongTensor (B, T) of token ids with T <= block_size. Without targets: the logits (B,
+        T, vocab_size), in the autocast dtype under autocast. With targets (B, T), -100 where
+        nothing is predicted: the float32 cross-entropy over the predicted positions, their mean or
+        (reduction='sum') their sum. With caches (generate's KVCache per block): idx follows the
+        cached tokens; the logits are its last position's only, (B, 1, vocab_size)."""
         B, T = idx.size()
         start = caches[0].pos if caches else 0  # idx's first position
         if start + T > self.config.block_size:
-            raise ValueError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
+            raise ValueError(f"sequence length {start + T} exceeds block_size "
+                             f"{self.config.block_size}")
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(start, start + T, device=idx.device))  # (B, T, C) + (T, C)
+            # (B, T, C) + (T, C)
+            x = x + self.wpe(torch.arange(start, start + T, device=idx.device))
         x = self.drop(x)  # (B, T, C)
         for block, cache in zip(self.blocks, caches or [None] * len(self.blocks)):
             # the recomputation in backward replays the dropout masks exactly
@@ -343,42 +364,48 @@ class GPT(nn.Module):
             x = x[:, -1:]  # (B, 1, C)
         # padding cut off
         logits = self.lm_head(self.ln_f(x))[..., :self.config.vocab_size]  # (B, T, vocab_size)
-        if self.config.logit_softcap > 0:  # smooth, unlike clipping: gradients still flow near the cap
+        # smooth, unlike clipping: gradients still flow near the cap
+        if self.config.logit_softcap > 0:
             logits = (self.config.logit_softcap
                       * torch.tanh(logits / self.config.logit_softcap))  # (B, T, vocab_size)
         if targets is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction)  # ()
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                               reduction=reduction)  # ()
 
     def fully_shard(self, dtype, device_type):
-        """FSDP2 (needs a process group): each block, then the root (embeddings, final norm, tied head), owns
-        a 1/world_size shard. Weights are gathered in dtype; master weights stay float32. The mesh is built
-        for the device in use: FSDP's default mesh is the machine's accelerator, CUDA on a GPU host even with
-        device=cpu."""
-        from torch.distributed.device_mesh import init_device_mesh  # imported only by sharded runs: ~1 s
+        """FSDP2 (needs a process group): each block, then the root (embeddings, final norm, tied
+        head), owns a 1/world_size shard. Weights are gathered in dtype; master weights stay
+        float32. The mesh is built for the device in use: FSDP's default mesh is the machine's
+        accelerator, CUDA on a GPU host even with device=cpu."""
+        # imported only by sharded runs: ~1 s
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
-        # gradients are reduced, and accumulated between syncs, in float32 as under DDP (torchtitan's
-        # default): bfloat16 accumulation over micro-batches loses precision that DDP keeps
+        # gradients are reduced, and accumulated between syncs, in float32 as under DDP
+        # (torchtitan's default): bfloat16 accumulation over micro-batches loses precision that DDP
+        # keeps
         precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for block in self.blocks:
             fully_shard(block, mesh=mesh, mp_policy=precision)
         fully_shard(self, mesh=mesh, mp_policy=precision)
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, optimizer='adamw', muon_lr=0.02,
-                             muon_momentum=0.95, muon_dtype='bfloat16', layer_lr_decay=1.0):
-        """The optimizer train.py steps, schedules and saves. 'adamw': AdamW for every parameter. It decays
-        the Linear matrices only: no biases, LayerNorm gains or embeddings (the token embedding may be the
-        tied head: decaying it shrinks rare tokens' rows); fused: one kernel for all parameters, on CUDA and
-        CPU alike. 'muon': Muon (torch's, its Newton-Schulz in muon_dtype) for the blocks' 2-D
-        matrices, where its orthogonalized update is made for (not the embeddings, whose rows are
-        looked up one by one, nor the head), at its own base rate muon_lr, and AdamW at
-        learning_rate for the rest. c_attn's fused (3C, C) matrix is orthogonalized as one, q, k and
-        v together (modded-nanogpt splits them), and torch's Muon scales each matrix's rate by
-        sqrt(max(1, rows / cols)): sqrt(3) x muon_lr for c_attn, 2x for c_fc, 1x for the
-        projections. layer_lr_decay < 1 gives each depth its own groups, at lr_scale's multiple of
-        both rates; the groups at 1x come first (train.py logs group 0's rate). Another optimizer
-        goes here: build it, add it to the list, add its keys to train.py."""
+    def configure_optimizers(self, weight_decay, learning_rate, betas, optimizer='adamw',
+                             muon_lr=0.02, muon_momentum=0.95, muon_dtype='bfloat16',
+                             layer_lr_decay=1.0):
+        """The optimizer train.py steps, schedules and saves. 'adamw': AdamW for every parameter. It
+        decays the Linear matrices only: no biases, LayerNorm gains or embeddings (the token
+        embedding may be the tied head: decaying it shrinks rare tokens' rows); fused: one kernel
+        for all parameters, on CUDA and CPU alike. 'muon': Muon (torch's, its Newton-Schulz in
+        muon_dtype) for the blocks' 2-D matrices, where its orthogonalized update is made for (not
+        the embeddings, whose rows are looked up one by one, nor the head), at its own base rate
+        muon_lr, and AdamW at learning_rate for the rest. c_attn's fused (3C, C) matrix is
+        orthogonalized as one, q, k and v together (modded-nanogpt splits them), and torch's Muon
+        scales each matrix's rate by sqrt(max(1, rows / cols)): sqrt(3) x muon_lr for c_attn, 2x for
+        c_fc, 1x for the projections. layer_lr_decay < 1 gives each depth its own groups, at
+        lr_scale's multiple of both rates; the groups at 1x come first (train.py logs group 0's
+        rate). Another optimizer goes here: build it, add it to the list, add its keys to
+        train.py."""
         def decays(name, p):
             return p.dim() >= 2 and not name.startswith(('wte.', 'wpe.'))
         muon = self.muon_params() if optimizer == 'muon' else []
@@ -421,7 +448,8 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.block_size * cfg.n_embd
 
     @torch.inference_mode()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None, use_cache=True):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None,
+                 use_cache=True):
         """idx: (B, T) prompt ids -> (B, T + max_new_tokens): the prompt, then generate_tokens'."""
         return torch.cat([idx, *self.generate_tokens(idx, max_new_tokens, temperature, top_k,
                                                      generator, use_cache)], dim=1)

@@ -29,10 +29,11 @@ import checkpoint
 from model import GPT, GPTConfig, newton_schulz
 from distributed import cpus_busy, gather
 
-# Dense (not sparse) peak FLOP/s from NVIDIA's datasheets, with float32 accumulation, keyed by the exact name
-# torch.cuda.get_device_name gives (llm.c's llmc/mfu.h matches the same way): a substring would let 'NVIDIA
-# L40' take the L4's figure. Columns: bfloat16, float16 tensor cores, float32 as TF32 tensor cores (train.py
-# allows TF32). A GPU or dtype not listed (no bfloat16 before Ampere) is measured instead.
+# Dense (not sparse) peak FLOP/s from NVIDIA's datasheets, with float32 accumulation, keyed by the
+# exact name torch.cuda.get_device_name gives (llm.c's llmc/mfu.h matches the same way): a substring
+# would let 'NVIDIA L40' take the L4's figure. Columns: bfloat16, float16 tensor cores, float32 as
+# TF32 tensor cores (train.py allows TF32). A GPU or dtype not listed (no bfloat16 before Ampere) is
+# measured instead.
 GPU_PEAKS = {  # name: (bfloat16, float16, float32)
     'NVIDIA B200': (2250e12, 2250e12, 1125e12),
     'NVIDIA H200': (989e12, 989e12, 495e12),
@@ -64,11 +65,13 @@ def cpu_name():
     name = 'unknown CPU'
     try:
         with open('/proc/cpuinfo') as f:
-            name = next((line.split(':', 1)[1].strip() for line in f if line.startswith('model name')), name)
+            name = next((line.split(':', 1)[1].strip() for line in f
+                         if line.startswith('model name')), name)
     except OSError:
         pass
     units = [unit for unit, present in (('amx', torch.cpu._is_amx_tile_supported()),
-                                        ('avx512_bf16', torch.cpu._is_avx512_bf16_supported())) if present]
+                                        ('avx512_bf16', torch.cpu._is_avx512_bf16_supported()))
+             if present]
     kernels = torch.backends.cpu.get_cpu_capability()
     return f"{name} ({', '.join(units) or 'no bf16 units'}; {kernels} kernels)"
 
@@ -82,9 +85,10 @@ def bfloat16_units():
 
 
 def cuda_autocast_dtype(capability):
-    """The dtype 'auto' trains in on a GPU of this compute capability (major, minor): bfloat16 from Ampere
-    (8.0) on, float16 with the GradScaler before. torch.cuda.is_bf16_supported() also says True on a V100 or
-    T4, which only emulate bfloat16 (slowly), unless asked with including_emulation=False."""
+    """The dtype 'auto' trains in on a GPU of this compute capability (major, minor): bfloat16 from
+    Ampere (8.0) on, float16 with the GradScaler before. torch.cuda.is_bf16_supported() also says
+    True on a V100 or T4, which only emulate bfloat16 (slowly), unless asked with
+    including_emulation=False."""
     return 'bfloat16' if capability[0] >= 8 else 'float16'
 
 
@@ -95,7 +99,8 @@ def table_peak(gpu_name, dtype):
 
 
 def machine(device):
-    """The cache key's machine part: a measurement holds for this processor, torch build and thread count."""
+    """The cache key's machine part: a measurement holds for this processor, torch build and thread
+    count."""
     if torch.device(device).type == 'cuda':
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
     return f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads"
@@ -132,10 +137,12 @@ def read_cache(path):
 
 
 def cached(key, measure, again=False):
-    """measure()'s JSON-able result, stored under key in the cache file; 'cached' says which run measured it.
-    Processes that measure at once keep the first result written, so runs started together agree (a resume
-    needs the same dtype); again: measure anew and replace what is stored."""
-    folder = os.environ.get('HONESTGPT_CACHE', os.path.join(os.path.expanduser('~'), '.cache', 'honestgpt'))
+    """measure()'s JSON-able result, stored under key in the cache file; 'cached' says which run
+    measured it. Processes that measure at once keep the first result written, so runs started
+    together agree (a resume needs the same dtype); again: measure anew and replace what is
+    stored."""
+    folder = os.environ.get('HONESTGPT_CACHE',
+                            os.path.join(os.path.expanduser('~'), '.cache', 'honestgpt'))
     path = os.path.join(folder, 'perf.json')
     if key in read_cache(path) and not again:
         return read_cache(path)[key] | {'cached': path}
@@ -156,8 +163,8 @@ def cached(key, measure, again=False):
 # the dtype 'auto' trains in, and autocast
 
 def autocast(device_type, dtype):
-    """The context every forward runs in: autocast to bfloat16 or float16 (weights, gradients and optimizer
-    state stay float32), nothing for float32."""
+    """The context every forward runs in: autocast to bfloat16 or float16 (weights, gradients and
+    optimizer state stay float32), nothing for float32."""
     return nullcontext() if dtype == 'float32' else torch.autocast(device_type, DTYPES[dtype])
 
 
@@ -180,13 +187,13 @@ def fastest(runs, rounds=3, budget=0.0):
 
 
 def step_seconds(model_args, batch_size, device, dtypes):
-    """{dtype name: seconds of one forward+backward} of a fresh GPT of this shape on a micro-batch capped at
-    MEASURE_TOKENS. The global RNG (dropout's, the weights') is left as it was."""
+    """{dtype name: seconds of one forward+backward} of a fresh GPT of this shape on a micro-batch
+    capped at MEASURE_TOKENS. The global RNG (dropout's, the weights') is left as it was."""
     with torch.random.fork_rng(devices=[]):
         model = GPT(GPTConfig(**model_args)).to(device)
         T = model_args['block_size']
-        idx = (torch.arange(max(1, min(batch_size, MEASURE_TOKENS // T)) * T, device=device).view(-1, T)
-               % model_args['vocab_size'])
+        idx = (torch.arange(max(1, min(batch_size, MEASURE_TOKENS // T)) * T, device=device)
+               .view(-1, T) % model_args['vocab_size'])
 
         def step(name):
             with autocast(torch.device(device).type, name):
@@ -197,10 +204,10 @@ def step_seconds(model_args, batch_size, device, dtypes):
 
 
 def resolve_dtype(dtype, device, model_args, batch_size, resumed=None):
-    """(dtype name, how it was chosen: a dict for meta.json) a script runs in, the same on every rank. 'auto'
-    keeps the dtype of the run a resume continues (resumed: (checkpoint path, its dtype)), whatever is
-    measured now; otherwise rank 0 chooses (auto_dtype) for every rank. ValueError: HONESTGPT_AUTO_DTYPE
-    names no dtype."""
+    """(dtype name, how it was chosen: a dict for meta.json) a script runs in, the same on every
+    rank. 'auto' keeps the dtype of the run a resume continues (resumed: (checkpoint path, its
+    dtype)), whatever is measured now; otherwise rank 0 chooses (auto_dtype) for every rank.
+    ValueError: HONESTGPT_AUTO_DTYPE names no dtype."""
     dtype, how = resolve(dtype, lambda: auto_dtype(device, model_args, batch_size), resumed)
     if dtype not in DTYPES:
         raise ValueError(f"HONESTGPT_AUTO_DTYPE={dtype}: use float32, bfloat16 or float16")
@@ -220,30 +227,30 @@ def resolve(value, choose, resumed):
 
 
 def auto_dtype(device, model_args, batch_size):
-    """(dtype name, how it was chosen: a dict for meta.json) for dtype='auto'. CUDA: bfloat16 where supported,
-    else float16. CPU: float32 unless the CPU has bfloat16 matmul units; with them, whichever of the two
-    trained this model's shape faster here, measured once per machine, shape and model.py. Wide matmuls gain
-    from bfloat16 units, small ones lose to the casts. HONESTGPT_AUTO_DTYPE forces the choice (the tests use
-    it to run either way on one machine)."""
+    """(dtype name, how it was chosen: a dict for meta.json) for dtype='auto'. CUDA: bfloat16 where
+    supported, else float16. CPU: float32 unless the CPU has bfloat16 matmul units; with them,
+    whichever of the two trained this model's shape faster here, measured once per machine, shape
+    and model.py. Wide matmuls gain from bfloat16 units, small ones lose to the casts.
+    HONESTGPT_AUTO_DTYPE forces the choice (the tests use it to run either way on one machine)."""
     forced = os.environ.get('HONESTGPT_AUTO_DTYPE')
     if forced:
         return forced, {'rule': 'forced by HONESTGPT_AUTO_DTYPE'}
     if torch.device(device).type == 'cuda':
         capability = torch.cuda.get_device_capability(device)
         return cuda_autocast_dtype(capability), {'rule': f"CUDA compute capability "
-                                                         f"{capability[0]}.{capability[1]}: bfloat16 from "
-                                                         f"8.0 on, else float16"}
+                                                         f"{capability[0]}.{capability[1]}: "
+                                                         f"bfloat16 from 8.0 on, else float16"}
     if not bfloat16_units():
-        return 'float32', {'rule': 'CPU without bfloat16 matmul units: bfloat16 would be emulated, many '
-                                   'times slower'}
+        return 'float32', {'rule': 'CPU without bfloat16 matmul units: bfloat16 would be emulated, '
+                                   'many times slower'}
     shape = {k: model_args[k] for k in sorted(model_args) if k != 'dropout'}
     key = f"step {machine(device)} {model_code()} {json.dumps(shape)} batch {batch_size}"
     seconds = cached(key,
                      lambda: {'seconds': step_seconds(model_args, batch_size, device,
                                                       ('float32', 'bfloat16'))})
     dtype = min(seconds['seconds'], key=seconds['seconds'].get)
-    return dtype, {'rule': 'the faster of float32 and bfloat16 for this model, measured (forward+backward '
-                           'seconds)', **seconds}
+    return dtype, {'rule': 'the faster of float32 and bfloat16 for this model, measured '
+                           '(forward+backward seconds)', **seconds}
 
 
 def model_code():
@@ -282,17 +289,17 @@ def auto_muon_dtype(device, shapes):
 
 
 def float16_warning(device, model_config, batch_size):
-    """A warning line when float16 is emulated on this CPU ('' when it is not, and on a GPU): CPUs have no
-    float16 matmul units. Measured on a (tokens, C) x (C, 4C) product, the MLP's of a micro-batch, in float16
-    and float32."""
+    """A warning line when float16 is emulated on this CPU ('' when it is not, and on a GPU): CPUs
+    have no float16 matmul units. Measured on a (tokens, C) x (C, 4C) product, the MLP's of a
+    micro-batch, in float16 and float32."""
     if torch.device(device).type != 'cpu':
         return ''
     slow, fast = float16_float32_seconds(batch_size * model_config.block_size, model_config.n_embd)
     if slow < 1.5 * fast:
         return ''
     return (f"warning: dtype=float16 on this CPU is emulated: an MLP matmul of this model took "
-            f"{slow * 1e3:.1f} ms in float16 against {fast * 1e3:.1f} ms in float32 ({slow / fast:.0f}x "
-            f"slower): use dtype=bfloat16 or float32")
+            f"{slow * 1e3:.1f} ms in float16 against {fast * 1e3:.1f} ms in float32 "
+            f"({slow / fast:.0f}x slower): use dtype=bfloat16 or float32")
 
 
 def float16_float32_seconds(tokens, n_embd):
@@ -329,8 +336,8 @@ def measure_flops(device, dtype, budget=0.02, last_budget=0.15):
     run waits for it (docs/benchmarks.md)."""
     best, n = (0.0, 0), 128
     while True:
-        # no torch.randn: the values do not change the speed, and the global RNG (dropout's) must stay
-        # untouched
+        # no torch.randn: the values do not change the speed, and the global RNG (dropout's) must
+        # stay untouched
         a, b = (torch.full((n, n), 0.5, device=device, dtype=dtype),
                 torch.full((n, n), 0.25, device=device, dtype=dtype))
         layouts = ((a, b.T), (a, b), (a.T, b))
@@ -369,23 +376,25 @@ def peak_flops(device, dtype, beaten=0.0, announce=lambda: None):
 
 
 def reset_peak_memory(device):
-    """The CUDA allocator's peak counts from here: start-up's allocations (the peak FLOP/s measurement) are
-    not training's. A CPU process's resident peak cannot be reset."""
+    """The CUDA allocator's peak counts from here: start-up's allocations (the peak FLOP/s
+    measurement) are not training's. A CPU process's resident peak cannot be reset."""
     if torch.device(device).type == 'cuda':
         torch.cuda.reset_peak_memory_stats(device)
 
 
 def peak_memory_mb(device):
-    """The CUDA allocator's peak, or on CPU the process's peak resident set (all it ever held, not one
-    model's)."""
+    """The CUDA allocator's peak, or on CPU the process's peak resident set (all it ever held, not
+    one model's)."""
     if torch.device(device).type == 'cuda':
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == 'darwin' else 2**10)
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            / (2**20 if sys.platform == 'darwin' else 2**10))
 
 
 def memory_held(model, optimizer, device):
-    """What this process holds, MB: weights, gradients and optimizer state (an FSDP rank its shards, a DDP
-    rank full replicas: a DTensor's own part is its to_local()), and its peak memory so far."""
+    """What this process holds, MB: weights, gradients and optimizer state (an FSDP rank its shards,
+    a DDP rank full replicas: a DTensor's own part is its to_local()), and its peak memory so
+    far."""
     def mb(tensors):
         return sum(getattr(t, 'to_local', lambda: t)().nbytes for t in tensors) / 2**20
     params = list(model.parameters())
@@ -420,7 +429,8 @@ class Speedometer:
         self.peak_flops, self.processes, self.device, self.dtype = (
             peak_flops, processes, device, dtype)
         self.measured_again = torch.device(device).type == 'cuda'  # a GPU's peak: its datasheet's
-        self.clock = []  # the synced end times of the session's first two micro-batches (train.py's step)
+        # the synced end times of the session's first two micro-batches (train.py's step)
+        self.clock = []
         self.estimate = None  # seconds per iteration, once the clock has two times
         self.recent = collections.deque(maxlen=10)  # (seconds, iterations) of the last intervals
         self.threads = torch.get_num_threads()
@@ -432,7 +442,8 @@ class Speedometer:
         self.since, self.since_iter, self.cpu_since = time.time(), iter_num, time.process_time()
 
     def startup_estimate(self):
-        """Seconds per iteration from the second micro-batch, once it has run; None before and after."""
+        """Seconds per iteration from the second micro-batch, once it has run; None before and
+        after."""
         if self.estimate is not None or len(self.clock) < 2:
             return None
         self.estimate = (self.clock[1] - self.clock[0]) * self.accum_steps
@@ -519,8 +530,8 @@ def start_profiler(device_type):
 
 
 def stop_profiler(profiler, device_type, trace_path):
-    """{phase: ms} of the profiled iteration; its chrome trace (chrome://tracing, ui.perfetto.dev) goes to
-    trace_path, if one is given."""
+    """{phase: ms} of the profiled iteration; its chrome trace (chrome://tracing, ui.perfetto.dev)
+    goes to trace_path, if one is given."""
     profiler.stop()
     if trace_path:
         profiler.export_chrome_trace(trace_path)
@@ -528,23 +539,25 @@ def stop_profiler(profiler, device_type, trace_path):
 
 
 def phase_times(events, device_type):
-    """{phase: ms} of a profiled iteration from torch.profiler's events, by train.py's labelled ranges. On a
-    CPU, the wall time of each range. On CUDA, where kernels run after their launch, the device time of the
-    kernels launched while each range was open, on any thread: backward's ops run on the autograd engine's
-    own thread there, outside the caller's range, so each op's kernels (its self device time: each kernel
-    once) go to the range its start falls in. 'other': the rest of the iteration's wall time (CPU) or of its
-    kernels' time (CUDA)."""
+    """{phase: ms} of a profiled iteration from torch.profiler's events, by train.py's labelled
+    ranges. On a CPU, the wall time of each range. On CUDA, where kernels run after their launch,
+    the device time of the kernels launched while each range was open, on any thread: backward's ops
+    run on the autograd engine's own thread there, outside the caller's range, so each op's kernels
+    (its self device time: each kernel once) go to the range its start falls in. 'other': the rest
+    of the iteration's wall time (CPU) or of its kernels' time (CUDA)."""
     cpu_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     phases = [e for e in cpu_events if e.name in PHASES]  # the calling thread's labelled ranges
     ms = dict.fromkeys(PHASES, 0.0)
     if device_type != 'cuda':
         for phase in phases:
             ms[phase.name] += phase.cpu_time_total / 1e3
-        wall = max(e.time_range.end for e in cpu_events) - min(e.time_range.start for e in cpu_events)
+        wall = (max(e.time_range.end for e in cpu_events)
+                - min(e.time_range.start for e in cpu_events))
         return ms | {'other': max(0.0, wall / 1e3 - sum(ms.values()))}
     other = 0.0
     for event in cpu_events:
-        within = [p.name for p in phases if p.time_range.start <= event.time_range.start < p.time_range.end]
+        within = [p.name for p in phases
+                  if p.time_range.start <= event.time_range.start < p.time_range.end]
         if within:
             ms[within[0]] += event.self_device_time_total / 1e3
         else:

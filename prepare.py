@@ -1,9 +1,10 @@
 """
-Prepare a dataset for training: stream the source documents, split them into train/val/test without letting
-any text leak across splits, tokenize them in parallel, and write DATA_DIR/NAME/ as shards in llm.c's format
-(NAME_train_000000.bin, ...: a header of 256 int32, then uint16 or uint32 token ids) plus meta.json.
-Memory stays bounded whatever the corpus size: documents are read, tokenized and written a batch at a time.
-It reads top to bottom as the data flows: source -> split -> tokenizer fit on train -> encode -> write.
+Prepare a dataset for training: stream the source documents, split them into train/val/test without
+letting any text leak across splits, tokenize them in parallel, and write DATA_DIR/NAME/ as shards
+in llm.c's format (NAME_train_000000.bin, ...: a header of 256 int32, then uint16 or uint32 token
+ids) plus meta.json. Memory stays bounded whatever the corpus size: documents are read, tokenized
+and written a batch at a time. It reads top to bottom as the data flows: source -> split ->
+tokenizer fit on train -> encode -> write.
 
 $ python prepare.py pystdlib_char                     # this Python's stdlib source, offline
 $ python prepare.py shakespeare_char --input input.txt
@@ -34,21 +35,24 @@ import data  # the shard format: data.py reads what this writes
 import tokenizer
 from configurator import fail
 
-SHAKESPEARE_URL = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt'
+SHAKESPEARE_URL = ('https://raw.githubusercontent.com/karpathy/char-rnn/master/data/'
+                   'tinyshakespeare/input.txt')
 KNOWN_DATASETS = ('pystdlib_char', 'shakespeare_char', 'shakespeare')
 SPLITS = ('train', 'val', 'test')
-BATCH_BYTES = 1 << 20  # text per task sent to a tokenizer process: large enough that pickling costs little
+# text per task sent to a tokenizer process: large enough that pickling costs little
+BATCH_BYTES = 1 << 20
 VAL_FRACTION, TEST_FRACTION = 0.10, 0.05
-BPE_SAMPLE_BYTES = 1_000_000_000  # the most train text a BPE learns from: bounds its memory (docs/design.md)
+# the most train text a BPE learns from: bounds its memory (docs/design.md)
+BPE_SAMPLE_BYTES = 1_000_000_000
 
 
 class PrepareError(Exception):
     """A user mistake; the one-line message says what is wrong and how to fix it."""
 
 # -----------------------------------------------------------------------------
-# source: items (id, raw bytes, kind, split, offset) read lazily. kind says how a tokenizer process gets the
-# text out; a single text's pieces come with their split (by position) and offset in the file, a document with
-# None, 0
+# source: items (id, raw bytes, kind, split, offset) read lazily. kind says how a tokenizer process
+# gets the text out; a single text's pieces come with their split (by position) and offset in the
+# file, a document with None, 0
 
 def decode_utf8(raw, where, offset=0):
     try:
@@ -78,9 +82,9 @@ def is_records_file(path):
 
 
 class Reader:
-    """The documents of a list of files, read lazily, as items (id, raw bytes, kind, split, offset): kind says
-    how a tokenizer process gets the text out of the bytes. bytes_done says how far it got in bytes on
-    disk."""
+    """The documents of a list of files, read lazily, as items (id, raw bytes, kind, split, offset):
+    kind says how a tokenizer process gets the text out of the bytes. bytes_done says how far it got
+    in bytes on disk."""
 
     def __init__(self, files, root, text_key):
         self.files, self.root, self.text_key = files, root, text_key
@@ -119,21 +123,22 @@ def parquet_texts(path, text_key):
     try:
         import pyarrow.parquet
     except ImportError:
-        raise PrepareError(f'{path} is parquet, which needs pyarrow: pip install pyarrow, or convert it to '
-                           f'.jsonl') from None
+        raise PrepareError(f'{path} is parquet, which needs pyarrow: pip install pyarrow, or '
+                           f'convert it to .jsonl') from None
     records = pyarrow.parquet.ParquetFile(path)
     if text_key not in records.schema_arrow.names:
         raise PrepareError(f'{path} has no column {text_key!r} (it has '
-                           f'{", ".join(records.schema_arrow.names)}): pass --text_key NAME of the column '
-                           f'that holds the text')
+                           f'{", ".join(records.schema_arrow.names)}): pass --text_key NAME of the '
+                           f'column that holds the text')
     # the default 65,536 rows: GBs of long documents
     for batch in records.iter_batches(batch_size=1024, columns=[text_key]):
         yield from (t or '' for t in batch.column(0).to_pylist())
 
 
 def text_chunks(path, start, end, progress):
-    """The bytes [start, end) of a file as (offset, piece) of about BATCH_BYTES each, cut after a newline (or,
-    in a text without newlines, where a character starts), so no character is ever cut in two."""
+    """The bytes [start, end) of a file as (offset, piece) of about BATCH_BYTES each, cut after a
+    newline (or, in a text without newlines, where a character starts), so no character is ever cut
+    in two."""
     with open(path, 'rb') as f:
         f.seek(start)
         rest = b''
@@ -157,11 +162,11 @@ def char_boundary(raw, i):
 
 
 def position_bounds(path):
-    """A single text's split by position: test the first 5%, val the last 10% of its bytes, and train what is
-    between, each bound moved forward to the next character. Val is the last 10% and train ends where it
-    begins, exactly as in nanoGPT, so val losses compare: the text just before val shares its scenes and
-    speakers, and holding it out as test raised the val loss of nanoGPT's shakespeare_char recipe well
-    above nanoGPT's (docs/design.md)."""
+    """A single text's split by position: test the first 5%, val the last 10% of its bytes, and
+    train what is between, each bound moved forward to the next character. Val is the last 10% and
+    train ends where it begins, exactly as in nanoGPT, so val losses compare: the text just before
+    val shares its scenes and speakers, and holding it out as test raised the val loss of nanoGPT's
+    shakespeare_char recipe well above nanoGPT's (docs/design.md)."""
     n = os.path.getsize(path)
     with open(path, 'rb') as f:
         def bound(fraction):
@@ -172,11 +177,13 @@ def position_bounds(path):
 
 
 def source_items(name, input_path, text_key, work_dir):
-    """(description, single text path or None, Reader of documents or None) for a dataset's source."""
+    """(description, single text path or None, Reader of documents or None) for a dataset's
+    source."""
     if input_path is None:
         if name == 'pystdlib_char':
             root = sysconfig.get_paths()['stdlib']
-            files = list(walk_files(root, keep_dir=is_stdlib_code_dir, keep_file=lambda f: f.endswith('.py')))
+            files = list(walk_files(root, keep_dir=is_stdlib_code_dir,
+                                    keep_file=lambda f: f.endswith('.py')))
             return f'python stdlib at {root}', None, Reader(files, root, text_key)
         if name in ('shakespeare_char', 'shakespeare'):
             path = os.path.join(work_dir, 'input.txt')
@@ -209,8 +216,8 @@ def download(url):
 
 
 def read_source(text_path, reader, progress, source_hash):
-    """The source's items, in order; source_hash (a hashlib object) gets its bytes: a single text's, or the
-    ids, lengths and bytes of its documents."""
+    """The source's items, in order; source_hash (a hashlib object) gets its bytes: a single text's,
+    or the ids, lengths and bytes of its documents."""
     if text_path:
         for split, (a, b) in position_bounds(text_path).items():
             for offset, chunk in text_chunks(text_path, a, b, progress):
@@ -228,11 +235,12 @@ def read_source(text_path, reader, progress, source_hash):
 # split: a single text's by position (position_bounds), documents' in order as they come
 
 class DocumentSplitter:
-    """Splits of documents in the order they come, drawn in blocks of 20 distinct documents: a permutation
-    from (seed, block) puts 2 in val, 1 in test, 17 in train. No list of all documents is needed, every block
-    holds exactly 10% val and 5% test, so 20 documents make three splits. Exact copies are dropped (None),
-    otherwise a copy in train would make the model look better on val than it is. seen holds a Python int per
-    distinct document: about 70 bytes each (69.5 measured with tracemalloc over a million)."""
+    """Splits of documents in the order they come, drawn in blocks of 20 distinct documents: a
+    permutation from (seed, block) puts 2 in val, 1 in test, 17 in train. No list of all documents
+    is needed, every block holds exactly 10% val and 5% test, so 20 documents make three splits.
+    Exact copies are dropped (None), otherwise a copy in train would make the model look better on
+    val than it is. seen holds a Python int per distinct document: about 70 bytes each (69.5
+    measured with tracemalloc over a million)."""
     BLOCK = ['val'] * 2 + ['test'] + ['train'] * 17
 
     def __init__(self, seed):
@@ -251,13 +259,13 @@ class DocumentSplitter:
 
 def split_rule(documents, seed):
     if documents:
-        return (f'documents: in blocks of 20 distinct documents, a seeded permutation (seed {seed}) puts '
-                f'2 in val, 1 in test, 17 in train; exact duplicates dropped')
+        return (f'documents: in blocks of 20 distinct documents, a seeded permutation (seed '
+                f'{seed}) puts 2 in val, 1 in test, 17 in train; exact duplicates dropped')
     return 'contiguous: test [0, 0.05n), train [0.05n, 0.9n), val [0.9n, n) bytes'
 
 # -----------------------------------------------------------------------------
-# encode: tokenizer processes run a job on every item, a batch at a time: one batch of items in, per item
-# (content digest, split or None for a document, has text, bytes of text, the job's result) out
+# encode: tokenizer processes run a job on every item, a batch at a time: one batch of items in, per
+# item (content digest, split or None for a document, has text, bytes of text, the job's result) out
 
 worker = {}  # this process's job(text, digest), set once by init_worker
 
@@ -275,15 +283,16 @@ def process_batch(batch):
                 text = json.loads(decode_utf8(raw, doc_id))[key]
             except (ValueError, KeyError, TypeError):
                 raise PrepareError(f'{doc_id} is not a JSON object with a {key!r} field: '
-                                   f'pass --text_key NAME of the field that holds the text') from None
+                                   f'pass --text_key NAME of the field that holds the '
+                                   f'text') from None
             if not isinstance(text, str):
-                raise PrepareError(f'{doc_id} has {key!r}: {json.dumps(text)[:40]}, not a string: fix or '
-                                   f'drop that record')
+                raise PrepareError(f'{doc_id} has {key!r}: {json.dumps(text)[:40]}, not a string: '
+                                   f'fix or drop that record')
             try:
                 encoded = text.encode('utf-8')
             except UnicodeEncodeError as e:  # JSON's \ud800 escapes can name half a character
-                raise PrepareError(f'{doc_id} holds a lone surrogate {text[e.start]!r}, which is not text: '
-                                   f'fix or drop that record') from None
+                raise PrepareError(f'{doc_id} holds a lone surrogate {text[e.start]!r}, which is '
+                                   f'not text: fix or drop that record') from None
         else:
             text, encoded = decode_utf8(raw, doc_id, offset), raw
         digest = int.from_bytes(hashlib.blake2b(encoded, digest_size=8).digest(), 'little')
@@ -306,9 +315,10 @@ def batched(items):
 
 
 def processed(items, num_proc, job):
-    """process_batch over batches of items, in order, whatever num_proc: the output does not depend on it. At
-    most 2 x num_proc batches are in flight, so reading never runs ahead of tokenizing (Pool.imap would read
-    it all). The processes are forked: job, a closure over a tokenizer too, reaches them without pickling."""
+    """process_batch over batches of items, in order, whatever num_proc: the output does not depend
+    on it. At most 2 x num_proc batches are in flight, so reading never runs ahead of tokenizing
+    (Pool.imap would read it all). The processes are forked: job, a closure over a tokenizer too,
+    reaches them without pickling."""
     if num_proc == 1:
         init_worker(job)
         for batch in batched(items):
@@ -341,41 +351,42 @@ class Progress:
             rate = self.bytes_done / (now - self.start)
             eta = (self.total_bytes - self.bytes_done) / rate if rate else float('inf')
             print(f'{self.what}: {self.documents:,} documents, {self.tokens:,} tokens, '
-                  f'{self.bytes_done / 1e6:,.0f} of {self.total_bytes / 1e6:,.0f} MB, {rate / 1e6:.1f} MB/s, '
-                  f'ETA {eta:.0f} s', file=sys.stderr, flush=True)
+                  f'{self.bytes_done / 1e6:,.0f} of {self.total_bytes / 1e6:,.0f} MB, '
+                  f'{rate / 1e6:.1f} MB/s, ETA {eta:.0f} s', file=sys.stderr, flush=True)
 
 
 def run_pass(what, text_path, reader, num_proc, job, splitter, source_hash=None):
-    """One streaming pass over the source, job(text, digest) run on every item by num_proc processes: per
-    item, in order, (split, has text, bytes of text, the job's result), split None for an exact copy of a
-    document."""
+    """One streaming pass over the source, job(text, digest) run on every item by num_proc
+    processes: per item, in order, (split, has text, bytes of text, the job's result), split None
+    for an exact copy of a document."""
     progress = Progress(what, os.path.getsize(text_path) if text_path else reader.total_bytes)
     items = read_source(text_path, reader, progress, source_hash or hashlib.sha256())
     for digest, split, has_text, text_bytes, result in processed(items, num_proc, job):
-        progress.update(1, len(result) if isinstance(result, np.ndarray) else 0)  # not a character set's size
+        # not a character set's size
+        progress.update(1, len(result) if isinstance(result, np.ndarray) else 0)
         yield split or splitter(digest), has_text, text_bytes, result
 
 
 # -----------------------------------------------------------------------------
-# the tokenizer: given, or fit on the train split alone (val and test are new text: the model must not have
-# seen it, its vocabulary included)
+# the tokenizer: given, or fit on the train split alone (val and test are new text: the model must
+# not have seen it, its vocabulary included)
 
 def given_tokenizer(spec):
-    """--tokenizer's value -> (the Tokenizer, or None for one fit on the train split, the BPE vocabulary
-    asked)."""
+    """--tokenizer's value -> (the Tokenizer, or None for one fit on the train split, the BPE
+    vocabulary asked)."""
     if spec == 'char':
         return None, 0
     if spec.startswith('bpe:'):
         if not spec[4:].isdigit() or not 257 <= int(spec[4:]) < 2 ** 32:
-            raise PrepareError(f'tokenizer {spec!r}: the vocabulary size after bpe: must be a whole number '
-                               f'from 257 (256 bytes and end-of-text) to 2**32 - 1 (uint32 ids), e.g. '
-                               f'bpe:8192')
+            raise PrepareError(f'tokenizer {spec!r}: the vocabulary size after bpe: must be a '
+                               f'whole number from 257 (256 bytes and end-of-text) to 2**32 - 1 '
+                               f'(uint32 ids), e.g. bpe:8192')
         return None, int(spec[4:])
     if spec == 'gpt2':
         return tokenizer.gpt2(), 0
     if not spec.endswith('.tiktoken'):
-        raise PrepareError(f'tokenizer {spec!r} not understood: use char, gpt2, bpe:VOCAB_SIZE (e.g. '
-                           f'bpe:8192) or a path to a .tiktoken ranks file')
+        raise PrepareError(f'tokenizer {spec!r} not understood: use char, gpt2, bpe:VOCAB_SIZE '
+                           f'(e.g. bpe:8192) or a path to a .tiktoken ranks file')
     return tokenizer.ranks_file(os.path.abspath(spec)), 0
 
 
@@ -386,19 +397,20 @@ def collect_chars(text, digest):
 def train_chars(text_path, reader, num_proc, seed):
     """The character tokenizer of the train split's characters, at most all of unicode."""
     chars = set()
-    for split, _, _, found in run_pass('pass 1/2, characters', text_path, reader, num_proc, collect_chars,
-                                       DocumentSplitter(seed)):
+    for split, _, _, found in run_pass('pass 1/2, characters', text_path, reader, num_proc,
+                                       collect_chars, DocumentSplitter(seed)):
         if split == 'train':
             chars.update(found)
     return tokenizer.char(sorted(chars))
 
 
 def train_bpe(vocab_size, text_path, reader, num_proc, seed, folder, name):
-    """A BPE learned on the train split's documents (a single text's pieces), written to folder/NAME.tiktoken;
-    returns the Tokenizer. The sample: every train document whose content digest, uniform over 2**64, falls
-    below BPE_SAMPLE_BYTES / the source's size on disk times 2**64, so it is spread over the corpus and the
-    same for any num_proc; all of train when the source is smaller. A compressed source holds more text than
-    its size: the sample also ends before the document that would take it past BPE_SAMPLE_BYTES."""
+    """A BPE learned on the train split's documents (a single text's pieces), written to
+    folder/NAME.tiktoken; returns the Tokenizer. The sample: every train document whose content
+    digest, uniform over 2**64, falls below BPE_SAMPLE_BYTES / the source's size on disk times
+    2**64, so it is spread over the corpus and the same for any num_proc; all of train when the
+    source is smaller. A compressed source holds more text than its size: the sample also ends
+    before the document that would take it past BPE_SAMPLE_BYTES."""
     source_bytes = os.path.getsize(text_path) if text_path else reader.total_bytes
     fraction = min(BPE_SAMPLE_BYTES / max(source_bytes, 1), 1.0)
     sample = {'documents': 0, 'bytes': 0}
@@ -407,8 +419,8 @@ def train_bpe(vocab_size, text_path, reader, num_proc, seed, folder, name):
         return text if digest < fraction * 2**64 else None
 
     def train_texts():
-        for split, _, text_bytes, text in run_pass('pass 1/2, BPE sample', text_path, reader, num_proc,
-                                                   sampled, DocumentSplitter(seed)):
+        for split, _, text_bytes, text in run_pass('pass 1/2, BPE sample', text_path, reader,
+                                                   num_proc, sampled, DocumentSplitter(seed)):
             if split == 'train' and text is not None:
                 if sample['bytes'] + text_bytes > BPE_SAMPLE_BYTES:
                     return
@@ -418,7 +430,8 @@ def train_bpe(vocab_size, text_path, reader, num_proc, seed, folder, name):
     tokenizer.train_bpe(train_texts(), vocab_size, os.path.join(folder, f'{name}.tiktoken'))
     tok = tokenizer.ranks_file(f'{name}.tiktoken', folder)
     tok.entry['trained'] = {
-        'vocab_size_asked': vocab_size, 'trainer': f"rustbpe {importlib.metadata.version('rustbpe')}",
+        'vocab_size_asked': vocab_size,
+        'trainer': f"rustbpe {importlib.metadata.version('rustbpe')}",
         **sample,
         'sample_rule': f'train documents whose content digest < {fraction:.6g} x 2**64, '
                        f'at most {BPE_SAMPLE_BYTES:,} bytes'}
@@ -428,8 +441,9 @@ def train_bpe(vocab_size, text_path, reader, num_proc, seed, folder, name):
 # write: each split's ids appended to its shards, then meta.json
 
 class ShardWriter:
-    """A split's tokens appended to NAME_SPLIT_000000.bin, NAME_SPLIT_000001.bin, ... of shard_size tokens
-    each (the last one shorter). The header's token count is written when a shard is complete."""
+    """A split's tokens appended to NAME_SPLIT_000000.bin, NAME_SPLIT_000001.bin, ... of shard_size
+    tokens each (the last one shorter). The header's token count is written when a shard is
+    complete."""
 
     def __init__(self, folder, name, split, dtype, shard_size):
         self.folder, self.name, self.split, self.dtype, self.shard_size = (
@@ -439,10 +453,11 @@ class ShardWriter:
     def append(self, tokens):
         while len(tokens):
             if self.file is None:
-                self.file = open(os.path.join(self.folder,
-                                              f'{self.name}_{self.split}_{len(self.files):06d}.bin'), 'wb')
+                self.file = open(os.path.join(
+                    self.folder, f'{self.name}_{self.split}_{len(self.files):06d}.bin'), 'wb')
                 self.file.write(data.SHARD.header(0, self.dtype))
-            piece, tokens = tokens[:self.shard_size - self.count], tokens[self.shard_size - self.count:]
+            piece, tokens = (tokens[:self.shard_size - self.count],
+                             tokens[self.shard_size - self.count:])
             self.file.write(piece.astype(self.dtype).tobytes())
             self.count += len(piece)
             if self.count == self.shard_size:
@@ -462,7 +477,8 @@ def splits_meta(counts, writers, text_path, char_level):
     splits = {}
     for split in SPLITS:
         if counts[split]['tokens'] == 0:
-            raise PrepareError(f'the {split} split has no tokens: the input is too small, give it more text'
+            raise PrepareError(f'the {split} split has no tokens: the input is too small, give it '
+                               f'more text'
                                + ('' if text_path else ' or documents (20 make one of each)'))
         splits[split] = {**counts[split], 'shards': writers[split].files}
         if not char_level:
@@ -472,14 +488,14 @@ def splits_meta(counts, writers, text_path, char_level):
     return splits
 
 
-def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, text_key='text', num_proc=None,
-            shard_size=100_000_000):
+def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, text_key='text',
+            num_proc=None, shard_size=100_000_000):
     """Write data_dir/name/ (shards and meta.json); returns data_dir/name."""
     if not name or name.startswith('.') or '/' in name or os.sep in name:
         raise PrepareError(f'dataset name {name!r} must be a plain folder name, like my_data')
     if not 0 < shard_size < 2**31:
-        raise PrepareError(f'shard_size={shard_size} must be between 1 and 2**31-1 (the header holds an '
-                           f'int32)')
+        raise PrepareError(f'shard_size={shard_size} must be between 1 and 2**31-1 (the header '
+                           f'holds an int32)')
     num_proc = num_proc or os.cpu_count()
     if num_proc < 1:
         raise PrepareError(f'num_proc={num_proc} must be at least 1 (tokenizer processes)')
@@ -505,14 +521,16 @@ def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, t
         dtype = np.uint16 if tok.vocab_size <= 65535 else np.uint32
 
         writers = {split: ShardWriter(new_dir, name, split, dtype, shard_size) for split in SPLITS}
-        counts = {split: {'tokens': 0, 'documents': 0, 'bytes': 0, 'unknown_chars': 0} for split in SPLITS}
+        counts = {split: {'tokens': 0, 'documents': 0, 'bytes': 0, 'unknown_chars': 0}
+                  for split in SPLITS}
         splitter, source_hash, has_any_text = DocumentSplitter(seed), hashlib.sha256(), False
 
         # ids in the shards' dtype: half the bytes to send back and hold, for uint16
         def encode(text, digest):
             return tok.ids(text, dtype, end_of_document=documents)
-        for split, has_text, text_bytes, tokens in run_pass('tokenizing', text_path, reader, num_proc, encode,
-                                                            splitter, source_hash):
+        for split, has_text, text_bytes, tokens in run_pass('tokenizing', text_path, reader,
+                                                            num_proc, encode, splitter,
+                                                            source_hash):
             has_any_text |= has_text
             if split is None:
                 continue
@@ -520,7 +538,8 @@ def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, t
             c = counts[split]
             c['tokens'] += len(tokens)
             c['bytes'] += text_bytes
-            if documents or c['documents'] == 0:  # a single text's chunks make one document per split
+            # a single text's chunks make one document per split
+            if documents or c['documents'] == 0:
                 c['documents'] += 1
             if tokenizer == 'char':
                 c['unknown_chars'] += int(np.count_nonzero(tokens == 0))
@@ -528,14 +547,16 @@ def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, t
             writer.close()
 
         if not has_any_text:
-            raise PrepareError(f'input {source} is empty or only whitespace: point --input at some text')
+            raise PrepareError(f'input {source} is empty or only whitespace: point --input at some '
+                               f'text')
         if documents and len(splitter.seen) < 3:
-            raise PrepareError(f'only {len(splitter.seen)} distinct documents: need at least 3 (one per '
-                               f'split); add files, or pass a single file to split it by position')
+            raise PrepareError(f'only {len(splitter.seen)} distinct documents: need at least 3 '
+                               f'(one per split); add files, or pass a single file to split it by '
+                               f'position')
         splits = splits_meta(counts, writers, text_path, tokenizer == 'char')
         meta = {
-            'name': name, 'tokenizer': tok.entry, 'vocab_size': tok.vocab_size, 'dtype': np.dtype(dtype).name,
-            'splits': splits,
+            'name': name, 'tokenizer': tok.entry, 'vocab_size': tok.vocab_size,
+            'dtype': np.dtype(dtype).name, 'splits': splits,
             'val_bytes_per_token': round(splits['val']['bytes'] / splits['val']['tokens'], 4),
             'source': source, 'source_sha256': source_hash.hexdigest(),
             'split_rule': split_rule(documents, seed), 'seed': seed,
@@ -556,37 +577,41 @@ def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, t
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description='Tokenize a text dataset into train/val/test shards.')
-    parser.add_argument('name', help=f'dataset name: {", ".join(KNOWN_DATASETS)}, or any name with --input')
+    parser = argparse.ArgumentParser(
+        description='Tokenize a text dataset into train/val/test shards.')
+    parser.add_argument('name',
+                        help=f'dataset name: {", ".join(KNOWN_DATASETS)}, or any name with --input')
     parser.add_argument('--input', dest='input_path',
-                        help='a text file (split by position), a folder (split by document), .jsonl, '
-                             '.jsonl.gz or .parquet')
-    parser.add_argument('--tokenizer', help='char, gpt2, PATH.tiktoken, or bpe:VOCAB_SIZE to learn a BPE on '
-                                            'the train split (default: gpt2 for shakespeare, else char)')
+                        help='a text file (split by position), a folder (split by document), '
+                             '.jsonl, .jsonl.gz or .parquet')
+    parser.add_argument('--tokenizer', help='char, gpt2, PATH.tiktoken, or bpe:VOCAB_SIZE to learn '
+                                            'a BPE on the train split (default: gpt2 for '
+                                            'shakespeare, else char)')
     parser.add_argument('--data_dir', default='data', help='where the dataset folder is written')
     parser.add_argument('--seed', type=int, default=1337, help='seed of the split of documents')
-    parser.add_argument('--text_key', default='text', help='the field that holds the text in .jsonl and '
-                                                           '.parquet records')
+    parser.add_argument('--text_key', default='text', help='the field that holds the text in '
+                                                           '.jsonl and .parquet records')
     parser.add_argument('--num_proc', type=int, default=os.cpu_count(), help='tokenizer processes')
     parser.add_argument('--shard_size', type=int, default=100_000_000, help='tokens per shard file')
     parser.error = lambda message: fail(f"{message} (python prepare.py --help lists the arguments)")
     args = parser.parse_args(argv)
     try:
-        out_dir = prepare(args.name, args.data_dir, args.input_path, args.tokenizer, args.seed, args.text_key,
-                          args.num_proc, args.shard_size)
+        out_dir = prepare(args.name, args.data_dir, args.input_path, args.tokenizer, args.seed,
+                          args.text_key, args.num_proc, args.shard_size)
     except (PrepareError, tokenizer.TokenizerError) as e:
         fail(e)
     with open(os.path.join(out_dir, 'meta.json'), encoding='utf-8') as f:
         meta = json.load(f)
     trained = meta['tokenizer'].get('trained')
-    kind = f"BPE learned on {trained['bytes']:,} bytes of train" if trained else meta['tokenizer']['kind']
+    kind = (f"BPE learned on {trained['bytes']:,} bytes of train" if trained
+            else meta['tokenizer']['kind'])
     print(f"wrote {out_dir}: vocab_size {meta['vocab_size']} ({kind}), {meta['dtype']}, "
-          f"{meta['val_bytes_per_token']} bytes/token on val, {meta['duplicates_dropped']} duplicate "
-          f"documents dropped")
+          f"{meta['val_bytes_per_token']} bytes/token on val, {meta['duplicates_dropped']} "
+          f"duplicate documents dropped")
     for split, s in meta['splits'].items():
         unknown = f", {s['unknown_chars']:,} unknown chars" if 'unknown_chars' in s else ''
-        print(f"  {split:5s} {s['tokens']:>12,} tokens {s['documents']:>6,} documents in {len(s['shards'])} "
-              f"shard(s){unknown}")
+        print(f"  {split:5s} {s['tokens']:>12,} tokens {s['documents']:>6,} documents in "
+              f"{len(s['shards'])} shard(s){unknown}")
     if any(s.get('unknown_chars') for s in meta['splits'].values()):
         print("  unknown chars: characters that train never holds; the vocabulary is train's "
               "alone, so they are the unknown id 0 (its loss counts, as any token's)")

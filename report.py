@@ -41,16 +41,17 @@ def loss_text(loss):
 def status(records, max_iters):
     """(one word, the rest of the sentence)."""
     # a test or abort record ends the run only if no training record follows it (a later resume)
-    end = next((r for r in reversed(records) if r['kind'] in ('train', 'eval', 'test', 'abort', 'stop')),
-               None)
+    end = next((r for r in reversed(records)
+                if r['kind'] in ('train', 'eval', 'test', 'abort', 'stop')), None)
     if end is None or end['kind'] in ('train', 'eval'):
         last_step = max((r['step'] for r in records if 'step' in r), default=0)
-        return 'incomplete', f"the run did not finish (killed or still running?) at iteration {last_step}"
+        return 'incomplete', (f"the run did not finish (killed or still running?) at iteration "
+                              f"{last_step}")
     if end['kind'] == 'abort':
         return 'aborted', f"at iteration {end['step']}: {end['message']}"
     if end['kind'] == 'stop':
-        return 'stopped', (f"by {end['signal']} at iteration {end['step']} of {max_iters}: last.pt holds it, "
-                           f"resume it")
+        return 'stopped', (f"by {end['signal']} at iteration {end['step']} of {max_iters}: last.pt "
+                           f"holds it, resume it")
     return ('early-stopped' if end['step'] < max_iters else 'finished',
             f"at iteration {end['step']} of {max_iters}")
 
@@ -62,18 +63,21 @@ def fit_read(evals):
     best = min(range(len(evals)), key=lambda i: evals[i]['val_loss'])
     since_best = len(evals) - 1 - best
     if since_best >= 2 and evals[-1]['train_loss'] < evals[best]['train_loss']:
-        return (f"overfitting from iteration {evals[best]['step']}: val loss was lowest there and stayed "
-                f"above it for the {since_best} evaluations since, while train loss kept falling")
+        return (f"overfitting from iteration {evals[best]['step']}: val loss was lowest there and "
+                f"stayed above it for the {since_best} evaluations since, while train loss kept "
+                f"falling")
     if since_best == 0 and evals[-1]['train_loss'] < evals[-2]['train_loss']:
-        return "underfitting: train and val loss are both still falling at the last evaluation: train longer"
-    return f"fitting: val loss stopped improving at iteration {evals[best]['step']} without a sustained rise"
+        return ("underfitting: train and val loss are both still falling at the last evaluation: "
+                "train longer")
+    return (f"fitting: val loss stopped improving at iteration {evals[best]['step']} without a "
+            f"sustained rise")
 
 
 def leakage(evals):
     last = evals[-1]
     if last['val_loss'] < (1 - LEAK_BELOW) * last['train_loss']:
-        return (f"val loss sits {last['train_loss'] - last['val_loss']:.4f} below train loss at the last "
-                f"evaluation: check that val text does not also occur in train")
+        return (f"val loss sits {last['train_loss'] - last['val_loss']:.4f} below train loss at "
+                f"the last evaluation: check that val text does not also occur in train")
     if len(evals) >= 3 and all(abs(e['val_loss'] - e['train_loss']) < LEAK_TRACKS * e['train_loss']
                                for e in evals):
         return (f"val loss tracks train loss within {LEAK_TRACKS:.1%} at every evaluation: "
@@ -82,8 +86,8 @@ def leakage(evals):
 
 
 def wall_seconds(records):
-    """Sum over (re)starts of the time from each start record to the last timed record before the next
-    start: the time between a kill and its resume is not counted. None without timestamps."""
+    """Sum over (re)starts of the time from each start record to the last timed record before the
+    next start: the time between a kill and its resume is not counted. None without timestamps."""
     segments = [[]]
     for r in records:
         if r['kind'] == 'start':
@@ -94,8 +98,9 @@ def wall_seconds(records):
 
 
 def grad_spikes(train):
-    """Steps whose grad norm exceeds SPIKE_FACTOR x the median of the previous logged steps; float16-skipped
-    steps are left out (their norm is inf by design and they are counted on their own)."""
+    """Steps whose grad norm exceeds SPIKE_FACTOR x the median of the previous logged steps;
+    float16-skipped steps are left out (their norm is inf by design and they are counted on their
+    own)."""
     norms, spikes = [], []
     for r in train:
         if r.get('skipped'):
@@ -108,9 +113,10 @@ def grad_spikes(train):
 
 
 def resume_command(meta, has_last, settings=None):
-    """train.py's command to continue the run: from out_dir's last.pt if there is one (whatever the run itself
-    started from), else init_from=auto, which redoes the run from scratch or from its resume_from. settings
-    ({key: value}) replace the command's own --key=... (a resumed run's command holds those of its resume)."""
+    """train.py's command to continue the run: from out_dir's last.pt if there is one (whatever the
+    run itself started from), else init_from=auto, which redoes the run from scratch or from its
+    resume_from. settings ({key: value}) replace the command's own --key=... (a resumed run's
+    command holds those of its resume)."""
     settings = settings or {}
     dropped = ['init_from', 'resume_from'] if has_last else ['init_from']
     args = [a for a in meta['command'][1:]
@@ -126,7 +132,8 @@ def resume_command(meta, has_last, settings=None):
 def task_names(evals):
     """The multiple-choice tasks an evaluation scored (train.py's eval_tasks): eval records hold
     TASK/acc_norm."""
-    return [k.removesuffix('/acc_norm') for k in (evals[-1] if evals else {}) if k.endswith('/acc_norm')]
+    return [k.removesuffix('/acc_norm') for k in (evals[-1] if evals else {})
+            if k.endswith('/acc_norm')]
 
 
 def plot_curves(train, evals, path, title, log_interval):
@@ -151,8 +158,8 @@ def plot_curves(train, evals, path, title, log_interval):
     ax_loss.set(ylabel='loss (nats/token)', title=title)
     ax_loss.legend()
     for task in tasks:  # accuracy beside its chance level
-        line, = axes[1].plot([e['step'] for e in evals], [e[f'{task}/acc_norm'] for e in evals], 'o-',
-                             label=task)
+        line, = axes[1].plot([e['step'] for e in evals], [e[f'{task}/acc_norm'] for e in evals],
+                             'o-', label=task)
         axes[1].axhline(evals[-1][f'{task}/chance'], ls='--', color=line.get_color(), lw=0.8,
                         label=f'{task}: chance')
     if tasks:
@@ -168,7 +175,8 @@ def plot_curves(train, evals, path, title, log_interval):
 def config_lines(config):
     settings = {k: v for k, v in config.items() if k != 'resolved'}
     lines = ["## Config", "",
-             f"Resolved: device {config['resolved']['device']}, dtype {config['resolved']['dtype']}. "
+             f"Resolved: device {config['resolved']['device']}, dtype "
+             f"{config['resolved']['dtype']}. "
              "Values set by a config file or the command line are in bold.", "",
              "| key | value | source |", "|---|---|---|"]
     for key, entry in settings.items():
@@ -185,11 +193,12 @@ def loss_lines(evals, test, split_rule):
     best_train = min(evals, key=lambda e: e['train_loss'])
     last = evals[-1]
     lines = ["## Loss", "",
-             f"- last evaluation (iteration {last['step']}): train {loss_text(last['train_loss'])}, "
-             f"val {loss_text(last['val_loss'])}, gap (val - train) "
-             f"{last['val_loss'] - last['train_loss']:+.4f}",
+             f"- last evaluation (iteration {last['step']}): train "
+             f"{loss_text(last['train_loss'])}, val {loss_text(last['val_loss'])}, "
+             f"gap (val - train) {last['val_loss'] - last['train_loss']:+.4f}",
              f"- best val loss {loss_text(best_val['val_loss'])} at iteration {best_val['step']}; "
-             f"best train loss {loss_text(best_train['train_loss'])} at iteration {best_train['step']}"]
+             f"best train loss {loss_text(best_train['train_loss'])} at iteration "
+             f"{best_train['step']}"]
     if last.get('ema_val_loss') is not None:  # ema_decay: best.pt was chosen by it
         best_ema = min(evals, key=lambda e: e['ema_val_loss'])
         lines.append(f"- the EMA of the weights: val {loss_text(last['ema_val_loss'])} at the last "
@@ -200,14 +209,16 @@ def loss_lines(evals, test, split_rule):
                      f"{test['best_iter']})")
         if (test['test_loss'] < (1 - LEAK_BELOW) * best_val['val_loss']
                 and split_rule.startswith('contiguous')):
-            lines.append("- test loss sits well below val loss: with a single text, test is its first 5% and "
-                         "val its last 10%, so they are different text, and the opening of a text can be "
-                         "easier; compare val losses between runs, not test with val")
+            lines.append("- test loss sits well below val loss: with a single text, test is its "
+                         "first 5% and val its last 10%, so they are different text, and the "
+                         "opening of a text can be easier; compare val losses between runs, not "
+                         "test with val")
     for task in task_names(evals):
         best = max(evals, key=lambda e: e[f'{task}/acc_norm'])
-        lines.append(f"- {task}: acc {last[f'{task}/acc']:.4f}, acc_norm {last[f'{task}/acc_norm']:.4f} at "
-                     f"the last evaluation, best acc_norm {best[f'{task}/acc_norm']:.4f} at iteration "
-                     f"{best['step']} (chance {last[f'{task}/chance']:.4f})")
+        lines.append(f"- {task}: acc {last[f'{task}/acc']:.4f}, acc_norm "
+                     f"{last[f'{task}/acc_norm']:.4f} at the last evaluation, best acc_norm "
+                     f"{best[f'{task}/acc_norm']:.4f} at iteration {best['step']} (chance "
+                     f"{last[f'{task}/chance']:.4f})")
     lines.append(f"- read: {fit_read(evals)}")
     leak = leakage(evals)
     return lines + ([f"- **possible leakage**: {leak}"] if leak else [])
@@ -216,7 +227,8 @@ def loss_lines(evals, test, split_rule):
 def throughput_lines(records, train, config, meta):
     lines = ["## Throughput", ""]
     if train:
-        lines.append(f"- median {statistics.median(r['tokens_per_sec'] for r in train):,.0f} tokens/s")
+        lines.append(f"- median {statistics.median(r['tokens_per_sec'] for r in train):,.0f} "
+                     f"tokens/s")
     mfus = [r['mfu'] for r in train if r.get('mfu') is not None]
     if mfus:
         lines.append(f"- median MFU {statistics.median(mfus):.1%}")
@@ -228,28 +240,30 @@ def throughput_lines(records, train, config, meta):
         lines.append(f"- mean utilization {statistics.mean(busy):.0%}: {what}")
     mems = [r['peak_mem_mb'] for r in train if r.get('peak_mem_mb') is not None]
     if mems:
-        what = ("the CUDA allocator's peak on rank 0" if config['resolved']['device'].startswith('cuda') else
-                "rank 0's peak resident set (the whole process: Python, torch, data; loader workers not "
-                "included)")
+        what = ("the CUDA allocator's peak on rank 0"
+                if config['resolved']['device'].startswith('cuda') else
+                "rank 0's peak resident set (the whole process: Python, torch, data; loader "
+                "workers not included)")
         lines.append(f"- peak memory {max(mems):,.0f} MB by the last training log line: {what}")
     seconds = wall_seconds(records)
     if seconds is None:
         return lines + ["- wall time unknown: metrics.jsonl has no timestamps"]
     world_size = meta.get('world_size', 1)
     compute_hours = seconds / 3600 * world_size
-    lines.append(f"- wall time {seconds / 3600:.2f} h ({seconds:,.0f} s), {compute_hours:.2f} compute hours "
-                 f"({world_size} process(es))")
+    lines.append(f"- wall time {seconds / 3600:.2f} h ({seconds:,.0f} s), {compute_hours:.2f} "
+                 f"compute hours ({world_size} process(es))")
     cost_per_hour = config.get('cost_per_hour', {}).get('value')
     if cost_per_hour:
-        lines.append(f"- estimated cost {compute_hours * cost_per_hour:,.2f} ({cost_per_hour} per compute "
-                     f"hour)")
+        lines.append(f"- estimated cost {compute_hours * cost_per_hour:,.2f} ({cost_per_hour} per "
+                     f"compute hour)")
     return lines
 
 
 def write_report(out_dir):
     """Write out_dir/report.md and out_dir/curves.png from the run's files."""
     records, config, meta = read_run(out_dir)
-    train, evals = [r for r in records if r['kind'] == 'train'], [r for r in records if r['kind'] == 'eval']
+    train, evals = ([r for r in records if r['kind'] == 'train'],
+                    [r for r in records if r['kind'] == 'eval'])
     test = next((r for r in reversed(records) if r['kind'] == 'test'), None)
     word, detail = status(records, config['max_iters']['value'])
     lines = [f"# {out_dir}", "", f"Status: **{word}**: {detail}", ""]
@@ -263,11 +277,13 @@ def write_report(out_dir):
               + throughput_lines(records, train, config, meta) + [""])
 
     spikes = grad_spikes(train)
-    listed = (f", at iterations {', '.join(map(str, spikes[:5]))}{', ...' if len(spikes) > 5 else ''}"
+    listed = (f", at iterations "
+              f"{', '.join(map(str, spikes[:5]))}{', ...' if len(spikes) > 5 else ''}"
               if spikes else "")
     lines += ["## Instabilities", "",
               f"- float16 steps skipped: {train[-1].get('skipped_total', 0) if train else 0}",
-              f"- gradient-norm spikes (> {SPIKE_FACTOR}x the running median): {len(spikes)}{listed}"]
+              f"- gradient-norm spikes (> {SPIKE_FACTOR}x the running median): "
+              f"{len(spikes)}{listed}"]
     if word == 'aborted':
         lines.append(f"- aborted {detail}")
 
@@ -279,18 +295,20 @@ def write_report(out_dir):
     if word == 'finished':  # nothing left to do at this max_iters: the command must raise it
         command = resume_command(meta, has_last,
                                  {'max_iters': 2 * max_iters, 'lr_decay_iters': lr_decay_iters})
-        how = (f"Train further (from the directory it was started in); past lr_decay_iters={lr_decay_iters} "
-               f"the learning rate stays at min_lr: change the command's --lr_decay_iters={lr_decay_iters} "
-               f"to --lr_decay_iters={2 * max_iters} to decay over the longer run instead:")
+        how = (f"Train further (from the directory it was started in); past "
+               f"lr_decay_iters={lr_decay_iters} the learning rate stays at min_lr: change the "
+               f"command's --lr_decay_iters={lr_decay_iters} to --lr_decay_iters={2 * max_iters} "
+               f"to decay over the longer run instead:")
     else:
         command = resume_command(meta, has_last)
-        how = (f"{'Resume' if has_last else 'No last.pt yet: redo'} the run (from the directory it was "
-               f"started in):")
+        how = (f"{'Resume' if has_last else 'No last.pt yet: redo'} the run (from the directory it "
+               f"was started in):")
     lines += ["- curves: curves.png", "", how, "", f"    {command}", ""]
     with open(os.path.join(out_dir, 'report.md'), 'w') as f:
         f.write('\n'.join(lines))
     plot_curves(train, evals, os.path.join(out_dir, 'curves.png'),
-                f"{os.path.basename(os.path.normpath(out_dir))}: {word}", config['log_interval']['value'])
+                f"{os.path.basename(os.path.normpath(out_dir))}: {word}",
+                config['log_interval']['value'])
 
 
 if __name__ == '__main__':

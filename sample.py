@@ -41,9 +41,11 @@ threads = 0  # torch's CPU threads; 0: its own count, capped by a container's CP
 dtype = 'auto'
 # True: a checkpoint's trained weights even where it also holds their EMA (train.py's ema_decay)
 raw_weights = False
-# write the weights to this single .pt file (e.g. from an fsdp run's shards) and exit without sampling
+# write the weights to this single .pt file (e.g. from an fsdp run's shards) and exit without
+# sampling
 export = ''
-# write a Hugging Face GPT2LMHeadModel folder (config.json, model.safetensors, the tokenizer) here and exit
+# write a Hugging Face GPT2LMHeadModel folder (config.json, model.safetensors, the tokenizer) here
+# and exit
 export_hf = ''
 # -----------------------------------------------------------------------------
 
@@ -117,7 +119,8 @@ if __name__ == '__main__':
     try:
         globals().update(configure({k: globals()[k] for k in config_keys}, sys.argv[1:],
                                    choices={'dtype': ('auto', *perf.DTYPES)},
-                                   minimums=dict.fromkeys(('num_samples', 'max_new_tokens', 'top_k'), 1))[0])
+                                   minimums=dict.fromkeys(('num_samples', 'max_new_tokens',
+                                                           'top_k'), 1))[0])
     except ConfigError as e:
         fail(e)
     if temperature <= 0:
@@ -125,7 +128,8 @@ if __name__ == '__main__':
     if export and os.path.exists(export):
         fail(f"export={export} exists: name a new file (an export never overwrites one)")
     if export and not os.path.isdir(os.path.dirname(os.path.abspath(export))):
-        fail(f"export={export}: its folder does not exist: create it, or name a file in an existing folder")
+        fail(f"export={export}: its folder does not exist: create it, or name a file in an "
+             f"existing folder")
     try:
         device, device_type = distributed.resolve_device(device)
     except ValueError as e:
@@ -143,9 +147,11 @@ if __name__ == '__main__':
 
     ckpt_path = ckpt or os.path.join(out_dir, 'best.pt')
     if not os.path.isfile(ckpt_path):
-        fail(f"checkpoint {ckpt_path} does not exist: set out_dir to a run's folder, or ckpt to a .pt file")
+        fail(f"checkpoint {ckpt_path} does not exist: set out_dir to a run's folder, or ckpt to a "
+             f".pt file")
     try:
-        # an export stays on the CPU: its tensors must load anywhere; a large run's shards may not fit a GPU
+        # an export stays on the CPU: its tensors must load anywhere; a large run's shards may not
+        # fit a GPU
         model, saved = load_model(ckpt_path, 'cpu' if export or export_hf else device, raw_weights)
     except checkpoint.CheckpointError as e:
         fail(e)
@@ -165,8 +171,8 @@ if __name__ == '__main__':
             fail(e)
         with_tokenizer = ("with its tokenizer" if tokenizer_files else
                           "(its tokenizer: AutoTokenizer.from_pretrained('gpt2'))")
-        print(f"wrote {ckpt_path} (iteration {saved['iter_num']}) as a GPT2LMHeadModel {with_tokenizer} to "
-              f"{export_hf}", file=sys.stderr)
+        print(f"wrote {ckpt_path} (iteration {saved['iter_num']}) as a GPT2LMHeadModel "
+              f"{with_tokenizer} to {export_hf}", file=sys.stderr)
         sys.exit(0)
     try:
         tok = tokenizer.load(saved['dataset']['tokenizer'])
