@@ -1,11 +1,11 @@
 """
-A run's records in out_dir, written by rank 0 alone: train.log (every line the run printed), metrics.jsonl
-(one JSON record per event: start, train, eval, test, memory, abort, stop, ...), config.json (each key, its
-value and where it came from), meta.json (command, git SHA, seed, versions, hardware, data), and TensorBoard
-event files and Weights & Biases when asked. log() prints a line and keeps it; record() keeps a metrics record
-everywhere it goes; check() refuses a mistake in the settings, abort() ends a run that cannot go on, and
-a stop signal ends it with a whole last.pt. Until start() nothing is kept: a run that stops
-at a mistake writes nothing.
+A run's records in out_dir, written by rank 0 alone: train.log (every line the run printed),
+metrics.jsonl (one JSON record per event: start, train, eval, test, memory, abort, stop, ...),
+config.json (each key, its value and where it came from), meta.json (command, git SHA, seed,
+versions, hardware, data), and TensorBoard event files and Weights & Biases when asked. log() prints
+a line and keeps it; record() keeps a metrics record everywhere it goes; check() refuses a mistake
+in the settings, abort() ends a run that cannot go on, and a stop signal ends it with a whole
+last.pt. Until start() nothing is kept: a run that stops at a mistake writes nothing.
 """
 import atexit
 import glob
@@ -35,7 +35,8 @@ run_dir, with_report = None, False  # set by start()
 files = {}  # LOGS, open for appending once start() has run
 tensorboard = None  # a SummaryWriter when asked
 wandb = None  # the wandb module when asked
-stop_signal = None  # SIGINT (Ctrl-C) or SIGTERM (a cluster's notice), once catch_stop_signals() has run
+# SIGINT (Ctrl-C) or SIGTERM (a cluster's notice), once catch_stop_signals() has run
+stop_signal = None
 
 
 def log(message, stream=None):
@@ -83,14 +84,15 @@ def log_pieces(pieces):
 
 
 def record(entry):
-    """One metrics.jsonl line (entry: a dict with 'kind' and 'step'); its numbers also go to TensorBoard and
-    wandb as KIND/KEY at that step."""
+    """One metrics.jsonl line (entry: a dict with 'kind' and 'step'); its numbers also go to
+    TensorBoard and wandb as KIND/KEY at that step."""
     if not master:
         return
     files['metrics.jsonl'].write(json.dumps(entry) + '\n')
     files['metrics.jsonl'].flush()
     numbers = {f"{entry['kind']}/{k}": v for k, v in entry.items()
-               if k not in ('step', 'time') and isinstance(v, (int, float)) and not isinstance(v, bool)}
+               if k not in ('step', 'time') and isinstance(v, (int, float))
+               and not isinstance(v, bool)}
     if tensorboard:
         for name, value in numbers.items():
             tensorboard.add_scalar(name, value, entry['step'])
@@ -112,32 +114,34 @@ def log_bytes():
 
 
 def missing_package(config):
-    """The line that says a logger config asks for (tensorboard_log, wandb_log) is not installed, or '':
-    train.py asks before start() writes anything."""
+    """The line that says a logger config asks for (tensorboard_log, wandb_log) is not installed, or
+    '': train.py asks before start() writes anything."""
     for key, package in (('tensorboard_log', 'tensorboard'), ('wandb_log', 'wandb')):
         if config[key] and not importlib.util.find_spec(package):
-            return f"{key}=True needs the {package} package: pip install {package}, or set {key}=False"
+            return (f"{key}=True needs the {package} package: pip install {package}, or set "
+                    f"{key}=False")
     return ''
 
 
 def start(out_dir, resumed, config, sources, session, num_params):
-    """Every rank calls it once the settings, data and checkpoint are known to be good. Rank 0 creates
-    out_dir, opens the logs for appending, writes config.json (with the device and dtype 'auto' resolved to)
-    and meta.json (session: seed, dtype, device, data, ...), and starts TensorBoard and wandb where config
-    asks; an out_dir that cannot be written stops every rank here together, in one line. Then the 'start'
-    record and the lines that say what this session is. resumed: (path, checkpoint) of the one the run
-    resumes from, or None."""
+    """Every rank calls it once the settings, data and checkpoint are known to be good. Rank 0
+    creates out_dir, opens the logs for appending, writes config.json (with the device and dtype
+    'auto' resolved to) and meta.json (session: seed, dtype, device, data, ...), and starts
+    TensorBoard and wandb where config asks; an out_dir that cannot be written stops every rank here
+    together, in one line. Then the 'start' record and the lines that say what this session is.
+    resumed: (path, checkpoint) of the one the run resumes from, or None."""
     unwritable = open_run(out_dir, resumed, config, sources, session) if master else None
     check(not distributed.any_rank(unwritable, session['device']), unwritable)
     announce(session, config, resumed, num_params)
 
 
 def open_run(out_dir, resumed, config, sources, session):
-    """Rank 0's part of start(): returns None, or the line that says out_dir cannot be written. Resumed from a
-    checkpoint in out_dir (wherever the folder was when it was written: it may have been moved), the logs keep
-    what it had logged and lose what came after, since those steps are redone; from one in another folder they
-    stay whole; a new run cuts them all (one stopped here before its first checkpoint). Temp files a killed
-    save left are dropped: never read, safe to remove."""
+    """Rank 0's part of start(): returns None, or the line that says out_dir cannot be written.
+    Resumed from a checkpoint in out_dir (wherever the folder was when it was written: it may have
+    been moved), the logs keep what it had logged and lose what came after, since those steps are
+    redone; from one in another folder they stay whole; a new run cuts them all (one stopped here
+    before its first checkpoint). Temp files a killed save left are dropped: never read, safe to
+    remove."""
     global run_dir, with_report, tensorboard, wandb
     run_dir, with_report = out_dir, config['write_report']
     here = resumed and os.path.realpath(os.path.dirname(resumed[0])) == os.path.realpath(out_dir)
@@ -154,7 +158,8 @@ def open_run(out_dir, resumed, config, sources, session):
             os.remove(path)
         settings = {k: {'value': config[k], 'source': sources[k]} for k in config}
         resolved = {'device': session['device'], 'dtype': session['dtype']}
-        checkpoint.write_json(os.path.join(out_dir, 'config.json'), settings | {'resolved': resolved})
+        checkpoint.write_json(os.path.join(out_dir, 'config.json'),
+                              settings | {'resolved': resolved})
         write_meta(out_dir, session)
         if config['tensorboard_log']:
             from torch.utils.tensorboard import SummaryWriter
@@ -177,20 +182,22 @@ def close_logs():
 
 
 def announce(session, config, resumed, num_params):
-    """The 'start' record, and the lines that say what this session is (session: meta.json's): where it starts
-    from, the model's size, the device, dtype and processes, the tokens per iteration, and the peak FLOP/s
-    that MFU is measured against; what was migrated of a checkpoint of an older format; what a
-    resume on another number of processes cannot restore."""
+    """The 'start' record, and the lines that say what this session is (session: meta.json's): where
+    it starts from, the model's size, the device, dtype and processes, the tokens per iteration, and
+    the peak FLOP/s that MFU is measured against; what was migrated of a checkpoint of an older
+    format; what a resume on another number of processes cannot restore."""
     step = resumed[1]['iter_num'] if resumed else 0
     record({'kind': 'start', 'step': step, 'time': time.time()})
     pretrained, peak = session['pretrained'], session['peak_flops']
     start_point = f"resuming from {session['resumed_from']}" if resumed else \
         f"starting from {pretrained['weights'] if pretrained else 'scratch'}"
-    accum, batch, block = (config[k] for k in ('gradient_accumulation_steps', 'batch_size', 'block_size'))
-    log(f"{start_point}: {num_params / 1e6:.2f}M parameters, {session['device']} {session['dtype']}, "
-        f"{session['world_size']} process(es), {accum * batch * block:,} tokens per iteration ({accum} x "
-        f"{batch} x {block})")
-    log(f"MFU is measured against {peak['per_process'] / 1e9:,.1f} GFLOP/s per process ({peak['how']})")
+    accum, batch, block = (config[k]
+                           for k in ('gradient_accumulation_steps', 'batch_size', 'block_size'))
+    log(f"{start_point}: {num_params / 1e6:.2f}M parameters, {session['device']} "
+        f"{session['dtype']}, {session['world_size']} process(es), {accum * batch * block:,} "
+        f"tokens per iteration ({accum} x {batch} x {block})")
+    log(f"MFU is measured against {peak['per_process'] / 1e9:,.1f} GFLOP/s per process "
+        f"({peak['how']})")
     if resumed and 'migrated' in resumed[1]:  # from an older format, by checkpoint.load
         log(resumed[1]['migrated'])
     if busy := distributed.busy_warning(torch.get_num_threads(), session['cpus']):
@@ -200,9 +207,9 @@ def announce(session, config, resumed, num_params):
                    for k, (old, new, source) in session['changed_on_resume'].items()]
         log(f"settings changed since the checkpoint's run: {', '.join(changed) or 'none'}")
     if resumed and len(resumed[1]['rng']) != session['world_size']:
-        log(f"the checkpoint was written by {len(resumed[1]['rng'])} process(es): the data continues where "
-            f"it stopped, but dropout draws new random streams, so this is not bitwise the run that would "
-            f"have continued")
+        log(f"the checkpoint was written by {len(resumed[1]['rng'])} process(es): the data "
+            f"continues where it stopped, but dropout draws new random streams, so this is not "
+            f"bitwise the run that would have continued")
 
 
 def new_peak(step, flops, how):
@@ -231,11 +238,12 @@ def done(test, first_iter):
         f"iterations {first_iter + 1}-{step} in {seconds:.0f} s, all {step} iterations in "
         f"{test['total_seconds']:.0f} s over every session")
     tested = '' if test_loss is None else \
-        f", test loss {test_loss:.4f} ({test_loss / math.log(2):.3f} bits/token) with the best weights"
+        (f", test loss {test_loss:.4f} ({test_loss / math.log(2):.3f} bits/token) with the best "
+         f"weights")
     whose = ' (the EMA of the weights)' if test['ema'] else ''
-    log(f"done: {sessions} (checkpoint saves {test['save_seconds'] / seconds:.1%} of this session), best "
-        f"val loss{whose} {test['best_val_loss']:.4f} at iteration {test['best_iter']}{tested}; "
-        f"checkpoints in {run_dir}")
+    log(f"done: {sessions} (checkpoint saves {test['save_seconds'] / seconds:.1%} of this "
+        f"session), best val loss{whose} {test['best_val_loss']:.4f} at iteration "
+        f"{test['best_iter']}{tested}; checkpoints in {run_dir}")
 
 
 def finish():
@@ -245,7 +253,8 @@ def finish():
             report.write_report(run_dir)
         except OSError as e:
             # a full disk: the run's files are whole, and python report.py OUT_DIR writes it later
-            return log(f"no report ({e.strerror}): python report.py {run_dir} writes it once there is room")
+            return log(f"no report ({e.strerror}): python report.py {run_dir} writes it once there "
+                       f"is room")
         log(f"report: {os.path.join(run_dir, 'report.md')} and curves.png")
 
 
@@ -265,8 +274,8 @@ def check(ok, message):
 
 
 def abort(step, message):
-    """Stop the run now, exit code 1, with an abort record, the message and the report. Every rank calls it at
-    the same point, having decided on the same reduced values."""
+    """Stop the run now, exit code 1, with an abort record, the message and the report. Every rank
+    calls it at the same point, having decided on the same reduced values."""
     # torchrun sends SIGTERM to the ranks left once one has exited: this one is stopping already,
     # and catch_stop_signals' handler would announce a save that never comes
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -278,34 +287,36 @@ def abort(step, message):
 
 
 def non_finite(step, loss, grad_norm, lr, starts):
-    """The line a non-finite loss or gradient norm ends the run with: the values, and the batches' windows
-    (start positions in the train split) that produced them."""
+    """The line a non-finite loss or gradient norm ends the run with: the values, and the batches'
+    windows (start positions in the train split) that produced them."""
     what = 'loss' if not math.isfinite(loss) else 'gradient norm'
-    return (f"non-finite {what} at iteration {step}: loss {loss}, lr {lr:.3e}, grad norm {grad_norm}, batch "
-            f"windows (start positions in the train split) {starts[:16]}"
-            f"{' ...' if len(starts) > 16 else ''}; the "
-            f"last checkpoints are untouched: lower learning_rate or raise warmup_iters, then resume")
+    return (f"non-finite {what} at iteration {step}: loss {loss}, lr {lr:.3e}, grad norm "
+            f"{grad_norm}, batch windows (start positions in the train split) "
+            f"{starts[:16]}{' ...' if len(starts) > 16 else ''}; the last checkpoints are "
+            f"untouched: lower learning_rate or raise warmup_iters, then resume")
 
 
 def overflowed(skips, step, scale):
-    """The line a streak of float16 overflows (each a step the GradScaler skipped) ends the run with."""
-    return (f"float16 gradients overflowed {skips} optimizer steps in a row (up to iteration {step}, loss "
-            f"scale now {scale:g}): the model diverged or float16's range is too small for it; use "
-            f"dtype=bfloat16 or float32, or lower learning_rate, then resume")
+    """The line a streak of float16 overflows (each a step the GradScaler skipped) ends the run
+    with."""
+    return (f"float16 gradients overflowed {skips} optimizer steps in a row (up to iteration "
+            f"{step}, loss scale now {scale:g}): the model diverged or float16's range is too "
+            f"small for it; use dtype=bfloat16 or float32, or lower learning_rate, then resume")
 
 
 def explain_out_of_memory(exc, step, batch_size, block_size, dtype, device):
-    """sys.excepthook: out of memory gets an abort record and one line that says what to change instead of a
-    traceback; the exit code stays 1. No report: plotting needs memory this process may not get (python
-    report.py OUT_DIR writes it later). Any other exception keeps its traceback."""
+    """sys.excepthook: out of memory gets an abort record and one line that says what to change
+    instead of a traceback; the exit code stays 1. No report: plotting needs memory this process may
+    not get (python report.py OUT_DIR writes it later). Any other exception keeps its traceback."""
     exc_type, value, tb = exc
     if not out_of_memory(value):
         return sys.__excepthook__(exc_type, value, tb)
     record({'kind': 'abort', 'step': step, 'message': 'out of memory'})
-    log(f"error: out of memory at iteration {step} with batch_size={batch_size}, block_size={block_size} "
-        f"({perf.peak_memory_mb(device):,.0f} MB at peak): lower batch_size and raise "
-        f"gradient_accumulation_steps by the same factor (the tokens per iteration stay)"
-        f"{', or use dtype=bfloat16' if dtype == 'float32' else ''}; the checkpoints are intact", sys.stderr)
+    log(f"error: out of memory at iteration {step} with batch_size={batch_size}, "
+        f"block_size={block_size} ({perf.peak_memory_mb(device):,.0f} MB at peak): lower "
+        f"batch_size and raise gradient_accumulation_steps by the same factor (the tokens per "
+        f"iteration stay){', or use dtype=bfloat16' if dtype == 'float32' else ''}; the "
+        f"checkpoints are intact", sys.stderr)
 
 
 def out_of_memory(error):
@@ -314,47 +325,50 @@ def out_of_memory(error):
 
 
 def catch_stop_signals():
-    """From now on SIGINT and SIGTERM set stop_signal, and the loop saves last.pt after the step under way and
-    exits; a second Ctrl-C exits at once (every checkpoint on disk is whole, written atomically)."""
+    """From now on SIGINT and SIGTERM set stop_signal, and the loop saves last.pt after the step
+    under way and exits; a second Ctrl-C exits at once (every checkpoint on disk is whole, written
+    atomically)."""
     def request_stop(signum, frame):
         global stop_signal
         if signum == signal.SIGINT and stop_signal == signal.SIGINT:
             os._exit(130)
         if stop_signal is None:
             stop_signal = signum
-            if master:  # os.write: print() may be in the middle of a line, and a handler must not re-enter it
+            # os.write: print() may be in the middle of a line, and a handler must not re-enter it
+            if master:
                 again = ' (Ctrl-C again to stop at once)' if signum == signal.SIGINT else ''
-                os.write(2, f"\n{signal.Signals(signum).name}: saving last.pt after the iteration under way, "
-                            f"then stopping{again}\n".encode())
+                os.write(2, f"\n{signal.Signals(signum).name}: saving last.pt after the iteration "
+                            f"under way, then stopping{again}\n".encode())
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
 
 
 def exit_on_signal(step, world_size):
-    """The run stops for a signal (on any rank) once last.pt holds step: a stop record, the line that says how
-    to resume, the report, and exit code 128 + the signal's number."""
+    """The run stops for a signal (on any rank) once last.pt holds step: a stop record, the line
+    that says how to resume, the report, and exit code 128 + the signal's number."""
     signum = stop_signal or signal.SIGTERM  # a rank stopping for another's signal
     name = signal.Signals(signum).name
     record({'kind': 'stop', 'step': step, 'time': time.time(), 'signal': name})
     if master:  # run_dir is rank 0's
         resume = report.resume_command({'command': sys.argv, 'world_size': world_size}, True)
-        log(f"stopped by {name} at iteration {step}: {os.path.join(run_dir, 'last.pt')} holds it; resume "
-            f"with: {resume}")
+        log(f"stopped by {name} at iteration {step}: {os.path.join(run_dir, 'last.pt')} holds it; "
+            f"resume with: {resume}")
     finish()
     sys.exit(128 + signum)
 
 
 def write_meta(out_dir, run):
-    """meta.json: what this session of the run is (run: seed, dtype, device, data, ...) and the code, software
-    and machine it ran on."""
+    """meta.json: what this session of the run is (run: seed, dtype, device, data, ...) and the
+    code, software and machine it ran on."""
     sha, dirty = git_state()
     checkpoint.write_json(os.path.join(out_dir, 'meta.json'), {
         'command': sys.argv, 'start_time': time.strftime('%Y-%m-%dT%H:%M:%S%z'), 'git_sha': sha,
         'git_dirty': dirty, **run,
-        'versions': {'python': platform.python_version(), 'torch': torch.__version__, 'numpy': np.__version__,
+        'versions': {'python': platform.python_version(), 'torch': torch.__version__,
+                     'numpy': np.__version__,
                      **{p: importlib.metadata.version(p) for p in ('tiktoken', 'safetensors')}},
-        'hardware': {'platform': platform.platform(), 'cpu': perf.cpu_name(), 'cpu_count': os.cpu_count(),
-                     'torch_threads': torch.get_num_threads(),
+        'hardware': {'platform': platform.platform(), 'cpu': perf.cpu_name(),
+                     'cpu_count': os.cpu_count(), 'torch_threads': torch.get_num_threads(),
                      'cuda_devices': [torch.cuda.get_device_name(i)
                                       for i in range(torch.cuda.device_count())],
                      'gpu': perf.gpu_info(run['device'])},

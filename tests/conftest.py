@@ -1,4 +1,5 @@
-"""Shared fixtures: a small generated corpus, prepared once, and a way to run train.py as users do."""
+"""Shared fixtures: a small generated corpus, prepared once, and a way to run train.py as users
+do."""
 import base64
 import json
 import os
@@ -15,12 +16,13 @@ import torch
 import forked
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# measurements that train.py caches per machine (peak FLOP/s, the dtype 'auto' picks) go to a folder of this
-# session's, inherited by every train.py the tests start: the user's ~/.cache stays untouched
+# measurements that train.py caches per machine (peak FLOP/s, the dtype 'auto' picks) go to a folder
+# of this session's, inherited by every train.py the tests start: the user's ~/.cache stays
+# untouched
 os.environ.setdefault('HONESTGPT_CACHE', tempfile.mkdtemp(prefix='honestgpt-cache-'))
-# one thread in every process the tests start: the test models gain nothing from a second, tests run some runs
-# side by side, and a run resumed on another thread count sums in another order (bitwise comparisons need the
-# same count)
+# one thread in every process the tests start: the test models gain nothing from a second, tests run
+# some runs side by side, and a run resumed on another thread count sums in another order (bitwise
+# comparisons need the same count)
 os.environ['OMP_NUM_THREADS'] = '1'
 sys.path.insert(0, REPO)
 RUN_CONFIG = os.path.join(REPO, 'tests', 'run_config.py')
@@ -45,11 +47,13 @@ FORKED_TORCHRUN = os.path.join(REPO, 'tests', 'forked_torchrun.py')
 
 
 def make_corpus(folder, num_docs=40, seed=0):
-    """Documents of structured pseudo-English: learnable, so val loss must fall within a few dozen steps."""
+    """Documents of structured pseudo-English: learnable, so val loss must fall within a few dozen
+    steps."""
     rng = random.Random(seed)
     subjects = ['the cat', 'a dog', 'my friend', 'the king', 'our ship', 'her song']
     verbs = ['sees', 'loves', 'finds', 'keeps', 'sends', 'hears']
-    objects = ['the moon.', 'a small bird.', 'the old road.', 'two red apples.', 'the sea.', 'his letter.']
+    objects = ['the moon.', 'a small bird.', 'the old road.', 'two red apples.', 'the sea.',
+               'his letter.']
     os.makedirs(folder, exist_ok=True)
     for d in range(num_docs):
         lines = [f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}"
@@ -83,7 +87,8 @@ def gpt2_shards(folder, train_tokens, val_tokens=10_000):
 
 
 def write_ranks(path, merges):
-    """A tiny GPT-2-style BPE as a local .tiktoken ranks file: the 256 bytes, then the merges in order."""
+    """A tiny GPT-2-style BPE as a local .tiktoken ranks file: the 256 bytes, then the merges in
+    order."""
     lines = [f'{base64.b64encode(bytes([i])).decode()} {i}' for i in range(256)]
     lines += [f'{base64.b64encode(m).decode()} {256 + k}' for k, m in enumerate(merges)]
     path.write_text('\n'.join(lines) + '\n')
@@ -98,8 +103,8 @@ def stop_forked_runs():
 
 @pytest.fixture(autouse=True)
 def fresh_interpreters(request, monkeypatch):
-    """A test marked fresh starts each run as a fresh interpreter (tests/forked.py says what forking cannot
-    show)."""
+    """A test marked fresh starts each run as a fresh interpreter (tests/forked.py says what forking
+    cannot show)."""
     if request.node.get_closest_marker('fresh'):
         monkeypatch.setattr(forked, 'FRESH', True)
 
@@ -114,8 +119,8 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def root(tmp_path_factory, request):
-    """A folder for what a test module shares, with tiktoken's cache of local files (.tiktoken BPEs made by
-    the tests) kept inside it, also for the processes the tests start."""
+    """A folder for what a test module shares, with tiktoken's cache of local files (.tiktoken BPEs
+    made by the tests) kept inside it, also for the processes the tests start."""
     with pytest.MonkeyPatch.context() as mp:
         path = tmp_path_factory.mktemp(request.module.__name__)
         mp.setenv('TIKTOKEN_CACHE_DIR', str(path / 'tiktoken_cache'))
@@ -123,19 +128,19 @@ def root(tmp_path_factory, request):
 
 
 def run_train(out_dir, data_dir, *overrides, check=True, env=None, timeout=300, probe=False):
-    """python train.py tests/run_config.py --data_dir=... --out_dir=... OVERRIDES, from the repo root
-    (forked.py says how); under tests/probe.py if probe."""
+    """python train.py tests/run_config.py --data_dir=... --out_dir=... OVERRIDES, from the repo
+    root (forked.py says how); under tests/probe.py if probe."""
     script = [PROBE, 'train.py'] if probe else ['train.py']
-    result = forked.run(*script, RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *overrides,
-                        env=env, timeout=timeout)
+    result = forked.run(*script, RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}',
+                        *overrides, env=env, timeout=timeout)
     return ok(result) if check else result
 
 
 def run_trains(data_dir, *runs):
     """Several independent train.py runs side by side, each (out_dir, [overrides]): on two cores two
     one-thread runs take the time of one."""
-    procs = [forked.Process('train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}',
-                            *overrides)
+    procs = [forked.Process('train.py', RUN_CONFIG, f'--data_dir={data_dir}',
+                            f'--out_dir={out_dir}', *overrides)
              for out_dir, overrides in runs]
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=300)
@@ -167,11 +172,12 @@ def torchrun_script(*args, nproc=2, env_extra=None, torchrun_args=(), timeout=30
     launcher = ['-m', 'torch.distributed.run'] if forked.FRESH else [FORKED_TORCHRUN]
     if not forked.FRESH:  # its workers are forks too
         env[forked.SOCKET_ENV] = forked.server_socket()
-    proc = forked.Process(*launcher, *(torchrun_args or ['--standalone']), f'--nproc_per_node={nproc}',
-                          *args, env=env, new_session=True)
+    proc = forked.Process(*launcher, *(torchrun_args or ['--standalone']),
+                          f'--nproc_per_node={nproc}', *args, env=env, new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
-    finally:  # on a timeout torchrun is stopped; its workers, in sessions of their own, run to their end
+    # on a timeout torchrun is stopped; its workers, in sessions of their own, run to their end
+    finally:
         if proc.poll() is None:
             proc.kill()  # the whole process group
             proc.wait()

@@ -1,9 +1,10 @@
 """One rank of evaluate.score() in a gloo process group, for tests/test_evaluate.py:
 
-    python tests/evaluate_ranks.py HF_FOLDER TOKENIZER TASK BATCH_SIZE RANK WORLD_SIZE STORE_FILE ddp|fsdp
+    python tests/evaluate_ranks.py HF_FOLDER TOKENIZER TASK BATCH_SIZE RANK WORLD_SIZE STORE_FILE
+        ddp|fsdp
 
-Loads GPT-2 weights as evaluate.py's init_from does; 'fsdp' shards them (FSDP2), where every forward is a
-collective of all ranks. Rank 0 prints score()'s result as JSON."""
+Loads GPT-2 weights as evaluate.py's init_from does; 'fsdp' shards them (FSDP2), where every forward
+is a collective of all ranks. Rank 0 prints score()'s result as JSON."""
 import json
 import os
 import sys
@@ -12,7 +13,8 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, for evaluate
+# the repo, for evaluate
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import evaluate  # noqa: E402
 import distributed  # noqa: E402
 

@@ -1,21 +1,21 @@
-"""The server of tests/forked.py: imports what most test runs import, then forks a child per request, and the
-child becomes `python ARGS` here, at this script's top level.
+"""The server of tests/forked.py: imports what most test runs import, then forks a child per
+request, and the child becomes `python ARGS` here, at this script's top level.
 
-The child returns from serve() and runs the requested script or module as __main__; when that ends, this
-script ends, and the interpreter exits as it does after any script: SystemExit's message or sys.excepthook on
-stderr, non-daemon threads joined, atexit handlers run (which join multiprocessing's children). The last of
-them, registered here first, flushes stdout and stderr and ends the process with the interpreter's exit code
-(death by SIGINT after an uncaught KeyboardInterrupt), but without the teardown of the modules that would
-follow: freeing the objects of torch's imports costs a child, whose memory it shares with the server until it
-writes to it, 1.3 CPU-s. So objects still alive at exit are not finalized, as after os._exit: close files with
-`with`.
+The child returns from serve() and runs the requested script or module as __main__; when that ends,
+this script ends, and the interpreter exits as it does after any script: SystemExit's message or
+sys.excepthook on stderr, non-daemon threads joined, atexit handlers run (which join
+multiprocessing's children). The last of them, registered here first, flushes stdout and stderr and
+ends the process with the interpreter's exit code (death by SIGINT after an uncaught
+KeyboardInterrupt), but without the teardown of the modules that would follow: freeing the objects
+of torch's imports costs a child, whose memory it shares with the server until it writes to it, 1.3
+CPU-s. So objects still alive at exit are not finalized, as after os._exit: close files with `with`.
 
-The server takes one request per line on stdin (JSON: args, cwd, env, new_session, folder, and optionally
-output: the files stdout and stderr append to instead of the folder's), answers with the child's pid on
-stdout, reaps its children and writes each one's exit status into its request's folder. The same requests
-come over the Unix socket named by its argument, one per connection, from its children (a forked torchrun
-asking for its workers: tests/forked_torchrun.py). It exits when stdin closes. It never starts a thread: it
-forks.
+The server takes one request per line on stdin (JSON: args, cwd, env, new_session, folder, and
+optionally output: the files stdout and stderr append to instead of the folder's), answers with the
+child's pid on stdout, reaps its children and writes each one's exit status into its request's
+folder. The same requests come over the Unix socket named by its argument, one per connection, from
+its children (a forked torchrun asking for its workers: tests/forked_torchrun.py). It exits when
+stdin closes. It never starts a thread: it forks.
 """
 import atexit
 import builtins
@@ -36,7 +36,8 @@ ended_by = None  # in a child, what ended its script: the exception, or None for
 
 
 def exit_without_teardown():
-    """In a child, after the other atexit handlers: what the interpreter does next, but the teardown."""
+    """In a child, after the other atexit handlers: what the interpreter does next, but the
+    teardown."""
     if request is None:  # the server
         return
     sys.stdout.flush()
@@ -44,30 +45,38 @@ def exit_without_teardown():
     if isinstance(ended_by, KeyboardInterrupt):
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
-    if isinstance(ended_by, SystemExit):  # as the interpreter reads it: None is 0, a message (printed) 1
-        os._exit(0 if ended_by.code is None else ended_by.code if isinstance(ended_by.code, int) else 1)
+    # as the interpreter reads it: None is 0, a message (printed) 1
+    if isinstance(ended_by, SystemExit):
+        os._exit(0 if ended_by.code is None else ended_by.code if isinstance(ended_by.code, int)
+                 else 1)
     os._exit(0 if ended_by is None else 1)
 
 
-atexit.register(exit_without_teardown)  # first, so that it runs last: after those the imports below register
-# what most runs import and take about 3 CPU-s over (torch._dynamo: building any torch.optim optimizer imports
-# it); the repo's own modules are left for each run to import, as it would
-for name in ('numpy', 'torch', 'torch._dynamo', 'torch.distributed', 'torch.utils.data', 'tiktoken'):
+# first, so that it runs last: after those the imports below register
+atexit.register(exit_without_teardown)
+# what most runs import and take about 3 CPU-s over (torch._dynamo: building any torch.optim
+# optimizer imports it); the repo's own modules are left for each run to import, as it would
+for name in ('numpy', 'torch', 'torch._dynamo', 'torch.distributed', 'torch.utils.data',
+             'tiktoken'):
     importlib.import_module(name)
 
 
 def serve(socket_path):
-    """Fork a child per request, answer with its pid. Returns the request in a child, None at stdin's end."""
+    """Fork a child per request, answer with its pid. Returns the request in a child, None at
+    stdin's end."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
     listener.listen()
     wakeup, wakeup_write = os.pipe()  # SIGCHLD writes a byte to it, so that select wakes up to reap
     os.set_blocking(wakeup_write, False)
     signal.set_wakeup_fd(wakeup_write)
-    # the handlers a fresh interpreter would have (SIGINT's is SIG_IGN where the test process ignores it)
+    # the handlers a fresh interpreter would have (SIGINT's is SIG_IGN where the test process
+    # ignores it)
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGCHLD, signal.SIGINT)}
-    signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # only a handled signal writes to the wakeup fd
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal ends the runs, not their reaper
+    # only a handled signal writes to the wakeup fd
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    # Ctrl-C in a terminal ends the runs, not their reaper
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     folders, pending = {}, b''  # each running child's folder; stdin read past the last whole line
     while True:
         ready = select.select([0, wakeup, listener], [], [])[0]
@@ -84,15 +93,18 @@ def serve(socket_path):
             requests += [(json.loads(line), None) for line in lines]
         if listener in ready:
             connection = listener.accept()[0]
-            connection.settimeout(10)  # the client writes one line at once, then waits for the answer
+            # the client writes one line at once, then waits for the answer
+            connection.settimeout(10)
             try:
                 with connection.makefile('rb') as f:
                     requests.append((json.loads(f.readline()), connection))
-            except (OSError, ValueError):  # a client that stalled or died before its request was whole
+            # a client that stalled or died before its request was whole
+            except (OSError, ValueError):
                 connection.close()
         for request, connection in requests:
             pid = os.fork()
-            if pid == 0:  # what the child must not inherit: the server's signal handling, pipes and socket
+            # what the child must not inherit: the server's signal handling, pipes and socket
+            if pid == 0:
                 signal.set_wakeup_fd(-1)
                 for fd in (wakeup, wakeup_write):
                     os.close(fd)
@@ -115,7 +127,8 @@ def serve(socket_path):
 
 
 def reap(folders):
-    """Write the exit status of each child that has ended, as Popen.returncode, into its folder, whole."""
+    """Write the exit status of each child that has ended, as Popen.returncode, into its folder,
+    whole."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -130,42 +143,49 @@ def reap(folders):
 
 
 def fresh_thread_count(env):
-    """torch's thread count in a fresh interpreter started with env. torch runs on OpenMP with MKL here, and
-    takes MKL's count: MKL_NUM_THREADS, else OMP_NUM_THREADS, at most the physical cores (MKL_DYNAMIC's
-    default). test_forked compares it with fresh interpreters."""
-    cores = {(open(f'{cpu}/topology/physical_package_id').read(), open(f'{cpu}/topology/core_id').read())
+    """torch's thread count in a fresh interpreter started with env. torch runs on OpenMP with MKL
+    here, and takes MKL's count: MKL_NUM_THREADS, else OMP_NUM_THREADS, at most the physical cores
+    (MKL_DYNAMIC's default). test_forked compares it with fresh interpreters."""
+    cores = {(open(f'{cpu}/topology/physical_package_id').read(),
+              open(f'{cpu}/topology/core_id').read())
              for cpu in glob.glob('/sys/devices/system/cpu/cpu[0-9]*')}
-    return min(int(env.get('MKL_NUM_THREADS') or env['OMP_NUM_THREADS']), len(cores) or os.cpu_count())
+    return min(int(env.get('MKL_NUM_THREADS') or env['OMP_NUM_THREADS']),
+               len(cores) or os.cpu_count())
 
 
 def become(args, cwd, env, new_session, folder, output=None):
-    """In the child: what the interpreter does to run `python [-u] SCRIPT ARGS` or `python [-u] -m MODULE
-    ARGS`."""
-    # stdin off the server's requests, stdout and stderr to the files the client reads; appended to, as a file
-    # several processes write (torchrun's and its workers') must be
+    """In the child: what the interpreter does to run `python [-u] SCRIPT ARGS` or `python [-u] -m
+    MODULE ARGS`."""
+    # stdin off the server's requests, stdout and stderr to the files the client reads; appended to,
+    # as a file several processes write (torchrun's and its workers') must be
     output = output or [os.path.join(folder, name) for name in ('stdout', 'stderr')]
     for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, output[0], os.O_WRONLY | os.O_APPEND),
                             (2, output[1], os.O_WRONLY | os.O_APPEND)):
         opened = os.open(path, flags)
         os.dup2(opened, fd)
         os.close(opened)
-    if args[0] == '-u':  # as the interpreter's: stdout and stderr unbuffered, each write passed on at once
+    # as the interpreter's: stdout and stderr unbuffered, each write passed on at once
+    if args[0] == '-u':
         args = args[1:]
-        sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, 'w', closefd=False), write_through=True,
-                                                   encoding=stream.encoding, errors=stream.errors)
+        sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, 'w', closefd=False),
+                                                   write_through=True, encoding=stream.encoding,
+                                                   errors=stream.errors)
                                   for fd, stream in ((1, sys.stdout), (2, sys.stderr)))
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    sys.modules['torch'].set_num_threads(fresh_thread_count(env))  # torch took the server's at its import
+    # torch took the server's at its import
+    sys.modules['torch'].set_num_threads(fresh_thread_count(env))
     if new_session:  # as subprocess's start_new_session: a process group of its own, for killpg
         os.setsid()
-    if args[0] == '-m':  # sys.path[0] is the working directory; run_module puts the module's file in argv[0]
+    # sys.path[0] is the working directory; run_module puts the module's file in argv[0]
+    if args[0] == '-m':
         sys.argv, sys.path[0] = args[1:], os.getcwd()
         runpy.run_module(args[1], run_name='__main__', alter_sys=True)
         return
-    # sys.path[0] is the script's folder, __file__ its absolute path (sys.argv[0] stays as given), and the
-    # script runs in a new __main__ module that stays in sys.modules, as the interpreter's does
+    # sys.path[0] is the script's folder, __file__ its absolute path (sys.argv[0] stays as given),
+    # and the script runs in a new __main__ module that stays in sys.modules, as the interpreter's
+    # does
     path = os.path.abspath(args[0])
     sys.argv, sys.path[0] = args, os.path.dirname(os.path.realpath(path))
     main = types.ModuleType('__main__')
@@ -180,6 +200,7 @@ request = serve(sys.argv[1])
 if request is not None:
     try:
         become(**request)
-    except BaseException as e:  # the interpreter reports it; exit_without_teardown takes the code from it
+    # the interpreter reports it; exit_without_teardown takes the code from it
+    except BaseException as e:
         ended_by = e
         raise

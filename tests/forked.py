@@ -1,21 +1,23 @@
-"""`python ARGS` without paying for the imports: a fork of a server process that has imported torch already.
+"""`python ARGS` without paying for the imports: a fork of a server process that has imported torch
+already.
 
-Most tests start train.py, sample.py or torchrun, and most of such a process's CPU time is importing torch
-and torch._dynamo (which building any torch.optim optimizer imports): about 3 CPU-s each, the bulk of the
-suite on 2 cores. Here a run is a fork of tests/fork_server.py, started once per test process, which has
-imported them; the child takes its own argv, sys.path, cwd, environment, stdout and stderr and runs the script
-as __main__ at the server script's top level, so that it exits as the interpreter exits after any script
-(fork_server.py says how). It is a real process: signals, exit codes and DataLoader workers behave as in a
-fresh interpreter, and test_train checks that a forked run and a fresh `python train.py` write the same losses
-and weights bit for bit. torchrun runs forked too, and its workers are forks of the same server
-(tests/forked_torchrun.py asks the server for them over its socket).
+Most tests start train.py, sample.py or torchrun, and most of such a process's CPU time is importing
+torch and torch._dynamo (which building any torch.optim optimizer imports): about 3 CPU-s each, the
+bulk of the suite on 2 cores. Here a run is a fork of tests/fork_server.py, started once per test
+process, which has imported them; the child takes its own argv, sys.path, cwd, environment, stdout
+and stderr and runs the script as __main__ at the server script's top level, so that it exits as the
+interpreter exits after any script (fork_server.py says how). It is a real process: signals, exit
+codes and DataLoader workers behave as in a fresh interpreter, and test_train checks that a forked
+run and a fresh `python train.py` write the same losses and weights bit for bit. torchrun runs
+forked too, and its workers are forks of the same server (tests/forked_torchrun.py asks the server
+for them over its socket).
 
-What the server fixed at its start stays: environment variables read at import (IMPORT_TIME_ENV: a run that
-sets them differently is refused; torch's thread count is the exception, set in the child from the run's
-OMP_NUM_THREADS, a number), warnings printed while importing, the string hash seed. So the tests of
-exact stderr and of signals start fresh interpreters in every session (pytest's `fresh` marker sets FRESH for
-a test, see conftest.py), and HONESTGPT_TEST_FRESH=1 starts every run fresh, to check the whole suite either
-way (docs/benchmarks.md has both times).
+What the server fixed at its start stays: environment variables read at import (IMPORT_TIME_ENV: a
+run that sets them differently is refused; torch's thread count is the exception, set in the child
+from the run's OMP_NUM_THREADS, a number), warnings printed while importing, the string hash seed.
+So the tests of exact stderr and of signals start fresh interpreters in every session (pytest's
+`fresh` marker sets FRESH for a test, see conftest.py), and HONESTGPT_TEST_FRESH=1 starts every run
+fresh, to check the whole suite either way (docs/benchmarks.md has both times).
 """
 import atexit
 import contextlib
@@ -32,12 +34,14 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER = os.path.join(REPO, 'tests', 'fork_server.py')
 IMPORT_TIME_ENV = ('OMP_', 'MKL_', 'KMP_', 'PYTHON', 'TORCH', 'LC_', 'LANG', 'TMP', 'TEMP')
-# read after the imports, not during them: what torchrun gives its workers, the folder that inductor writes
-# into the environment when it first compiles (its default, which a fork would compute alike), and the thread
-# count, which the child gives torch as a fresh interpreter would take it (fork_server.fresh_thread_count)
+# read after the imports, not during them: what torchrun gives its workers, the folder that inductor
+# writes into the environment when it first compiles (its default, which a fork would compute
+# alike), and the thread count, which the child gives torch as a fresh interpreter would take it
+# (fork_server.fresh_thread_count)
 READ_LATER_ENV = ('TORCHELASTIC_', 'TORCH_NCCL_ASYNC_ERROR_HANDLING', 'TORCHINDUCTOR_CACHE_DIR',
                   'OMP_NUM_THREADS')
-SOCKET_ENV = 'HONESTGPT_FORK_SERVER'  # in a run: the server's socket, where it may ask for runs of its own
+# in a run: the server's socket, where it may ask for runs of its own
+SOCKET_ENV = 'HONESTGPT_FORK_SERVER'
 FRESH = os.environ.get('HONESTGPT_TEST_FRESH') == '1'  # read when a run starts: a test may set it
 _server = _socket = None  # the fork server, started with the first run, and its socket's path
 _server_env = None  # the import-time variables it started with
@@ -45,15 +49,17 @@ _running = set()  # started and not yet waited for: stop_all() ends them
 
 
 def server_socket():
-    """The path of the fork server's socket (a run that has it in SOCKET_ENV asks the server from there);
-    starts the server from this process's environment, as _server_env holds, if it is not running."""
+    """The path of the fork server's socket (a run that has it in SOCKET_ENV asks the server from
+    there); starts the server from this process's environment, as _server_env holds, if it is not
+    running."""
     global _server, _socket
     if _server is None:
         folder = tempfile.mkdtemp(prefix='fork-server-')
         _socket = os.path.join(folder, 'socket')
         _server = subprocess.Popen([sys.executable, SERVER, _socket], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, text=True)
-        atexit.register(shutil.rmtree, folder, True)  # after the server ends: atexit runs the last first
+        # after the server ends: atexit runs the last first
+        atexit.register(shutil.rmtree, folder, True)
         atexit.register(_server.communicate)  # at the session's end: stdin closed, the server ends
     return _socket
 
@@ -66,7 +72,8 @@ def import_time_env(env):
 
 def _fork(request):
     """The pid of a new child of the fork server, which runs the request."""
-    if _server is None and SOCKET_ENV in os.environ:  # a run of the server's, asking for one of its own
+    # a run of the server's, asking for one of its own
+    if _server is None and SOCKET_ENV in os.environ:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
             connection.connect(os.environ[SOCKET_ENV])
             connection.sendall(json.dumps(request).encode() + b'\n')
@@ -85,24 +92,27 @@ def _fork(request):
 def _check_server():
     """A run waited for would otherwise wait forever: nothing reaps it."""
     if _server is not None and _server.poll() is not None:
-        raise RuntimeError(f'tests/fork_server.py exited with {_server.returncode}: its stderr says why')
+        raise RuntimeError(f'tests/fork_server.py exited with {_server.returncode}: its stderr '
+                           f'says why')
 
 
 class Process:
-    """A started `python ARGS` with the parts of subprocess.Popen that tests use; its output captured, or
-    appended to the files output names."""
+    """A started `python ARGS` with the parts of subprocess.Popen that tests use; its output
+    captured, or appended to the files output names."""
 
     def __init__(self, *args, cwd=REPO, env=None, new_session=False, output=None):
         global _server_env
         self.fresh = FRESH  # this run's way, also when a test changes FRESH later
-        if _server_env is None:  # the server starts with the first run, from this process's environment
+        # the server starts with the first run, from this process's environment
+        if _server_env is None:
             _server_env = import_time_env(os.environ)
         env = dict(os.environ if env is None else env)
         import_time = import_time_env(env)
-        if (import_time != _server_env or not env.get('OMP_NUM_THREADS', '').isdigit()) and not self.fresh:
-            raise ValueError(f"the fork server imported torch with {_server_env}, this run asks for "
-                             f"{import_time} and OMP_NUM_THREADS={env.get('OMP_NUM_THREADS')}: start it "
-                             f"with subprocess")
+        if ((import_time != _server_env or not env.get('OMP_NUM_THREADS', '').isdigit())
+                and not self.fresh):
+            raise ValueError(f"the fork server imported torch with {_server_env}, this run asks "
+                             f"for {import_time} and OMP_NUM_THREADS={env.get('OMP_NUM_THREADS')}: "
+                             f"start it with subprocess")
         self.args, self.new_session = [sys.executable, *args], new_session
         self.stdout, self.stderr, self._returncode = None, None, None
         self.folder, self.captured = tempfile.mkdtemp(prefix='forked-'), output is None
@@ -111,12 +121,12 @@ class Process:
             open(path, 'w').close()
         if self.fresh:
             with open(self.paths[0], 'a') as stdout, open(self.paths[1], 'a') as stderr:
-                self.process = subprocess.Popen(self.args, cwd=cwd, env=env, stdout=stdout, stderr=stderr,
-                                                start_new_session=new_session)
+                self.process = subprocess.Popen(self.args, cwd=cwd, env=env, stdout=stdout,
+                                                stderr=stderr, start_new_session=new_session)
             self.pid = self.process.pid
         else:
-            self.pid = _fork({'args': list(args), 'cwd': cwd, 'env': env, 'new_session': new_session,
-                              'folder': self.folder, 'output': output})
+            self.pid = _fork({'args': list(args), 'cwd': cwd, 'env': env,
+                              'new_session': new_session, 'folder': self.folder, 'output': output})
         _running.add(self)
 
     @property
@@ -124,7 +134,8 @@ class Process:
         return self.poll()
 
     def poll(self):
-        """The exit code, None while running: the server writes it into the run's folder as it reaps it."""
+        """The exit code, None while running: the server writes it into the run's folder as it reaps
+        it."""
         if self._returncode is None and self.fresh:
             self._returncode = self.process.poll()
         elif self._returncode is None:
@@ -136,11 +147,13 @@ class Process:
         return self._returncode
 
     def send_signal(self, signum, group=False):
-        """As Popen's: nothing once the process has exited (the server reaps it, so its pid may be reused)."""
+        """As Popen's: nothing once the process has exited (the server reaps it, so its pid may be
+        reused)."""
         if self.poll() is None:
             try:
                 os.killpg(self.pid, signum) if group else os.kill(self.pid, signum)
-            except ProcessLookupError:  # exited just now; or no group yet: the child is before its setsid
+            # exited just now; or no group yet: the child is before its setsid
+            except ProcessLookupError:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.pid, signum)
 
@@ -155,7 +168,8 @@ class Process:
             time.sleep(0.01)
         if os.path.isdir(self.folder):  # the first wait after the exit collects the output
             if self.captured:
-                self.stdout, self.stderr = (open(path, errors='replace').read() for path in self.paths)
+                self.stdout, self.stderr = (open(path, errors='replace').read()
+                                            for path in self.paths)
             shutil.rmtree(self.folder)
             _running.discard(self)
         return self._returncode
@@ -166,7 +180,8 @@ class Process:
 
 
 def stop_all():
-    """Kill the runs still going (with their process groups where they have their own), remove their files."""
+    """Kill the runs still going (with their process groups where they have their own), remove their
+    files."""
     for proc in list(_running):
         proc.kill()
         proc.wait()

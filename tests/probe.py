@@ -1,14 +1,15 @@
-"""Runs train.py, alone or under torchrun, with test probes that the product itself must not contain. RANK is
-torchrun's (0 alone); a probe that writes files writes one per rank, NAME.RANK.
-PROBE_COUNT=DIR      counts DDP's gradient all-reduces per rank (a comm hook) into DIR/allreduce.RANK, and
-                     writes whether DDP would broadcast buffers in a forward into DIR/buffers.RANK
+"""Runs train.py, alone or under torchrun, with test probes that the product itself must not
+contain. RANK is torchrun's (0 alone); a probe that writes files writes one per rank, NAME.RANK.
+PROBE_COUNT=DIR      counts DDP's gradient all-reduces per rank (a comm hook) into
+                     DIR/allreduce.RANK, and writes whether DDP would broadcast buffers in a
+                     forward into DIR/buffers.RANK
 PROBE_NAN=R:N        makes rank R's loss NaN from its N-th micro-batch on
 PROBE_KILL=R:N       SIGKILLs rank R at its N-th micro-batch, on torchrun's first attempt only
 PROBE_STEPS=DIR      counts the steps each optimizer class took per rank into DIR/steps.RANK (JSON)
-PROBE_ATTENTION=DIR  counts attention calls (one per block forward) with gradients on, in forward and inside a
-                     backward (a recomputation), into DIR/attention.RANK (JSON)
-PROBE_DTYPES=DIR     writes the dtypes the linear layers returned in training forwards into DIR/dtypes.RANK
-                     (JSON)
+PROBE_ATTENTION=DIR  counts attention calls (one per block forward) with gradients on, in forward
+                     and inside a backward (a recomputation), into DIR/attention.RANK (JSON)
+PROBE_DTYPES=DIR     writes the dtypes the linear layers returned in training forwards into
+                     DIR/dtypes.RANK (JSON)
 PROBE_OOM=N          training forwards of more than N windows raise torch.OutOfMemoryError (in
                      attention), as a device too small for them would
 PROBE_GRAPHS=DIR     counts the graphs that torch.compile hands to inductor into DIR/graphs.RANK
@@ -18,20 +19,22 @@ PROBE_HOLD_SAVE=N    the N-th write of last.pt (torch.save's, or a link to best.
 PROBE_SAVE_DELAY=S   torch.save waits S seconds before it writes: with async_save, training goes on
                      meanwhile
 PROBE_LOGGERS=FILE   stands in for wandb and TensorBoard (the tensorboard package and
-                     torch.utils.tensorboard): each call the run makes to them becomes a JSON line in FILE
-PROBE_SLEEP=A-B:S    sleeps S seconds in training micro-batches A to B (as compilation or a busy machine
-                     would)
-PROBE_DATA=R:N:HOW:PATH  at rank R's N-th micro-batch, truncates the file PATH to half its size (HOW=truncate)
-                     or rotates the tokens of its second half by 4 bytes, keeping its size and every id in the
-                     vocabulary (HOW=rewrite), as a job re-preparing the data under the run would
-PROBE_FSIZE=BYTES    no file this process writes may grow past BYTES (RLIMIT_FSIZE): writes fail with EFBIG,
-                     as on a full disk where no small filesystem can be mounted
+                     torch.utils.tensorboard): each call the run makes to them becomes a JSON line
+                     in FILE
+PROBE_SLEEP=A-B:S    sleeps S seconds in training micro-batches A to B (as compilation or a busy
+                     machine would)
+PROBE_DATA=R:N:HOW:PATH  at rank R's N-th micro-batch, truncates the file PATH to half its size
+                     (HOW=truncate) or rotates the tokens of its second half by 4 bytes, keeping its
+                     size and every id in the vocabulary (HOW=rewrite), as a job re-preparing the
+                     data under the run would
+PROBE_FSIZE=BYTES    no file this process writes may grow past BYTES (RLIMIT_FSIZE): writes fail
+                     with EFBIG, as on a full disk where no small filesystem can be mounted
 PROBE_CUDA_MEMORY=BYTES  from fit_batch's first try (smoke.fit_batch) or the training loop's
                      start (perf.reset_peak_memory), the CUDA allocator may hold at most BYTES of
                      GPU 0, as on a smaller card (set_per_process_memory_fraction)
-Always: the GIL changes hands at most once a second unless its holder releases it (sys.setswitchinterval), so
-a collective's tensors that gloo's worker thread frees late reach Python's shutdown unless train.py's exit
-gives way (distributed.destroy_process_group).
+Always: the GIL changes hands at most once a second unless its holder releases it
+(sys.setswitchinterval), so a collective's tensors that gloo's worker thread frees late reach
+Python's shutdown unless train.py's exit gives way (distributed.destroy_process_group).
 Usage: [torchrun ...] tests/probe.py train.py ARGS..."""
 import atexit
 import importlib.machinery
@@ -80,7 +83,8 @@ micro_batches = 0
 
 def write_at_exit(variable, name, content):
     """At exit, DIR/name.RANK (DIR from the environment variable) gets content() as text."""
-    atexit.register(lambda: open(os.path.join(os.environ[variable], f'{name}.{rank}'), 'w').write(content()))
+    atexit.register(lambda: open(os.path.join(os.environ[variable], f'{name}.{rank}'), 'w')
+                    .write(content()))
 
 
 if 'PROBE_COUNT' in os.environ:
@@ -112,7 +116,8 @@ if 'PROBE_ATTENTION' in os.environ:
 
     def counting_attention(*args, **kwargs):
         if torch.is_grad_enabled():  # training, not evaluation or sampling
-            attention_calls['backward' if torch._C._current_graph_task_id() != -1 else 'forward'] += 1
+            attention_calls['backward' if torch._C._current_graph_task_id() != -1
+                            else 'forward'] += 1
         return attention(*args, **kwargs)
     F.scaled_dot_product_attention = counting_attention
     write_at_exit('PROBE_ATTENTION', 'attention', lambda: json.dumps(attention_calls))
@@ -184,7 +189,8 @@ if 'PROBE_LOGGERS' in os.environ:
 
     def fake_module(name, **attributes):
         module = types.ModuleType(name)
-        module.__spec__ = importlib.machinery.ModuleSpec(name, None)  # what importlib.util.find_spec returns
+        # what importlib.util.find_spec returns
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
         module.__dict__.update(attributes)
         sys.modules[name] = module
 
@@ -215,7 +221,8 @@ def probed_cross_entropy(*args, **kwargs):
             if how == 'truncate':
                 os.truncate(path, os.path.getsize(path) // 2)
             else:
-                half = 1024 + (os.path.getsize(path) // 2 - 1024) // 4 * 4  # after the header, at a token
+                # after the header, at a token
+                half = 1024 + (os.path.getsize(path) // 2 - 1024) // 4 * 4
                 with open(path, 'r+b') as f:
                     f.seek(half)
                     rest = f.read()
@@ -234,10 +241,11 @@ def probed_cross_entropy(*args, **kwargs):
     return loss
 
 
-# only when asked: torch.compile traces the loss (in GPT.forward), and it cannot guard on a function of this
-# script, whose module train.py's replaces as __main__
+# only when asked: torch.compile traces the loss (in GPT.forward), and it cannot guard on a function
+# of this script, whose module train.py's replaces as __main__
 if any(name in os.environ for name in ('PROBE_NAN', 'PROBE_KILL', 'PROBE_DATA', 'PROBE_SLEEP')):
     F.cross_entropy = probed_cross_entropy
 sys.argv = sys.argv[1:]
-sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))  # as if train.py were run directly
+# as if train.py were run directly
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
 runpy.run_path(sys.argv[0], run_name='__main__')

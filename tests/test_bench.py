@@ -1,5 +1,5 @@
-"""bench.py run as users run it on the toy dataset, its JSON figures checked against each other and against
-the model's shapes; the reference mode against a fake nanoGPT; perf's peaks."""
+"""bench.py run as users run it on the toy dataset, its JSON figures checked against each other and
+against the model's shapes; the reference mode against a fake nanoGPT; perf's peaks."""
 import json
 import os
 import re
@@ -22,10 +22,11 @@ QUICK = ['--bench_iters=5', '--bench_warmup=2', '--rounds=1', '--dtype=float32']
 def run_bench(tmp_path, data_dir, *overrides, env=None):
     """bench.py on tests/run_config.py; its JSON report."""
     report = tmp_path / 'bench.json'
-    cmd = [sys.executable, 'bench.py', RUN_CONFIG, f'--data_dir={data_dir}', *QUICK, f'--json={report}',
-           *overrides]
+    cmd = [sys.executable, 'bench.py', RUN_CONFIG, f'--data_dir={data_dir}', *QUICK,
+           f'--json={report}', *overrides]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, f"bench.py failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+    assert result.returncode == 0, (f"bench.py failed ({result.returncode}):\n{result.stdout}\n"
+                                    f"{result.stderr}")
     assert f"all figures: {report}" in result.stdout
     report = json.loads(report.read_text())
     for r in range(1, report['rounds'] + 1):  # a line as each run ends, not only at the end
@@ -35,8 +36,8 @@ def run_bench(tmp_path, data_dir, *overrides, env=None):
 
 
 def toy_params(data_dir):
-    """The parameters of the GPT that train.py builds from tests/run_config.py on the toy data (tied head
-    once)."""
+    """The parameters of the GPT that train.py builds from tests/run_config.py on the toy data (tied
+    head once)."""
     run_config = {}
     exec(open(RUN_CONFIG).read(), run_config)
     shape = {k: run_config[k] for k in ('n_layer', 'n_head', 'n_embd', 'block_size')}
@@ -65,8 +66,9 @@ def check_setting(s, iters, tokens_per_iter, flops_per_token):
 @pytest.mark.slow
 @pytest.mark.parametrize('device', DEVICES)
 def test_bench_compares_two_settings_with_speed_mfu_memory_and_profile(tmp_path, data_dir, device):
-    # B trains the same model on the same batches, loaded in a worker process: the same losses, another speed
-    # (deterministic on a GPU, whose atomic adds would make even two identical runs differ)
+    # B trains the same model on the same batches, loaded in a worker process: the same losses,
+    # another speed (deterministic on a GPU, whose atomic adds would make even two identical runs
+    # differ)
     report = run_bench(tmp_path, data_dir, '--compare=--num_workers=1',
                        f"--trace={tmp_path / 'iteration.json'}", f'--device={device}',
                        f'--deterministic={device == "cuda"}')
@@ -74,13 +76,16 @@ def test_bench_compares_two_settings_with_speed_mfu_memory_and_profile(tmp_path,
     assert a['device'] == b['device'] == ('cuda:0' if device == 'cuda' else 'cpu')
     model, params = toy_params(data_dir)
     for s in (a, b):
-        check_setting(s, 5, 8 * 32, model.flops_per_token())  # batch_size x block_size of run_config
+        # batch_size x block_size of run_config
+        check_setting(s, 5, 8 * 32, model.flops_per_token())
     # + profiled
-    assert a['runs'][0]['losses'] == b['runs'][0]['losses'] and len(a['runs'][0]['losses']) == 2 + 5 + 1
+    assert (a['runs'][0]['losses'] == b['runs'][0]['losses']
+            and len(a['runs'][0]['losses']) == 2 + 5 + 1)
     assert report['ratio']['of'] == 'B/A'
-    assert report['ratio']['tokens_per_sec'] == pytest.approx(b['tokens_per_sec'] / a['tokens_per_sec'])
-    # what the one process holds after its first step: float32 weights and grads, AdamW's two moments and a
-    # step count per tensor
+    assert report['ratio']['tokens_per_sec'] == pytest.approx(b['tokens_per_sec']
+                                                              / a['tokens_per_sec'])
+    # what the one process holds after its first step: float32 weights and grads, AdamW's two
+    # moments and a step count per tensor
     replica = sum(p.numel() for p in params) * 4 / 2**20
     held = a['memory_ranks'][0]
     assert (held['weights_mb'], held['grads_mb']) == pytest.approx((replica, replica))
@@ -121,7 +126,8 @@ def test_bench_against_a_reference_command_in_rounds(tmp_path, data_dir):
     check_setting(ours, 5, 8 * 32, model.flops_per_token())
     assert len(ref['runs']) == 2 and all(run['iters'] == 7 for run in ref['runs'])
     # warm-up dropped
-    assert [run['seconds'] for run in ref['runs']] == [pytest.approx([0.020, 0.030, 0.025, 0.035, 0.020])] * 2
+    assert ([run['seconds'] for run in ref['runs']]
+            == [pytest.approx([0.020, 0.030, 0.025, 0.035, 0.020])] * 2)
     assert ref['ms_per_iter'] == pytest.approx(25) and ref['first_seconds'] == pytest.approx(0.1)
     assert ref['tokens_per_sec'] == pytest.approx(512 / 0.025)
     assert all(run['wall_seconds'] >= 0.33 for run in ref['runs'])  # it slept that long
@@ -179,20 +185,22 @@ def test_bench_whole_runs_time_the_process_and_the_val_loss_against_a_reference(
 
 @pytest.mark.slow
 def test_bench_sample_mode_times_generate_with_and_without_the_cache(tmp_path, data_dir):
-    # 40 new tokens from 1 at block_size 32: decoding, then a sliding window; greedy, so both give the same
-    # tokens
+    # 40 new tokens from 1 at block_size 32: decoding, then a sliding window; greedy, so both give
+    # the same tokens
     run = str(tmp_path / 'run')
     run_train(run, data_dir, '--max_iters=20', '--lr_decay_iters=20', '--pos_emb=rope')
     report = tmp_path / 'bench.json'
-    result = forked.run('bench.py', f'--sample={run}', '--new_tokens=40', '--rounds=2', '--bench_warmup=2',
-                        f'--json={report}', timeout=120)
+    result = forked.run('bench.py', f'--sample={run}', '--new_tokens=40', '--rounds=2',
+                        '--bench_warmup=2', f'--json={report}', timeout=120)
     assert result.returncode == 0, result.stderr
     no_run = forked.run('bench.py', f'--sample={tmp_path}', '--new_tokens=40')
-    assert no_run.returncode == 2 and no_run.stderr == (f"error: sample={tmp_path}: no last.pt there: pass "
-                                                        f"the out_dir of a train.py run\n")
+    assert no_run.returncode == 2 and no_run.stderr == (f"error: sample={tmp_path}: no last.pt "
+                                                        f"there: pass the out_dir of a train.py "
+                                                        f"run\n")
     report = json.loads(report.read_text())['sample']
     model, _ = toy_params(data_dir)
-    assert report['model_args'] == {**vars(model.config), 'pos_emb': 'rope'} and report['new_tokens'] == 40
+    assert (report['model_args'] == {**vars(model.config), 'pos_emb': 'rope'}
+            and report['new_tokens'] == 40)
     assert report['same_tokens'] is True and report['device'] == 'cpu'
     for name in ('cached', 'uncached'):
         s = report[name]
@@ -205,26 +213,31 @@ def test_bench_sample_mode_times_generate_with_and_without_the_cache(tmp_path, d
 
 def test_bench_mistakes_fail_in_one_line(tmp_path):
     # its own keys before any run; train.py's in train.py's words, from the first run
-    for args, message in ((['--bench_itres=5'], "unknown config key 'bench_itres': did you mean bench_iters"),
-                          (['--batch_sise=4'], "unknown config key 'batch_sise': did you mean batch_size"),
+    for args, message in ((['--bench_itres=5'],
+                           "unknown config key 'bench_itres': did you mean bench_iters"),
+                          (['--batch_sise=4'],
+                           "unknown config key 'batch_sise': did you mean batch_size"),
                           (['--compare=--compile=True', '--reference=true'],
                            "compare and reference are both set"),
                           (['--sample=out', '--loader=out'], "more than one of loader, sample and"),
                           (['--whole=True', '--loader=out'], "more than one of loader, sample and"),
                           (['--whole=True', '--nproc=2'], "whole runs train.py in one process"),
                           (['--sample=out', '--new_tokens=0'], "new_tokens=0 must be at least 1"),
-                          (['--sample=out'], "sample reads a run's out_dir and takes no train.py arguments"),
+                          (['--sample=out'],
+                           "sample reads a run's out_dir and takes no train.py arguments"),
                           ([f"--json={tmp_path}/no/b.json"],
                            f"json={tmp_path}/no/b.json is a folder, or in one that does not exist"),
                           ([f'--trace={tmp_path}'], f"trace={tmp_path} is a folder"),
                           (["--compare='"], "compare=\"'\" cannot be split into arguments")):
         result = subprocess.run([sys.executable, 'bench.py', RUN_CONFIG, *args], cwd=REPO,
                                 capture_output=True, text=True)
-        assert result.returncode == 2 and 'round 1/' not in result.stdout, result.stdout + result.stderr
+        assert (result.returncode == 2
+                and 'round 1/' not in result.stdout), result.stdout + result.stderr
         assert result.stderr.startswith(f"error: {message}") and result.stderr.count('\n') == 1
     # found after the runs' folder was made: it goes too
     result = subprocess.run([sys.executable, 'bench.py', f"--loader={tmp_path / 'none'}"], cwd=REPO,
-                            env={**os.environ, 'TMPDIR': str(tmp_path)}, capture_output=True, text=True)
+                            env={**os.environ, 'TMPDIR': str(tmp_path)}, capture_output=True,
+                            text=True)
     assert result.returncode == 2 and result.stderr.count('\n') == 1, result.stderr
     assert not list(tmp_path.glob('bench-*'))
 
@@ -232,8 +245,8 @@ def test_bench_mistakes_fail_in_one_line(tmp_path):
 @pytest.mark.slow
 def test_bench_under_torchrun_shows_fsdp_holding_a_shard_per_rank(tmp_path, data_dir):
     report = run_bench(tmp_path, data_dir, '--nproc=2', '--bench_iters=3', '--profile=False',
-                       '--parallel=fsdp', '--gradient_accumulation_steps=2', '--compare=--parallel=ddp',
-                       env={**os.environ, 'OMP_NUM_THREADS': '1'})
+                       '--parallel=fsdp', '--gradient_accumulation_steps=2',
+                       '--compare=--parallel=ddp', env={**os.environ, 'OMP_NUM_THREADS': '1'})
     fsdp, ddp = report['settings']['A'], report['settings']['B']
     assert fsdp['world_size'] == ddp['world_size'] == 2 and 'profile' not in report
     model, params = toy_params(data_dir)
@@ -241,7 +254,8 @@ def test_bench_under_torchrun_shows_fsdp_holding_a_shard_per_rank(tmp_path, data
         check_setting(s, 3, 2 * 8 * 32, model.flops_per_token())
     # the same global batches: the same losses, up to the order of the reductions
     assert fsdp['runs'][0]['losses'] == pytest.approx(ddp['runs'][0]['losses'], rel=1e-4)
-    # what each rank holds, from the model's shapes: a DDP replica is all of it, an FSDP rank its dim-0 chunk
+    # what each rank holds, from the model's shapes: a DDP replica is all of it, an FSDP rank its
+    # dim-0 chunk
     replica = sum(p.numel() for p in params) * 4 / 2**20
     rows = lambda p, r: max(0, min(-(-p.size(0) // 2), p.size(0) - r * -(-p.size(0) // 2)))
     shard = [sum(rows(p, r) * p[0].numel() for p in params) * 4 / 2**20 for r in (0, 1)]

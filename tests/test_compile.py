@@ -1,6 +1,7 @@
-"""compile=True on CPU (inductor, which builds C++ kernels with gcc): a compiled run computes what an eager
-one does, and with deterministic=True it is repeatable and resumes bitwise, on more than one thread and on 2
-ranks. Each test compiles (20-40 s of CPU the first time, seconds from inductor's cache after)."""
+"""compile=True on CPU (inductor, which builds C++ kernels with gcc): a compiled run computes what
+an eager one does, and with deterministic=True it is repeatable and resumes bitwise, on more than
+one thread and on 2 ranks. Each test compiles (20-40 s of CPU the first time, seconds from
+inductor's cache after)."""
 import json
 import os
 
@@ -8,13 +9,14 @@ import pytest
 
 from conftest import DEVICES, ok, read_metrics, run_train, torchrun
 
-pytestmark = pytest.mark.slow  # compilation and training in subprocesses: the 'not slow' tier skips them
+# compilation and training in subprocesses: the 'not slow' tier skips them
+pytestmark = pytest.mark.slow
 
 ARGS = ['--compile=True', '--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10']
-# Tolerance: inductor fuses float32 operations and sums in another order than eager kernels, so results differ
-# by rounding: ~1e-7 relative per operation (2e-7 at most in the losses of 40 steps, measured), compounded
-# over 20 Adam steps; 1e-4 is far above that and far below what a wrong kernel or a missing operation changes
-# (1e-2).
+# Tolerance: inductor fuses float32 operations and sums in another order than eager kernels, so
+# results differ by rounding: ~1e-7 relative per operation (2e-7 at most in the losses of 40 steps,
+# measured), compounded over 20 Adam steps; 1e-4 is far above that and far below what a wrong kernel
+# or a missing operation changes (1e-2).
 RTOL = 1e-4
 
 
@@ -37,7 +39,8 @@ def test_compiled_losses_track_eager(tmp_path, data_dir, device):
     assert int(open(tmp_path / 'graphs.0').read()) >= 2
     with open(os.path.join(compiled, 'meta.json')) as f:
         assert json.load(f)['device'] == ('cuda:0' if device == 'cuda' else 'cpu')
-    for (s1, l1, lr1, g1), (s2, l2, lr2, g2) in zip(trajectory(eager), trajectory(compiled), strict=True):
+    for (s1, l1, lr1, g1), (s2, l2, lr2, g2) in zip(trajectory(eager), trajectory(compiled),
+                                                    strict=True):
         assert s1 == s2 and lr1 == lr2 and abs(l1 - l2) <= rtol * l1 and abs(g1 - g2) <= rtol * g1
     evals = [[r['val_loss'] for r in read_metrics(run, 'eval')] for run in (eager, compiled)]
     assert len(evals[0]) == 2 and evals[1] == pytest.approx(evals[0], rel=rtol)
@@ -45,11 +48,12 @@ def test_compiled_losses_track_eager(tmp_path, data_dir, device):
 
 @pytest.mark.parametrize('ranks', [1, 2])
 def test_deterministic_compiled_run_on_two_threads_resumes_bitwise(tmp_path, data_dir, ranks):
-    # Without deterministic=True, inductor's embedding backward adds rows with atomic adds from both threads,
-    # in whichever order they come: two such runs differ by rounding within a few steps, sooner the wider the
-    # rows (hence 128). Dropout on: inductor's masks come from seeds it draws from the global RNG, which the
-    # checkpoint restores.
-    args = [*ARGS, '--deterministic=True', '--dropout=0.1', '--gradient_accumulation_steps=2', '--n_embd=128']
+    # Without deterministic=True, inductor's embedding backward adds rows with atomic adds from both
+    # threads, in whichever order they come: two such runs differ by rounding within a few steps,
+    # sooner the wider the rows (hence 128). Dropout on: inductor's masks come from seeds it draws
+    # from the global RNG, which the checkpoint restores.
+    args = [*ARGS, '--deterministic=True', '--dropout=0.1', '--gradient_accumulation_steps=2',
+            '--n_embd=128']
     two_threads = {**os.environ, 'OMP_NUM_THREADS': '2'}
 
     # one after another: the first compiles, the second finds its kernels in the cache

@@ -16,13 +16,14 @@ from test_recipe import RECIPE
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
 
-# dropout 0 so one process and two ranks compute the same function; 4 micro-batches per step in total
-SAME = ['--gradient_accumulation_steps=4', '--max_iters=30', '--lr_decay_iters=30', '--eval_interval=10',
-        '--dtype=float32']
-# Tolerance: two ranks sum gradients in another order than one process (all-reduce of per-rank sums),
-# so float32 results differ by rounding only: ~1e-7 relative per operation, compounded through 30 Adam
-# steps on a 30k-parameter model; 1e-4 relative is far above that and far below any real divergence
-# (one wrong or missing micro-batch changes losses at the 1e-2 level).
+# dropout 0 so one process and two ranks compute the same function; 4 micro-batches per step in
+# total
+SAME = ['--gradient_accumulation_steps=4', '--max_iters=30', '--lr_decay_iters=30',
+        '--eval_interval=10', '--dtype=float32']
+# Tolerance: two ranks sum gradients in another order than one process (all-reduce of per-rank
+# sums), so float32 results differ by rounding only: ~1e-7 relative per operation, compounded
+# through 30 Adam steps on a 30k-parameter model; 1e-4 relative is far above that and far below any
+# real divergence (one wrong or missing micro-batch changes losses at the 1e-2 level).
 RTOL = 1e-4
 
 
@@ -50,12 +51,13 @@ def assert_same_run(one, two):
 def test_two_ranks_equal_one_process_and_skip_sync_between_boundaries(tmp_path, data_dir, recipe):
     one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
     run_train(one, data_dir, *SAME, *recipe)
-    result = ok(torchrun(two, data_dir, *SAME, *recipe, probe=True, env_extra={'PROBE_COUNT': str(tmp_path)}))
+    result = ok(torchrun(two, data_dir, *SAME, *recipe, probe=True,
+                         env_extra={'PROBE_COUNT': str(tmp_path)}))
     assert '4 x 8 x 32' in result.stdout  # tokens per step printed, global accumulation kept
     assert 'Warning' not in result.stderr  # none per rank: DDP's broadcast_buffers is deprecated
     assert_same_run(one, two)
-    # 2 micro-batches per rank per step, 1 bucket (a 30k-parameter model): one gradient all-reduce per
-    # optimizer step, none on the non-boundary micro-batch
+    # 2 micro-batches per rank per step, 1 bucket (a 30k-parameter model): one gradient all-reduce
+    # per optimizer step, none on the non-boundary micro-batch
     counts = [int(open(tmp_path / f'allreduce.{r}').read()) for r in range(2)]
     assert counts == [30, 30]
     # and no buffer broadcast in any forward: rope's tables are buffers, the same on every rank
@@ -98,8 +100,9 @@ def test_two_nodes_on_loopback(tmp_path, data_dir):
         args = ['--nnodes=2', f'--node_rank={node_rank}', '--rdzv_backend=c10d',
                 f'--rdzv_endpoint=127.0.0.1:{port}',
                 '--rdzv_id=loopback', '--master_addr=127.0.0.1', f'--master_port={port}']
-        nodes.append(forked.Process('-m', 'torch.distributed.run', *args, '--nproc_per_node=1', 'train.py',
-                                    RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={two}', *SAME))
+        nodes.append(forked.Process('-m', 'torch.distributed.run', *args, '--nproc_per_node=1',
+                                    'train.py', RUN_CONFIG, f'--data_dir={data_dir}',
+                                    f'--out_dir={two}', *SAME))
     outputs = [''.join(p.communicate(timeout=300)) for p in nodes]
     assert all(p.returncode == 0 for p in nodes), outputs
     assert_same_run(one, two)
@@ -112,10 +115,11 @@ def test_ddp_elastic_restart_resumes_exactly(tmp_path, data_dir):
     # the straight run alone smoke-tests first (smoke.py): on 2 ranks too, the run after it is the
     # run without it
     ok(torchrun(straight, data_dir, *args, '--smoke_steps=10'))
-    fields = lambda d: [(r['step'], r['loss'], r['lr'], r['grad_norm']) for r in read_metrics(d, 'train')]
-    # rank 1 dies at its 50th micro-batch (iteration 25), after the checkpoint at 20; torchrun restarts the
-    # group, which resumes with init_from=auto (a resume between evaluations on 2 ranks: test_interrupt's
-    # SIGTERM test)
+    fields = lambda d: [(r['step'], r['loss'], r['lr'], r['grad_norm'])
+                        for r in read_metrics(d, 'train')]
+    # rank 1 dies at its 50th micro-batch (iteration 25), after the checkpoint at 20; torchrun
+    # restarts the group, which resumes with init_from=auto (a resume between evaluations on 2
+    # ranks: test_interrupt's SIGTERM test)
     result = ok(torchrun(elastic, data_dir, *args, probe=True, env_extra={'PROBE_KILL': '1:50'},
                          torchrun_args=['--standalone', '--max-restarts=1']))
     assert 'resuming from' in result.stdout
@@ -127,12 +131,14 @@ def test_ddp_elastic_restart_resumes_exactly(tmp_path, data_dir):
 
 def test_nan_on_one_rank_ends_both_promptly(tmp_path, data_dir):
     out = str(tmp_path / 'nan')
-    # a rank left waiting in a collective would wait for gloo's timeout (30 minutes): torchrun's timeout fails
-    # the test
-    result = torchrun(out, data_dir, *SAME, probe=True, env_extra={'PROBE_NAN': '1:13'}, timeout=300)
+    # a rank left waiting in a collective would wait for gloo's timeout (30 minutes): torchrun's
+    # timeout fails the test
+    result = torchrun(out, data_dir, *SAME, probe=True, env_extra={'PROBE_NAN': '1:13'},
+                      timeout=300)
     assert result.returncode != 0
     assert 'SIGABRT' not in result.stderr  # both ranks exit with 1, neither aborts at exit
-    assert 'non-finite loss at iteration 7' in result.stderr  # rank 1's 13th micro-batch is in step 7
+    # rank 1's 13th micro-batch is in step 7
+    assert 'non-finite loss at iteration 7' in result.stderr
     assert [r['step'] for r in read_metrics(out, 'abort')] == [7]
 
 
@@ -158,7 +164,8 @@ def test_readme_s_multi_process_command_runs_as_written(tmp_path, data_dir):
 
 def test_bad_config_ends_every_rank(tmp_path, data_dir):
     for args, message in ((['--batch_sise=4'], "unknown config key 'batch_sise'"),
-                          (['--gradient_accumulation_steps=3'], 'not divisible by the 2 processes')):
+                          (['--gradient_accumulation_steps=3'],
+                           'not divisible by the 2 processes')):
         result = torchrun(str(tmp_path / 'bad'), data_dir, *args, timeout=120)
         lines = result.stderr.splitlines()
         # said once, by rank 0; then by torchrun's summary, its last lines, below its own traceback
@@ -168,13 +175,14 @@ def test_bad_config_ends_every_rank(tmp_path, data_dir):
 
 
 def test_resume_on_another_number_of_processes_continues_the_data(tmp_path, data_dir):
-    # 1 process to 10, 2 ranks to 20, 1 process to 30: the same windows per step as the run that was never
-    # stopped, so the same losses up to the summation order (RTOL); a step that took other windows moves them
-    # by 1e-2
+    # 1 process to 10, 2 ranks to 20, 1 process to 30: the same windows per step as the run that was
+    # never stopped, so the same losses up to the summation order (RTOL); a step that took other
+    # windows moves them by 1e-2
     one, mixed = str(tmp_path / 'one'), str(tmp_path / 'mixed')
     run_train(one, data_dir, *SAME)
     run_train(mixed, data_dir, *SAME, '--max_iters=10')
     result = ok(torchrun(mixed, data_dir, *SAME, '--max_iters=20', '--init_from=resume'))
-    assert 'the checkpoint was written by 1 process(es)' in result.stdout  # new dropout streams: said
+    # new dropout streams: said
+    assert 'the checkpoint was written by 1 process(es)' in result.stdout
     run_train(mixed, data_dir, *SAME, '--init_from=resume')
     assert_same_run(one, mixed)

@@ -1,7 +1,7 @@
-"""evaluate.py: multiple-choice accuracy checked against transformers' GPT2LMHeadModel on random weights and
-the same token ids; the same counts on 1, 2 and 3 gloo ranks, replicated and sharded; bad task files stop with
-FILE:LINE; the command on a trained run and on a Hugging Face folder. Nothing is downloaded: the BPE is made
-here."""
+"""evaluate.py: multiple-choice accuracy checked against transformers' GPT2LMHeadModel on random
+weights and the same token ids; the same counts on 1, 2 and 3 gloo ranks, replicated and sharded;
+bad task files stop with FILE:LINE; the command on a trained run and on a Hugging Face folder.
+Nothing is downloaded: the BPE is made here."""
 import json
 import os
 import random
@@ -22,8 +22,8 @@ from model import GPT, GPTConfig
 MERGES = [b'th', b'he', b'the', b' t', b'in', b'an', b'en', b' the', b'ing', b'oo']
 N_VOCAB = 256 + len(MERGES) + 1  # the bytes, the merges and <|endoftext|>
 BLOCK = 24  # the positions of the random GPT-2: short, so that many examples are truncated
-WORDS = ['the', 'cat', 'then', 'thing', 'in', 'an', 'sees', 'moon', 'road', 'here', 'a', 'dog', 'sing',
-         'went']
+WORDS = ['the', 'cat', 'then', 'thing', 'in', 'an', 'sees', 'moon', 'road', 'here', 'a', 'dog',
+         'sing', 'went']
 N_EXAMPLES = 13  # on 2 and 3 ranks with batches of 2, some ranks run fewer batches than others
 
 
@@ -32,18 +32,21 @@ def words(rng, low, high):
 
 
 def task_lines(seed=0):
-    """Examples in both formats, with contexts from 1 to 14 words (many too long for BLOCK), 2 to 5 endings of
-    1 to 4 words, and fixed random labels."""
+    """Examples in both formats, with contexts from 1 to 14 words (many too long for BLOCK), 2 to 5
+    endings of 1 to 4 words, and fixed random labels."""
     rng, lines = random.Random(seed), []
     for i in range(N_EXAMPLES):
         context = words(rng, 1, 14)
         if i % 2:  # HellaSwag's layout, with its other fields
             endings = [words(rng, 1, 4) + '.' for _ in range(4)]
-            lines.append({'ind': i, 'activity_label': 'test', 'ctx_a': context, 'ctx_b': '', 'ctx': context,
-                          'endings': endings, 'label': rng.randrange(4), 'split': 'val'})
+            lines.append({'ind': i, 'activity_label': 'test', 'ctx_a': context, 'ctx_b': '',
+                          'ctx': context, 'endings': endings, 'label': rng.randrange(4),
+                          'split': 'val'})
         else:  # generic: the choice carries its own separator
-            choices = [rng.choice([' ', ', ', '']) + words(rng, 1, 4) for _ in range(rng.randint(2, 5))]
-            lines.append({'context': context, 'choices': choices, 'answer': rng.randrange(len(choices))})
+            choices = [rng.choice([' ', ', ', '']) + words(rng, 1, 4)
+                       for _ in range(rng.randint(2, 5))]
+            lines.append({'context': context, 'choices': choices,
+                          'answer': rng.randrange(len(choices))})
     return lines
 
 
@@ -61,9 +64,10 @@ def bpe(root):
 
 @pytest.fixture(scope='module')
 def tiny_gpt2(root):
-    """(a random GPT2LMHeadModel in float32, its save_pretrained folder). Every tensor is random, so that the
-    losses of the endings are far apart and a wrong mask or position shows."""
-    from transformers import GPT2Config, GPT2LMHeadModel  # seconds of imports: only the tests that need it
+    """(a random GPT2LMHeadModel in float32, its save_pretrained folder). Every tensor is random, so
+    that the losses of the endings are far apart and a wrong mask or position shows."""
+    # seconds of imports: only the tests that need it
+    from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
     theirs = GPT2LMHeadModel(GPT2Config(vocab_size=N_VOCAB, n_positions=BLOCK, n_embd=32, n_layer=2,
                                         n_head=2))
@@ -80,8 +84,8 @@ def task(root):
 
 
 def reference_losses(theirs, encode, record):
-    """(summed loss, token count) of each ending, scored the plain way: transformers' model, one ending at a
-    time, the last BLOCK + 1 tokens of context + ending."""
+    """(summed loss, token count) of each ending, scored the plain way: transformers' model, one
+    ending at a time, the last BLOCK + 1 tokens of context + ending."""
     if 'ctx' in record:
         context, endings = encode(record['ctx']), [encode(' ' + e) for e in record['endings']]
     else:
@@ -102,8 +106,8 @@ def test_losses_choices_and_accuracies_match_transformers(tiny_gpt2, bpe, task):
     records = task_lines()
     reference = [reference_losses(theirs, encode, r) for r in records]
     labels = [r.get('label', r.get('answer')) for r in records]
-    # the set is as meant: truncated rows, acc and acc_norm choosing differently, no near-ties for rounding to
-    # flip
+    # the set is as meant: truncated rows, acc and acc_norm choosing differently, no near-ties for
+    # rounding to flip
     rows = [len(encode(r.get('ctx', r.get('context')))) + n
             for r, losses in zip(records, reference) for _, n in losses]
     assert (sum(length > BLOCK + 1 for length in rows) >= 10
@@ -116,17 +120,20 @@ def test_losses_choices_and_accuracies_match_transformers(tiny_gpt2, bpe, task):
             assert min(abs(a - b) for i, a in enumerate(values) for b in values[i + 1:]) > 1e-3
 
     args, state, _ = hf.load_gpt2(folder, None, None)
-    ours = GPT(GPTConfig(**args, dropout=0.5))  # dropout on: only eval mode gives the reference's losses
+    # dropout on: only eval mode gives the reference's losses
+    ours = GPT(GPTConfig(**args, dropout=0.5))
     ours.load_state_dict(state)
     examples = evaluate.read_task(task, encode, BLOCK)
     with torch.inference_mode():
-        summed, mean, got_labels = evaluate.choice_losses(ours.eval(), examples, 3, 'cpu', nullcontext())
+        summed, mean, got_labels = evaluate.choice_losses(ours.eval(), examples, 3, 'cpu',
+                                                          nullcontext())
     assert got_labels.tolist() == labels and summed.shape == (N_EXAMPLES, 5)
     for i, losses in enumerate(reference):
         expected = torch.tensor([s for s, _ in losses] + [float('inf')] * (5 - len(losses)))
         assert torch.allclose(summed[i], expected, atol=1e-4, rtol=1e-5)
         assert torch.allclose(mean[i],
-                              expected / torch.tensor([n for _, n in losses] + [1] * (5 - len(losses))),
+                              expected / torch.tensor([n for _, n in losses]
+                                                      + [1] * (5 - len(losses))),
                               atol=1e-5, rtol=1e-5)
     assert summed.argmin(1).tolist() == choice and mean.argmin(1).tolist() == choice_norm
 
@@ -141,8 +148,10 @@ def test_losses_choices_and_accuracies_match_transformers(tiny_gpt2, bpe, task):
     correct_norm = sum(c == label for c, label in zip(choice_norm, labels))
     chance = sum(1 / len(losses) for losses in reference) / N_EXAMPLES
     assert result == {'examples': N_EXAMPLES, 'correct': correct, 'correct_norm': correct_norm,
-                      'acc': correct / N_EXAMPLES, 'acc_norm': correct_norm / N_EXAMPLES, 'chance': chance}
-    assert evaluate.score(ours, examples, 13, 'cpu', nullcontext()) == result  # one batch, other padding
+                      'acc': correct / N_EXAMPLES, 'acc_norm': correct_norm / N_EXAMPLES,
+                      'chance': chance}
+    # one batch, other padding
+    assert evaluate.score(ours, examples, 13, 'cpu', nullcontext()) == result
 
 
 def test_rows_keep_the_ending_and_the_last_context_tokens(tmp_path):
@@ -160,7 +169,8 @@ def test_rows_keep_the_ending_and_the_last_context_tokens(tmp_path):
 
 @pytest.mark.parametrize('line, message', [
     ('{"ctx": "a", "endings": ["b", "c"], "label": 0', "not valid JSON"),
-    ('["a", "b"]', "neither HellaSwag's fields (ctx, endings, label) nor the generic ones (context, choices, "
+    ('["a", "b"]',
+     "neither HellaSwag's fields (ctx, endings, label) nor the generic ones (context, choices, "
                    "answer)"),
     ('{"question": "a"}', "neither HellaSwag's fields"),
     ('{"ctx": "a", "endings": ["b", "c"]}',
@@ -171,11 +181,13 @@ def test_rows_keep_the_ending_and_the_last_context_tokens(tmp_path):
     ('{"ctx": "a", "endings": ["b", "c"], "label": 2}',
      "label=2 is not an index of the 2 endings: use an int from 0 "
                                                         "to 1"),
-    ('{"context": "a", "choices": ["b", "c"], "answer": -1}', "answer=-1 is not an index of the 2 choices"),
+    ('{"context": "a", "choices": ["b", "c"], "answer": -1}',
+     "answer=-1 is not an index of the 2 choices"),
     ('{"ctx": "a", "endings": ["b", "c"], "label": "1"}', "label='1' is not an index"),
     ('{"ctx": "a", "endings": ["b", "c"], "label": true}', "label=True is not an index"),
     ('{"ctx": "a", "endings": ["b"], "label": 0}', "endings must be a list of at least 2 strings"),
-    ('{"context": "a", "choices": "bc", "answer": 0}', "choices must be a list of at least 2 strings"),
+    ('{"context": "a", "choices": "bc", "answer": 0}',
+     "choices must be a list of at least 2 strings"),
     ('{"ctx": "a", "endings": ["b", ""], "label": 0}',
      "endings[1] is '': every candidate must be a non-empty"),
     ('{"context": "a", "choices": ["b", 3], "answer": 0}',
@@ -189,13 +201,16 @@ def test_a_bad_line_is_named_with_its_file_and_line(tmp_path, line, message):
     path = tmp_path / 'task.jsonl'
     path.write_text(good + '\n' + line + '\n' + good)  # line 3, after a blank line
     with pytest.raises(evaluate.TaskError) as e:
-        evaluate.read_task(str(path), lambda text: [ord(c) for c in text], block_size=8, max_examples=1)
-    assert str(e.value).startswith(f"{path}:3: ") and message in str(e.value) and '\n' not in str(e.value)
+        evaluate.read_task(str(path), lambda text: [ord(c) for c in text], block_size=8,
+                           max_examples=1)
+    assert (str(e.value).startswith(f"{path}:3: ") and message in str(e.value)
+            and '\n' not in str(e.value))
 
 
 def test_a_file_without_examples_or_a_missing_one_is_an_error(tmp_path):
     (tmp_path / 'empty.jsonl').write_text('\n\n')
-    for name, message in (('empty.jsonl', 'holds no examples'), ('none.jsonl', 'cannot read the task file')):
+    for name, message in (('empty.jsonl', 'holds no examples'),
+                          ('none.jsonl', 'cannot read the task file')):
         with pytest.raises(evaluate.TaskError, match=message):
             evaluate.read_task(str(tmp_path / name), list, 8)
     with pytest.raises(evaluate.TaskError, match='no task file'):
@@ -208,9 +223,11 @@ def test_rank_batches_cover_every_example_once_in_equal_numbers_of_batches():
             for batch_size in (1, 2, 3, 5):
                 ranks = [evaluate.rank_batches(list(range(n)), batch_size, rank, world_size)
                          for rank in range(world_size)]
-                real = [x for batches in ranks for batch in batches for x in batch if x is not evaluate.DUMMY]
+                real = [x for batches in ranks for batch in batches
+                        for x in batch if x is not evaluate.DUMMY]
                 assert sorted(real) == list(range(n))
-                assert len({len(batches) for batches in ranks}) == 1 and all(map(len, sum(ranks, [])))
+                assert (len({len(batches) for batches in ranks}) == 1
+                        and all(map(len, sum(ranks, []))))
                 assert all(len(batch) <= batch_size for batches in ranks for batch in batches)
                 if world_size == 1:
                     assert not any(x is evaluate.DUMMY for batch in ranks[0] for x in batch)
@@ -218,14 +235,15 @@ def test_rank_batches_cover_every_example_once_in_equal_numbers_of_batches():
 
 def test_wilson_interval_and_the_printed_line():
     # the textbook values: 0 of 10 -> [0, 0.2775], 5 of 10 -> [0.2366, 0.7634]
-    assert [round(x, 4) for x in evaluate.wilson_interval(0, 10) + evaluate.wilson_interval(5, 10)] == \
-        [0.0, 0.2775, 0.2366, 0.7634]
+    assert ([round(x, 4) for x in evaluate.wilson_interval(0, 10) + evaluate.wilson_interval(5, 10)]
+            == [0.0, 0.2775, 0.2366, 0.7634])
     low, high = evaluate.wilson_interval(10, 10)
     assert round(high, 4) == 1.0 and round(low, 4) == 0.7225
-    result = {'examples': 10, 'correct': 5, 'correct_norm': 0, 'acc': 0.5, 'acc_norm': 0.0, 'chance': 0.3}
-    assert evaluate.describe('t.jsonl', result) == ('t.jsonl: 10 examples, acc 0.5000 [0.2366, 0.7634], '
-                                                    'acc_norm 0.0000 [0.0000, 0.2775] (95% Wilson '
-                                                    'intervals), chance 0.3000')
+    result = {'examples': 10, 'correct': 5, 'correct_norm': 0, 'acc': 0.5, 'acc_norm': 0.0,
+              'chance': 0.3}
+    assert evaluate.describe('t.jsonl', result) == ('t.jsonl: 10 examples, acc 0.5000 [0.2366, '
+                                                    '0.7634], acc_norm 0.0000 [0.0000, 0.2775] '
+                                                    '(95% Wilson intervals), chance 0.3000')
 
 
 @pytest.mark.slow
@@ -236,8 +254,10 @@ def test_one_two_and_three_ranks_give_the_same_counts(tiny_gpt2, bpe, task, tmp_
         store = str(tmp_path / f'store-{world_size}-{parallel}')  # the process group's rendezvous
         return forked.Process('tests/evaluate_ranks.py', tiny_gpt2[1], bpe[0], task, '2', str(rank),
                               str(world_size), store, parallel)
-    runs = {(world_size, parallel): [start(rank, world_size, parallel) for rank in range(world_size)]
-            for world_size, parallel in ((2, 'ddp'), (3, 'ddp'), (3, 'fsdp'))}  # all 8 processes at once
+    runs = {(world_size, parallel): [start(rank, world_size, parallel)
+                                     for rank in range(world_size)]
+            # all 8 processes at once
+            for world_size, parallel in ((2, 'ddp'), (3, 'ddp'), (3, 'fsdp'))}
     for procs in runs.values():
         outputs = [proc.communicate(timeout=120) for proc in procs]
         assert all(proc.returncode == 0 for proc in procs), outputs
@@ -263,15 +283,19 @@ def test_command_on_a_trained_run_and_a_hugging_face_folder(data_dir, tiny_gpt2,
 
     def expected(path, model=model, encode=encode):
         examples = evaluate.read_task(path, encode, model.config.block_size)
-        return evaluate.describe(path, evaluate.score(model, examples, 3, 'cpu', nullcontext())) + '\n'
+        return evaluate.describe(path,
+                                 evaluate.score(model, examples, 3, 'cpu', nullcontext())) + '\n'
 
     def command(*args):  # the same counts on a GPU as the CPU's here: the choices are far from ties
         return forked.run('evaluate.py', *args, '--batch_size=3', f'--device={device}', timeout=120)
     result = command(f'--out_dir={run}', f'--tasks={generic},{hellaswag}', '--dtype=float32')
-    assert result.returncode == 0 and result.stdout == expected(generic) + expected(hellaswag), result.stderr
+    assert (result.returncode == 0
+            and result.stdout == expected(generic) + expected(hellaswag)), result.stderr
     assert f" on {'cuda:0' if device == 'cuda' else 'cpu'} " in result.stderr
-    result = command(f'--ckpt={run}/last.pt', f'--tasks={generic}', '--max_examples=3')  # dtype 'auto'
-    assert result.returncode == 0 and result.stdout.startswith(f'{generic}: 3 examples, acc '), result.stderr
+    # dtype 'auto'
+    result = command(f'--ckpt={run}/last.pt', f'--tasks={generic}', '--max_examples=3')
+    assert (result.returncode == 0
+            and result.stdout.startswith(f'{generic}: 3 examples, acc ')), result.stderr
     result = command(f'--init_from={tiny_gpt2[1]}', f'--tokenizer={bpe[0]}', f'--tasks={task}',
                      '--dtype=float32')
     model, encode = evaluate.load_pretrained(tiny_gpt2[1], bpe[0], 'cpu')
@@ -281,7 +305,8 @@ def test_command_on_a_trained_run_and_a_hugging_face_folder(data_dir, tiny_gpt2,
 
 @pytest.mark.slow
 def test_command_mistakes_are_one_line_with_exit_2(tiny_gpt2, bpe, task, tmp_path):
-    bad = write_jsonl(tmp_path / 'bad.jsonl', [{'ctx': 'the cat', 'endings': ['sees', 'loves'], 'label': 0},
+    bad = write_jsonl(tmp_path / 'bad.jsonl',
+                      [{'ctx': 'the cat', 'endings': ['sees', 'loves'], 'label': 0},
                                                {'ctx': 'a', 'endings': ['b'], 'label': 0}])
     gpt2 = [f'--init_from={tiny_gpt2[1]}', f'--tokenizer={bpe[0]}']
     for args, message in (
@@ -292,7 +317,8 @@ def test_command_mistakes_are_one_line_with_exit_2(tiny_gpt2, bpe, task, tmp_pat
             ([*gpt2, '--tasks='], "error: tasks='' names no task file"),
             ([*gpt2, f'--tasks={task}', '--tokenizer=char'],
              "error: tokenizer='char': with init_from use gpt2"),
-            ([*gpt2, f'--tasks={task}', '--max_exampels=3'], "error: unknown config key 'max_exampels'")):
+            ([*gpt2, f'--tasks={task}', '--max_exampels=3'],
+             "error: unknown config key 'max_exampels'")):
         result = forked.run('evaluate.py', *args, timeout=120)
         assert (result.returncode == 2 and result.stdout == ''
                 and result.stderr.count('\n') == 1), result.stderr
@@ -302,36 +328,40 @@ def test_command_mistakes_are_one_line_with_exit_2(tiny_gpt2, bpe, task, tmp_pat
 def test_weights_and_a_tokenizer_of_another_vocabulary_are_refused(tiny_gpt2, root):
     write_ranks(root / 'smaller.tiktoken', MERGES[:-1])
     with pytest.raises(hf.HFError,
-                       match=f"know {N_VOCAB} tokens, tokenizer .*smaller.tiktoken {N_VOCAB - 1}: "):
+                       match=f"know {N_VOCAB} tokens, tokenizer .*smaller.tiktoken "
+                             f"{N_VOCAB - 1}: "):
         evaluate.load_pretrained(tiny_gpt2[1], str(root / 'smaller.tiktoken'), 'cpu')
 
 
 def toy_task(path, count=13, seed=1):
-    """A generic task on the toy corpus's sentences: the subject given, which of three endings the corpus
-    has."""
+    """A generic task on the toy corpus's sentences: the subject given, which of three endings the
+    corpus has."""
     rng = random.Random(seed)
     subjects = ['the cat', 'a dog', 'my friend', 'the king']
     endings = [' sees the moon.', ' finds xq zz.', ' keeps qq vv.']
     return write_jsonl(path,
-                       [{'context': rng.choice(subjects), 'choices': rng.sample(endings, 3), 'answer': 0}
+                       [{'context': rng.choice(subjects), 'choices': rng.sample(endings, 3),
+                         'answer': 0}
                               for _ in range(count)])
 
 
 @pytest.mark.slow
 def test_accuracy_in_the_loop_on_one_and_two_ranks(data_dir, tmp_path):
-    """At every evaluation each task's acc and acc_norm, as evaluate.py computes them on the same weights; on
-    2 ranks (13 examples: not divisible) the same counts; best_by=acc_norm picks best.pt by accuracy;
-    report.md and curves.png show it beside chance level."""
+    """At every evaluation each task's acc and acc_norm, as evaluate.py computes them on the same
+    weights; on 2 ranks (13 examples: not divisible) the same counts; best_by=acc_norm picks best.pt
+    by accuracy; report.md and curves.png show it beside chance level."""
     task = toy_task(tmp_path / 'toy_task.jsonl')
     args = ['--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10', f'--eval_tasks={task}',
-            '--dtype=float32', '--best_by=acc_norm', '--write_report=True', '--gradient_accumulation_steps=2']
+            '--dtype=float32', '--best_by=acc_norm', '--write_report=True',
+            '--gradient_accumulation_steps=2']
     one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
     run_train(one, data_dir, *args)
     ok(torchrun(two, data_dir, *args))
     evals = read_metrics(one, 'eval')
     assert ([e['step'] for e in evals] == [10, 20]
             and all(e['toy_task/chance'] == pytest.approx(1 / 3) for e in evals))
-    # the counts of 2 ranks are one process's: the losses differ by rounding only, the choices not at all
+    # the counts of 2 ranks are one process's: the losses differ by rounding only, the choices not
+    # at all
     counts = [[(e['toy_task/examples'], e['toy_task/acc'], e['toy_task/acc_norm'])
                for e in read_metrics(run, 'eval')]
               for run in (one, two)]
@@ -339,7 +369,8 @@ def test_accuracy_in_the_loop_on_one_and_two_ranks(data_dir, tmp_path):
     # each checkpoint scored again by evaluate.py gives the recorded figures
     for name in ('best.pt', 'last.pt'):
         model, saved = sample.load_model(os.path.join(one, name), 'cpu')
-        examples = evaluate.read_task(task, tokenizer.load(saved['dataset']['tokenizer']).encode, 32)
+        examples = evaluate.read_task(task, tokenizer.load(saved['dataset']['tokenizer']).encode,
+                                      32)
         scored = evaluate.score(model, examples, 8, 'cpu', nullcontext())
         recorded = next(e for e in evals if e['step'] == saved['iter_num'])
         assert ((scored['acc'], scored['acc_norm'])

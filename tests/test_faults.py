@@ -37,7 +37,8 @@ def evaluations(out_dir):
 
 @contextlib.contextmanager
 def tmpfs(path, options):
-    """A filesystem of our own at path while the test needs it; yields whether it could be mounted."""
+    """A filesystem of our own at path while the test needs it; yields whether it could be
+    mounted."""
     path.mkdir()
     mounted = subprocess.run(['mount', '-t', 'tmpfs', '-o', options, 'tmpfs', str(path)],
                              capture_output=True).returncode == 0
@@ -49,8 +50,8 @@ def tmpfs(path, options):
 
 
 def probed_train(out_dir, data_dir, *args, **probes):
-    return forked.run(PROBE, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *args,
-                      env={**os.environ, **probes})
+    return forked.run(PROBE, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}',
+                      f'--out_dir={out_dir}', *args, env={**os.environ, **probes})
 
 
 def error_line(result):
@@ -60,7 +61,8 @@ def error_line(result):
 
 
 def whole_checkpoints(out_dir):
-    """The iteration of each checkpoint in out_dir, every one of them loaded; and no temp file left."""
+    """The iteration of each checkpoint in out_dir, every one of them loaded; and no temp file
+    left."""
     assert not glob.glob(os.path.join(out_dir, '*.tmp'))
     return {name: torch.load(os.path.join(out_dir, name), weights_only=True)['iter_num']
             for name in ('best.pt', 'last.pt') if os.path.exists(os.path.join(out_dir, name))}
@@ -86,12 +88,14 @@ def test_a_full_disk_ends_the_run_in_one_line_and_a_resume_after_freeing_space_i
         assert result.returncode == 1
         error = error_line(result)
         at = 20 if mounted else 10
-        assert error.startswith(f"error: saving best.pt and last.pt at iteration {at} failed "
-                                f"({'No space left on device' if mounted else 'File too large'})"), error
+        assert error.startswith(
+            f"error: saving best.pt and last.pt at iteration {at} failed "
+            f"({'No space left on device' if mounted else 'File too large'})"), error
         assert f'free space in {out}, then run again with init_from=auto' in error
         assert whole_checkpoints(out) == ({'best.pt': 10, 'last.pt': 10} if mounted else {})
         if mounted:  # warned before the save that failed
-            assert any(line.startswith(f'warning: {out} has') for line in result.stderr.splitlines())
+            assert any(line.startswith(f'warning: {out} has')
+                       for line in result.stderr.splitlines())
         assert [r['step'] for r in read_metrics(out, 'abort')] == [at]
         if mounted:
             subprocess.run(['mount', '-o', 'remount,size=20m', str(tmp_path / 'disk')], check=True)
@@ -145,7 +149,8 @@ def test_an_out_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path, data
         result = run_train(out, data_dir, *ARGS, check=False)
         assert result.returncode == 2 and result.stderr.count('\n') == 1, result.stderr
         why = 'Read-only file system' if mounted else 'Not a directory'
-        assert result.stderr == f"error: out_dir '{out}' cannot be written ({why}): pick a writable out_dir\n"
+        assert result.stderr == (f"error: out_dir '{out}' cannot be written ({why}): pick a "
+                                 f"writable out_dir\n")
         assert not os.path.exists(out)
 
 
@@ -170,13 +175,16 @@ def test_data_changed_under_the_run_ends_it_in_one_line_and_a_resume_on_restored
     assert result.returncode == 1
     error = error_line(result)
     assert error.startswith(f'error: {shard} changed while the run was reading it'), error
-    assert error.endswith('restore the data and resume from last.pt (iteration 10), or start a new out_dir')
+    assert error.endswith('restore the data and resume from last.pt (iteration 10), or start a new '
+                          'out_dir')
     assert whole_checkpoints(out) == {'best.pt': 10, 'last.pt': 10}
     [abort] = read_metrics(out, 'abort')
     assert abort['step'] in met_at and os.path.exists(os.path.join(out, 'report.md'))
-    # changed data is refused at the resume; on the same data again the run goes on as if nothing had happened
+    # changed data is refused at the resume; on the same data again the run goes on as if nothing
+    # had happened
     refused = run_train(out, str(data), *ARGS, '--init_from=resume', check=False)
-    assert refused.returncode == 2 and refused.stderr.count('\n') == 1 and refused_for in refused.stderr
+    assert (refused.returncode == 2 and refused.stderr.count('\n') == 1
+            and refused_for in refused.stderr)
     shutil.copy2(tmp_path / 'backup.bin', shard)
     run_train(out, str(data), *ARGS, f'--num_workers={workers}', '--init_from=resume')
     assert trajectory(out) == trajectory(straight)
@@ -187,15 +195,15 @@ def test_one_rank_meets_changed_data_and_every_rank_stops_at_that_step(tmp_path,
     shutil.copytree(os.path.join(data_dir, 'toy'), data / 'toy')
     shard = str(data / 'toy' / 'toy_train_000000.bin')
     out = str(tmp_path / 'run')
-    result = torchrun(out, str(data), *ARGS, '--gradient_accumulation_steps=2', probe=True, timeout=120,
-                      env_extra={'PROBE_DATA': f'1:13:truncate:{shard}'})
+    result = torchrun(out, str(data), *ARGS, '--gradient_accumulation_steps=2', probe=True,
+                      timeout=120, env_extra={'PROBE_DATA': f'1:13:truncate:{shard}'})
     assert result.returncode != 0 and 'SIGABRT' not in result.stderr
     said = [line for line in result.stderr.splitlines()
             if line.startswith(f'error: {shard} changed')]
     assert len(said) == 1, result.stderr  # by rank 0; torchrun's summary repeats it, last
-    # rank 1 truncates the shard in its step-13 forward; rank 0 may not have read its step-13 batch yet (the
-    # ranks meet only at the step's all-reduce), so the first read to fail is rank 0's in step 13 or either's
-    # in step 14
+    # rank 1 truncates the shard in its step-13 forward; rank 0 may not have read its step-13 batch
+    # yet (the ranks meet only at the step's all-reduce), so the first read to fail is rank 0's in
+    # step 13 or either's in step 14
     assert [r['step'] for r in read_metrics(out, 'abort')] in ([13], [14])
     assert whole_checkpoints(out) == {'best.pt': 10, 'last.pt': 10}
 

@@ -1,6 +1,7 @@
-"""tests/forked.py, the harness that forks test runs from a server that has imported torch: a run starts and
-exits as a fresh interpreter does, and nothing is left behind; torchrun's workers are forks that torchrun
-supervises. The exit cases run in fresh interpreters too: what the harness must imitate."""
+"""tests/forked.py, the harness that forks test runs from a server that has imported torch: a run
+starts and exits as a fresh interpreter does, and nothing is left behind; torchrun's workers are
+forks that torchrun supervises. The exit cases run in fresh interpreters too: what the harness must
+imitate."""
 import os
 import signal
 import socket
@@ -25,10 +26,12 @@ def script(tmp_path, text):
 @pytest.mark.parametrize('text, code, stdout, stderr', [
     ("import sys\nsys.exit('error: one line')\n", 1, '', 'error: one line\n'),
     ("import sys\nsys.exit(2)\n", 2, '', ''),
-    # stdout buffered (as without PYTHONUNBUFFERED) and a line left open on stderr: flushed after atexit
+    # stdout buffered (as without PYTHONUNBUFFERED) and a line left open on stderr: flushed after
+    # atexit
     ("import atexit, sys\nsys.stdout.reconfigure(write_through=False)\n"
      "sys.stderr.reconfigure(write_through=False)\natexit.register(print, 'buffered')\n"
-     "atexit.register(print, 'open line', end='', file=sys.stderr)\n", 0, 'buffered\n', 'open line'),
+     "atexit.register(print, 'open line', end='', file=sys.stderr)\n", 0, 'buffered\n',
+     'open line'),
     ("import sys\nsys.excepthook = lambda *e: print('hooked', e[0].__name__, file=sys.stderr)\n"
      "raise ValueError\n", 1, '', 'hooked ValueError\n'),
     ("raise KeyboardInterrupt\n", -signal.SIGINT, '', None),
@@ -36,11 +39,13 @@ def script(tmp_path, text):
     ("import atexit, threading, time\natexit.register(print, 'atexit')\n"
      "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()\n", 0,
      'thread\natexit\n', ''),
-    # a multiprocessing child (the platform's start method) is joined at exit: it prints after the script
+    # a multiprocessing child (the platform's start method) is joined at exit: it prints after the
+    # script
     ("import multiprocessing, time\n"
      "multiprocessing.Process(target=lambda: (time.sleep(0.3), print('child'))).start()\n"
      "print('main', flush=True)\n", 0, 'main\nchild\n', ''),
-], ids=['message', 'code', 'flushed', 'excepthook', 'keyboard-interrupt', 'thread-atexit', 'multiprocessing'])
+], ids=['message', 'code', 'flushed', 'excepthook', 'keyboard-interrupt', 'thread-atexit',
+        'multiprocessing'])
 @WAYS
 def test_exits_as_the_interpreter_does(tmp_path, text, code, stdout, stderr, way):
     result = forked.run(script(tmp_path, text), cwd=str(tmp_path))
@@ -49,15 +54,16 @@ def test_exits_as_the_interpreter_does(tmp_path, text, code, stdout, stderr, way
 
 
 def test_a_run_starts_as_a_fresh_interpreter(tmp_path):
-    # what the script sees of how it was started, and what the server must not pass on: its signal handlers
-    # and wakeup fd, its request pipe (stdin) and any other open file
+    # what the script sees of how it was started, and what the server must not pass on: its signal
+    # handlers and wakeup fd, its request pipe (stdin) and any other open file
     path = script(tmp_path, "import os, signal, sys\n"
                             "print(sys.argv, sys.path, os.getcwd(), __name__, __file__, "
                             "sys.modules['__main__'].__file__)\n"
-                            "print(signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGCHLD), "
-                            "signal.set_wakeup_fd(-1), os.readlink('/proc/self/fd/0'), "
-                            "os.listdir('/proc/self/fd'))\n")
-    args = [os.path.join(tmp_path.name, 'script.py'), 'a', '--b=1']  # relative to the working directory
+                            "print(signal.getsignal(signal.SIGINT), "
+                            "signal.getsignal(signal.SIGCHLD), signal.set_wakeup_fd(-1), "
+                            "os.readlink('/proc/self/fd/0'), os.listdir('/proc/self/fd'))\n")
+    # relative to the working directory
+    args = [os.path.join(tmp_path.name, 'script.py'), 'a', '--b=1']
     forked_run = forked.run(*args, cwd=str(tmp_path.parent))
     fresh = subprocess.run([sys.executable, *args], cwd=tmp_path.parent, stdin=subprocess.DEVNULL,
                            capture_output=True, text=True)
@@ -72,18 +78,21 @@ def test_leftover_runs_are_stopped_and_import_time_settings_refused(tmp_path):
     forked.stop_all()  # what the session does at its end for runs a failed test left going
     assert proc.returncode == -signal.SIGKILL and not os.path.exists(proc.folder)
     if not forked.FRESH:  # a fresh interpreter reads them itself
-        for env in ({**os.environ, 'MKL_NUM_THREADS': '7'}, {**os.environ, 'OMP_NUM_THREADS': '2,1'},
+        for env in ({**os.environ, 'MKL_NUM_THREADS': '7'},
+                    {**os.environ, 'OMP_NUM_THREADS': '2,1'},
                     {k: v for k, v in os.environ.items() if k != 'OMP_NUM_THREADS'}):
             with pytest.raises(ValueError, match='start it with subprocess'):
                 forked.Process('x.py', env=env)
-        # what is read after the imports may differ: inductor's cache folder, torchrun's worker settings, and
-        # the thread count, which the run gets as a fresh interpreter does: test_compile's 2, and more than
-        # this machine's cores (a fresh interpreter takes at most those)
+        # what is read after the imports may differ: inductor's cache folder, torchrun's worker
+        # settings, and the thread count, which the run gets as a fresh interpreter does:
+        # test_compile's 2, and more than this machine's cores (a fresh interpreter takes at most
+        # those)
         path = script(tmp_path, "import os, torch\n"
-                                "print(os.environ['TORCHINDUCTOR_CACHE_DIR'], torch.get_num_threads())\n")
+                                "print(os.environ['TORCHINDUCTOR_CACHE_DIR'], "
+                                "torch.get_num_threads())\n")
         for threads in ('2', str(os.cpu_count() + 1)):
-            env = {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': str(tmp_path), 'TORCHELASTIC_RESTART_COUNT': '0',
-                   'OMP_NUM_THREADS': threads}
+            env = {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': str(tmp_path),
+                   'TORCHELASTIC_RESTART_COUNT': '0', 'OMP_NUM_THREADS': threads}
             result = forked.run(path, env=env)
             fresh = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True)
             assert result.returncode == 0 and result.stdout == fresh.stdout, (result, fresh)
@@ -92,10 +101,11 @@ def test_leftover_runs_are_stopped_and_import_time_settings_refused(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_workers_are_forks_that_torchrun_supervises(tmp_path):
-    # rank 1 fails; rank 0, in the middle of a sleep, must be stopped by torchrun (SIGTERM to its process
-    # group), with its line already out: torchrun runs workers with python -u
+    # rank 1 fails; rank 0, in the middle of a sleep, must be stopped by torchrun (SIGTERM to its
+    # process group), with its line already out: torchrun runs workers with python -u
     path = script(tmp_path, "import os, sys, time\n"
-                            "print('rank', os.environ['RANK'], 'parent', os.getppid(), 'own session',\n"
+                            "print('rank', os.environ['RANK'], 'parent', os.getppid(), 'own "
+                            "session',\n"
                             "      os.getsid(0) == os.getpid())\n"
                             "if os.environ['RANK'] == '1':\n"
                             "    time.sleep(1)\n"
@@ -107,7 +117,8 @@ def test_torchrun_workers_are_forks_that_torchrun_supervises(tmp_path):
     assert result.returncode == 1 and ranks == [['rank', '0'], ['rank', '1']], result
     assert all(line.endswith('own session True') for line in lines), lines
     assert 'exitcode  : 3' in result.stderr and '(SIGTERM)' in result.stderr, result.stderr
-    if not forked.FRESH:  # forks of the server, which every other run of this test process comes from too
+    # forks of the server, which every other run of this test process comes from too
+    if not forked.FRESH:
         assert {line.split()[3] for line in lines} == {str(forked._server.pid)}, lines
 
 

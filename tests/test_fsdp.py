@@ -1,6 +1,6 @@
-"""Sharded training (FSDP2) on CPU (gloo, 2 processes): the same run as DDP, exact resume from sharded
-checkpoints, an exported single-file state_dict, and activation checkpointing that recomputes every block and
-changes no loss."""
+"""Sharded training (FSDP2) on CPU (gloo, 2 processes): the same run as DDP, exact resume from
+sharded checkpoints, an exported single-file state_dict, and activation checkpointing that
+recomputes every block and changes no loss."""
 import json
 import os
 
@@ -15,11 +15,12 @@ from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
 
-SAME = ['--gradient_accumulation_steps=4', '--max_iters=30', '--lr_decay_iters=30', '--eval_interval=10',
-        '--dtype=float32']
-# FSDP reduce-scatters gradients where one process sums them locally: the same sums in another order, so
-# float32 rounding differs (~1e-7 relative per operation, compounded over 30 Adam steps); 1e-4 is far above
-# that and far below what one wrong micro-batch or a missed shard would change (1e-2).
+SAME = ['--gradient_accumulation_steps=4', '--max_iters=30', '--lr_decay_iters=30',
+        '--eval_interval=10', '--dtype=float32']
+# FSDP reduce-scatters gradients where one process sums them locally: the same sums in another
+# order, so float32 rounding differs (~1e-7 relative per operation, compounded over 30 Adam steps);
+# 1e-4 is far above that and far below what one wrong micro-batch or a missed shard would change
+# (1e-2).
 RTOL = 1e-4
 
 
@@ -92,7 +93,8 @@ def test_exported_state_dict_gives_the_runs_own_val_loss(tmp_path, data_dir):
     result = forked.run('sample.py', f'--ckpt={out}/last.pt', f'--export={exported}')
     assert result.returncode == 0, result.stderr
     sampled = forked.run('sample.py', f'--ckpt={exported}', '--num_samples=1', '--max_new_tokens=5')
-    assert sampled.returncode == 0, sampled.stderr  # the exported file is a checkpoint sample.py reads
+    # the exported file is a checkpoint sample.py reads
+    assert sampled.returncode == 0, sampled.stderr
     ckpt = torch.load(exported, weights_only=True)
     model = GPT(GPTConfig(**ckpt['model_args']))
     model.load_state_dict(ckpt['model'])
@@ -105,8 +107,8 @@ def test_exported_state_dict_gives_the_runs_own_val_loss(tmp_path, data_dir):
     with torch.inference_mode():
         for batch in sampler:
             x, y, _ = torch.utils.data.default_collate([val[s] for s in batch])
-            loss_sum += F.cross_entropy(model(x).view(-1, ckpt['model_args']['vocab_size']), y.view(-1),
-                                        reduction='sum').item()
+            loss_sum += F.cross_entropy(model(x).view(-1, ckpt['model_args']['vocab_size']),
+                                        y.view(-1), reduction='sum').item()
             count += (y != data.IGNORE_INDEX).sum().item()
     # recomputed with a plain GPT: the same windows, the same sums
     assert abs(loss_sum / count - read_metrics(out, 'eval')[-1]['ema_val_loss']) < 1e-5
@@ -123,11 +125,13 @@ def test_activation_checkpointing_recomputes_every_block_and_changes_no_loss(tmp
         run_train(str(tmp_path / name / 'run'), data_dir, *args, *extra, probe=True,
                   env={**os.environ, 'PROBE_ATTENTION': str(tmp_path / name)})
     calls = {name: json.load(open(tmp_path / name / 'attention.0')) for name in runs}
-    # 2 blocks x 10 micro-batches: each block's forward runs again inside the backward, and only when
-    # checkpointing
-    assert calls == {'plain': {'forward': 20, 'backward': 0}, 'checkpointed': {'forward': 20, 'backward': 20}}
+    # 2 blocks x 10 micro-batches: each block's forward runs again inside the backward, and only
+    # when checkpointing
+    assert calls == {'plain': {'forward': 20, 'backward': 0},
+                     'checkpointed': {'forward': 20, 'backward': 20}}
     # dropout on: the recomputation replays the same masks
-    assert trajectory(str(tmp_path / 'checkpointed' / 'run')) == trajectory(str(tmp_path / 'plain' / 'run'))
+    assert (trajectory(str(tmp_path / 'checkpointed' / 'run'))
+            == trajectory(str(tmp_path / 'plain' / 'run')))
 
 
 def test_fsdp_refuses_float16_and_muon_before_writing_anything(tmp_path, data_dir):

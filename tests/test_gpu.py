@@ -1,6 +1,6 @@
-"""Every decision the CUDA paths make, checked on a CPU: no machine here has a GPU, so each decision is a
-small function tested with the values a GPU host would give it (device counts, compute capabilities, device
-names), and torch's own checks are called where they run without CUDA."""
+"""Every decision the CUDA paths make, checked on a CPU: no machine here has a GPU, so each decision
+is a small function tested with the values a GPU host would give it (device counts, compute
+capabilities, device names), and torch's own checks are called where they run without CUDA."""
 
 import time
 
@@ -18,19 +18,23 @@ from model import GPT, GPTConfig, padded_vocab
 
 @pytest.mark.parametrize('device, local_rank, gpus, expected', [
     ('auto', None, 0, 'cpu'), ('cpu', 3, 8, 'cpu'),
-    ('auto', None, 1, 'cuda:0'), ('cuda', None, 2, 'cuda:0'), ('cuda:1', None, 2, 'cuda:1'),  # one process
+    # one process
+    ('auto', None, 1, 'cuda:0'), ('cuda', None, 2, 'cuda:0'), ('cuda:1', None, 2, 'cuda:1'),
     ('auto', 0, 8, 'cuda:0'), ('cuda', 3, 8, 'cuda:3'),  # torchrun: each rank its local rank's GPU
 ])
 def test_a_cuda_device_always_has_an_index(device, local_rank, gpus, expected):
     resolved, device_type = distributed.resolve_device(device, local_rank, cuda_count=gpus)
     assert resolved == expected and device_type == torch.device(expected).type
-    if device_type == 'cuda':  # what torch.cuda.set_device(resolved) checks first: 'cuda' alone raises here
-        assert _get_device_index(torch.device(resolved), optional=False) == torch.device(expected).index
+    # what torch.cuda.set_device(resolved) checks first: 'cuda' alone raises here
+    if device_type == 'cuda':
+        assert (_get_device_index(torch.device(resolved), optional=False)
+                == torch.device(expected).index)
 
 
 @pytest.mark.parametrize('device, local_rank, gpus, message', [
-    ('cuda', None, 0, 'CUDA is not available'), ('cuda:2', None, 2, 'sees 2'), ('cuda', 2, 2, 'sees 2'),
-    ('cuda:1', 0, 2, 'under torchrun'), ('mps', None, 0, 'not supported'), ('gpu', None, 1, 'not supported'),
+    ('cuda', None, 0, 'CUDA is not available'), ('cuda:2', None, 2, 'sees 2'),
+    ('cuda', 2, 2, 'sees 2'), ('cuda:1', 0, 2, 'under torchrun'), ('mps', None, 0, 'not supported'),
+    ('gpu', None, 1, 'not supported'),
 ])
 def test_a_device_this_code_cannot_use_is_refused(device, local_rank, gpus, message):
     with pytest.raises(ValueError, match=message):
@@ -38,13 +42,16 @@ def test_a_device_this_code_cannot_use_is_refused(device, local_rank, gpus, mess
 
 
 def test_setup_makes_each_rank_s_own_gpu_current_before_it_joins_the_group(monkeypatch):
-    """Under torchrun on a host with 4 GPUs, local rank 2 makes cuda:2 current (by index: 'cuda' alone raises
-    in set_device), allows TF32, then joins the group on CUDA; a CPU process touches no CUDA call."""
+    """Under torchrun on a host with 4 GPUs, local rank 2 makes cuda:2 current (by index: 'cuda'
+    alone raises in set_device), allows TF32, then joins the group on CUDA; a CPU process touches no
+    CUDA call."""
     calls = []
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 4)
-    monkeypatch.setattr(torch.cuda, 'set_device', lambda device: calls.append(('set_device', device)))
-    monkeypatch.setattr(torch, 'set_float32_matmul_precision', lambda p: calls.append(('matmul', p)))
+    monkeypatch.setattr(torch.cuda, 'set_device',
+                        lambda device: calls.append(('set_device', device)))
+    monkeypatch.setattr(torch, 'set_float32_matmul_precision',
+                        lambda p: calls.append(('matmul', p)))
     monkeypatch.setattr(distributed, 'init_process_group',
                         lambda *args: calls.append(('group', *args)))
     assert distributed.setup('auto', 2, False, 'auto', 1) == ('cuda:2', 'cuda')
@@ -63,8 +70,9 @@ def test_an_nccl_group_is_bound_to_the_rank_s_own_gpu(device, backend, expected)
 
 
 def test_rng_state_holds_and_restores_only_this_process_s_gpu(monkeypatch):
-    """A process draws dropout from its own device's generator; get_rng_state_all() would save one per visible
-    GPU and fail to restore where another number is visible (here: 8 GPUs, the process on cuda:5)."""
+    """A process draws dropout from its own device's generator; get_rng_state_all() would save one
+    per visible GPU and fail to restore where another number is visible (here: 8 GPUs, the process
+    on cuda:5)."""
     asked, restored = [], []
     states = {f'cuda:{i}': torch.full((16,), i, dtype=torch.uint8) for i in range(8)}
     monkeypatch.setattr(torch.cuda, 'get_rng_state', lambda device: asked.append(str(device))
@@ -72,18 +80,22 @@ def test_rng_state_holds_and_restores_only_this_process_s_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, 'set_rng_state',
                         lambda state, device: restored.append((str(device), state)))
     for name in ('get_rng_state_all', 'set_rng_state_all', 'manual_seed_all'):
-        monkeypatch.setattr(torch.cuda, name, lambda *a, name=name: pytest.fail(f'{name} touches every GPU'))
+        monkeypatch.setattr(torch.cuda, name,
+                            lambda *a, name=name: pytest.fail(f'{name} touches every GPU'))
     state = checkpoint.rng_state('cuda:5')
     assert asked == ['cuda:5'] and state['cuda'] == [5] * 16
     checkpoint.set_rng_state(state, 'cuda:5')
     assert [d for d, _ in restored] == ['cuda:5'] and restored[0][1].tolist() == [5] * 16
-    assert checkpoint.rng_state('cpu')['cuda'] is None and asked == ['cuda:5']  # a CPU process asks no GPU
+    # a CPU process asks no GPU
+    assert checkpoint.rng_state('cpu')['cuda'] is None and asked == ['cuda:5']
 
 
 @pytest.mark.parametrize('gpu, capability, dtype', [
-    ('P100', (6, 0), 'float16'), ('V100', (7, 0), 'float16'), ('T4', (7, 5), 'float16'),  # bfloat16 emulated
+    # bfloat16 emulated
+    ('P100', (6, 0), 'float16'), ('V100', (7, 0), 'float16'), ('T4', (7, 5), 'float16'),
     ('A100', (8, 0), 'bfloat16'), ('A10/RTX 3090', (8, 6), 'bfloat16'),
-    ('L4/L40/RTX 4090', (8, 9), 'bfloat16'), ('H100', (9, 0), 'bfloat16'), ('B200', (10, 0), 'bfloat16'),
+    ('L4/L40/RTX 4090', (8, 9), 'bfloat16'), ('H100', (9, 0), 'bfloat16'),
+    ('B200', (10, 0), 'bfloat16'),
 ])
 def test_auto_dtype_on_a_gpu_follows_its_compute_capability(gpu, capability, dtype):
     assert perf.cuda_autocast_dtype(capability) == dtype
@@ -110,10 +122,11 @@ def test_a_gpu_s_utilization_is_nvml_s_and_its_idle_line_names_the_host(monkeypa
 
 
 def test_peak_table_matches_the_exact_gpu_name_and_records_the_entry(monkeypatch):
-    # substrings nest ('L4' in 'L40' in 'L40S', 'A10' in 'A100', 'H100' in 'H100 PCIe'): each GPU gets its own
-    # row
-    expected = {'NVIDIA L4': 121e12, 'NVIDIA L40': 181e12, 'NVIDIA L40S': 362e12, 'NVIDIA A10': 125e12,
-                'NVIDIA A100-SXM4-80GB': 312e12, 'NVIDIA H100 PCIe': 756e12, 'NVIDIA H100 80GB HBM3': 989e12}
+    # substrings nest ('L4' in 'L40' in 'L40S', 'A10' in 'A100', 'H100' in 'H100 PCIe'): each GPU
+    # gets its own row
+    expected = {'NVIDIA L4': 121e12, 'NVIDIA L40': 181e12, 'NVIDIA L40S': 362e12,
+                'NVIDIA A10': 125e12, 'NVIDIA A100-SXM4-80GB': 312e12, 'NVIDIA H100 PCIe': 756e12,
+                'NVIDIA H100 80GB HBM3': 989e12}
     for name, peak in expected.items():
         assert perf.table_peak(name, torch.bfloat16) == peak
         monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device: name)
@@ -137,32 +150,39 @@ def test_padded_vocabulary_rows_are_never_predicted_sampled_or_counted():
     assert logits.shape == (2, 16, 65)
     targets = torch.randint(0, 65, (2, 16))
     targets[0, :5] = -100  # nothing predicted there
-    assert torch.allclose(model(idx, targets), F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+    assert torch.allclose(model(idx, targets),
+                          F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
     total = model(idx, targets, reduction='sum')
-    assert torch.allclose(total, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction='sum'))
+    assert torch.allclose(total,
+                          F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction='sum'))
     # 27 predicted tokens at about ln(65) each: a padding row in the softmax would add ~1e3
     assert total < 27 * 10
-    sampled = model.generate(idx[:, :2], 20, temperature=2.0, generator=torch.Generator().manual_seed(0))
+    sampled = model.generate(idx[:, :2], 20, temperature=2.0,
+                             generator=torch.Generator().manual_seed(0))
     assert sampled.max() < 65
 
 
 def test_qk_norm_hands_attention_one_dtype_when_autocast_runs_rms_norm_in_float32(monkeypatch):
-    """CUDA autocast (torch >= 2.12, pytorch#188955) runs rms_norm in float32 while v stays bfloat16;
-    simulated here on the CPU, where autocast leaves rms_norm alone."""
+    """CUDA autocast (torch >= 2.12, pytorch#188955) runs rms_norm in float32 while v stays
+    bfloat16; simulated here on the CPU, where autocast leaves rms_norm alone."""
     rms_norm, sdpa, seen = F.rms_norm, F.scaled_dot_product_attention, []
     monkeypatch.setattr(F, 'rms_norm', lambda x, shape: rms_norm(x.float(), shape))
     monkeypatch.setattr(F, 'scaled_dot_product_attention',
-                        lambda q, k, v, **kw: seen.append({q.dtype, k.dtype, v.dtype}) or sdpa(q, k, v, **kw))
-    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, qk_norm=True))
+                        lambda q, k, v, **kw: (seen.append({q.dtype, k.dtype, v.dtype})
+                                               or sdpa(q, k, v, **kw)))
+    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32,
+                          qk_norm=True))
     with torch.autocast('cpu', dtype=torch.bfloat16):
         model(torch.randint(0, 50, (2, 16)))
     assert len(seen) == 2 and all(len(dtypes) == 1 for dtypes in seen)
 
 
 def test_fsdp_builds_its_mesh_for_the_device_in_use_and_reduces_in_float32(monkeypatch, tmp_path):
-    """On a GPU host FSDP's default mesh is CUDA even for a device=cpu run; the accelerator is faked here."""
+    """On a GPU host FSDP's default mesh is CUDA even for a device=cpu run; the accelerator is faked
+    here."""
     monkeypatch.setattr(torch._C, '_get_accelerator', lambda: torch.device('cuda'))
-    dist.init_process_group('gloo', init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    dist.init_process_group('gloo', init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
     try:
         model = GPT(GPTConfig(block_size=8, vocab_size=50, n_layer=1, n_head=2, n_embd=16))
         model.fully_shard(torch.bfloat16, 'cpu')
@@ -175,11 +195,12 @@ def test_fsdp_builds_its_mesh_for_the_device_in_use_and_reduces_in_float32(monke
 
 @pytest.mark.slow
 def test_the_loss_compiled_with_the_model_equals_eager():
-    """forward(idx, targets) puts the cross-entropy inside the compiled graph, where inductor fuses it with
-    the head. Float32 on one thread: fused kernels sum in another order, so agreement is to rounding
-    (1e-5)."""
+    """forward(idx, targets) puts the cross-entropy inside the compiled graph, where inductor fuses
+    it with the head. Float32 on one thread: fused kernels sum in another order, so agreement is to
+    rounding (1e-5)."""
     torch.manual_seed(0)
-    eager = GPT(GPTConfig(block_size=16, vocab_size=65, n_layer=1, n_head=2, n_embd=32, logit_softcap=15.0))
+    eager = GPT(GPTConfig(block_size=16, vocab_size=65, n_layer=1, n_head=2, n_embd=32,
+                          logit_softcap=15.0))
     twin = GPT(eager.config)
     twin.load_state_dict(eager.state_dict())
     compiled = torch.compile(twin)
@@ -190,22 +211,25 @@ def test_the_loss_compiled_with_the_model_equals_eager():
         loss.backward()
     assert torch.allclose(losses[0], losses[1], rtol=1e-5, atol=0)
     grads = [dict(m.named_parameters()) for m in (eager, twin)]
-    assert all(torch.allclose(grads[0][k].grad, grads[1][k].grad, rtol=1e-4, atol=1e-6) for k in grads[0])
+    assert all(torch.allclose(grads[0][k].grad, grads[1][k].grad, rtol=1e-4, atol=1e-6)
+               for k in grads[0])
 
 
 def test_phase_times_on_cuda_count_backward_kernels_launched_from_the_autograd_thread():
-    """On CUDA the autograd engine runs backward's ops on its own device thread, so the caller's 'backward'
-    range has no children with kernels; each op's kernels go to the range open when it started, on any
-    thread. Times in microseconds, as torch.profiler's events give them."""
+    """On CUDA the autograd engine runs backward's ops on its own device thread, so the caller's
+    'backward' range has no children with kernels; each op's kernels go to the range open when it
+    started, on any thread. Times in microseconds, as torch.profiler's events give them."""
     from types import SimpleNamespace
 
     def event(name, start, end, self_device_us=0.0, thread=1):
         return SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CPU, thread=thread,
                                time_range=SimpleNamespace(start=start, end=end),
-                               self_device_time_total=self_device_us, device_time_total=self_device_us)
+                               self_device_time_total=self_device_us,
+                               device_time_total=self_device_us)
     events = [event('data', 0, 10), event('forward', 10, 100), event('aten::mm', 20, 30, 3000),
               event('backward', 100, 200, 100),  # the loss scaling it launches itself
-              event('aten::mm', 120, 130, 5000, thread=2), event('aten::add_', 150, 151, 500, thread=2),
+              event('aten::mm', 120, 130, 5000, thread=2),
+              event('aten::add_', 150, 151, 500, thread=2),
               event('optimizer', 200, 300), event('aten::_fused_adamw_', 210, 220, 2000),
               event('aten::zero_', 305, 306, 700)]  # outside every range
     expected = {'data': 0.0, 'forward': 3.0, 'backward': 5.6, 'optimizer': 2.0, 'other': 0.7}

@@ -1,7 +1,7 @@
 """GPT-2 in and out of the Hugging Face format, checked against transformers itself on a random tiny
 GPT2LMHeadModel: loading gives its logits, a finetune resumes exactly, an export loads back as
-GPT2LMHeadModel. Nothing is downloaded: GPT-2 names are served from a Hugging Face cache the tests build, with
-HF_HUB_OFFLINE=1."""
+GPT2LMHeadModel. Nothing is downloaded: GPT-2 names are served from a Hugging Face cache the tests
+build, with HF_HUB_OFFLINE=1."""
 import hashlib
 import json
 import os
@@ -27,7 +27,8 @@ SEPARATOR = '-' * 40 + '\n'
 
 @pytest.fixture(scope='module')
 def bpe_data(root):
-    """data_dir with a 'shakespeare' dataset: one text tokenized with a tiny GPT-2-style .tiktoken BPE."""
+    """data_dir with a 'shakespeare' dataset: one text tokenized with a tiny GPT-2-style .tiktoken
+    BPE."""
     write_ranks(root / 'tiny.tiktoken', MERGES)
     docs = make_corpus(str(root / 'docs'))
     text = ''.join(open(os.path.join(docs, name)).read() for name in sorted(os.listdir(docs)))
@@ -39,10 +40,11 @@ def bpe_data(root):
 
 @pytest.fixture(scope='module')
 def tiny_gpt2(root):
-    """A random GPT2LMHeadModel folder as save_pretrained writes it. Every tensor is random, LayerNorms and
-    biases too, so a swapped or untransposed tensor shows in the logits."""
+    """A random GPT2LMHeadModel folder as save_pretrained writes it. Every tensor is random,
+    LayerNorms and biases too, so a swapped or untransposed tensor shows in the logits."""
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=N_VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=N_VOCAB, n_positions=64, n_embd=64, n_layer=2,
+                                       n_head=4))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2)
@@ -79,8 +81,10 @@ def test_loads_folder_file_and_openai_layout_with_transformers_logits(tiny_gpt2,
     assert torch.allclose(logits(cropped, idx[:, :16]), expected[:, :16], atol=1e-5, rtol=0)
     # the single weights file
     single, _ = load_ours(weights)
-    assert all(torch.equal(a, b) for a, b in zip(single.state_dict().values(), ours.state_dict().values()))
-    # OpenAI's layout: pytorch_model.bin, no 'transformer.' prefix, causal-mask buffers, an explicit tied head
+    assert all(torch.equal(a, b)
+               for a, b in zip(single.state_dict().values(), ours.state_dict().values()))
+    # OpenAI's layout: pytorch_model.bin, no 'transformer.' prefix, causal-mask buffers, an explicit
+    # tied head
     openai = tmp_path / 'openai'
     openai.mkdir()
     shutil.copy(os.path.join(tiny_gpt2, 'config.json'), openai)
@@ -88,7 +92,8 @@ def test_loads_folder_file_and_openai_layout_with_transformers_logits(tiny_gpt2,
     tensors |= {f'h.{i}.attn.bias': torch.tril(torch.ones(1, 1, 64, 64)) for i in range(2)}
     torch.save(tensors | {'lm_head.weight': tensors['wte.weight']}, openai / 'pytorch_model.bin')
     old, _ = load_ours(str(openai))
-    assert all(torch.equal(a, b) for a, b in zip(old.state_dict().values(), ours.state_dict().values()))
+    assert all(torch.equal(a, b)
+               for a, b in zip(old.state_dict().values(), ours.state_dict().values()))
 
 
 def test_export_loads_in_transformers_as_gpt2_with_our_logits(tiny_gpt2, tmp_path):
@@ -99,14 +104,16 @@ def test_export_loads_in_transformers_as_gpt2_with_our_logits(tiny_gpt2, tmp_pat
         folder = str(tmp_path / activation)
         hf.export_gpt2(ours, folder, eot_id=N_VOCAB - 1)
         theirs, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
-        assert type(theirs) is GPT2LMHeadModel and not info['missing_keys'] and not info['unexpected_keys']
+        assert (type(theirs) is GPT2LMHeadModel and not info['missing_keys']
+                and not info['unexpected_keys'])
         assert (theirs.config.activation_function == activation
                 and theirs.config.n_positions == ours.config.block_size)
         idx = torch.randint(0, ours.config.vocab_size, (2, ours.config.block_size))
         assert torch.allclose(logits(theirs.eval(), idx), logits(ours, idx), atol=1e-5, rtol=0)
     assert sorted(os.listdir(tmp_path)) == ['gelu', 'gelu_new']  # no temp folder left beside them
     # exported biases of a model without biases are zeros; the export reads back in exactly
-    assert not load_file(str(tmp_path / 'gelu' / 'model.safetensors'))['transformer.h.0.mlp.c_fc.bias'].any()
+    assert not load_file(str(tmp_path / 'gelu' / 'model.safetensors'))[
+        'transformer.h.0.mlp.c_fc.bias'].any()
     again = hf.load_gpt2(str(tmp_path / 'gelu_new'), 64, N_VOCAB)[1]
     assert all(torch.equal(again[k], v) for k, v in load_ours(tiny_gpt2)[0].state_dict().items())
 
@@ -122,7 +129,8 @@ def test_export_refuses_what_gpt2_cannot_hold_and_a_used_folder(tiny_gpt2, tmp_p
     (used / 'keep.txt').write_text('mine')
     assert 'not an empty folder' in refusal(load_ours(tiny_gpt2)[0], str(used))
     assert os.listdir(used) == ['keep.txt']
-    assert 'cannot make' in refusal(load_ours(tiny_gpt2)[0], str(used / 'keep.txt' / 'sub' / 'export'))
+    assert 'cannot make' in refusal(load_ours(tiny_gpt2)[0],
+                                    str(used / 'keep.txt' / 'sub' / 'export'))
     config = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=20)
     forked = GPT(config)  # a fork that adds a parameter GPT-2 has no place for
     forked.blocks[0].attn.gain = torch.nn.Parameter(torch.ones(16))
@@ -132,7 +140,8 @@ def test_export_refuses_what_gpt2_cannot_hold_and_a_used_folder(tiny_gpt2, tmp_p
     assert 'output head not tied' in refusal(untied)
     # an activation model.py gains without a name for it in the export's map
     monkeypatch.setitem(model_module.ACTIVATIONS, 'relu2', lambda x: torch.relu(x) ** 2)
-    assert "activation='relu2'" in refusal(GPT(GPTConfig(**{**config.__dict__, 'activation': 'relu2'})))
+    assert "activation='relu2'" in refusal(GPT(GPTConfig(**{**config.__dict__,
+                                                            'activation': 'relu2'})))
 
 
 def test_load_errors_are_one_line(tiny_gpt2, tmp_path, monkeypatch):
@@ -160,8 +169,8 @@ def test_load_errors_are_one_line(tiny_gpt2, tmp_path, monkeypatch):
 
 
 def fake_hub_cache(home, name, folder):
-    """HF_HOME with folder's files cached as the hub's `name`, laid out as huggingface_hub lays out its
-    cache."""
+    """HF_HOME with folder's files cached as the hub's `name`, laid out as huggingface_hub lays out
+    its cache."""
     commit = '0' * 40
     repo = home / 'hub' / f'models--{name}'
     (repo / 'refs').mkdir(parents=True)
@@ -175,34 +184,40 @@ def trajectory(out_dir):
 
 
 @pytest.mark.slow
-def test_gpt2_by_name_from_the_cache_finetunes_and_resumes_exactly(root, bpe_data, tiny_gpt2, tmp_path):
+def test_gpt2_by_name_from_the_cache_finetunes_and_resumes_exactly(root, bpe_data, tiny_gpt2,
+                                                                   tmp_path):
     env = {**os.environ, 'HF_HUB_OFFLINE': '1',
            'HF_HOME': fake_hub_cache(tmp_path / 'home', 'gpt2', tiny_gpt2)}
-    args = ['--init_from=gpt2', '--dataset=shakespeare', '--dropout=0.1', '--block_size=32', '--max_iters=6',
-            '--lr_decay_iters=6', '--eval_interval=3']
+    args = ['--init_from=gpt2', '--dataset=shakespeare', '--dropout=0.1', '--block_size=32',
+            '--max_iters=6', '--lr_decay_iters=6', '--eval_interval=3']
     straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
     started = run_train(straight, bpe_data, *args, env=env)
-    assert 'building the model: 2 layers, 4 heads, 64 wide' in started.stdout  # the weights' shape, not 32
+    # the weights' shape, not 32
+    assert 'building the model: 2 layers, 4 heads, 64 wide' in started.stdout
     run_train(split, bpe_data, *args, '--max_iters=3', env=env)
-    # resume as a user does: init_from changes, the shape keys stay unset (the config still says n_embd=32)
-    run_train(split, bpe_data, *[a for a in args if not a.startswith('--init_from')], '--init_from=resume',
-              env=env)
+    # resume as a user does: init_from changes, the shape keys stay unset (the config still says
+    # n_embd=32)
+    run_train(split, bpe_data, *[a for a in args if not a.startswith('--init_from')],
+              '--init_from=resume', env=env)
     assert trajectory(split) == trajectory(straight) and len(trajectory(split)) == 6
     a = torch.load(os.path.join(straight, 'last.pt'), weights_only=True)
     b = torch.load(os.path.join(split, 'last.pt'), weights_only=True)
     assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
-    cached = os.path.join(env['HF_HOME'], 'hub', 'models--gpt2', 'snapshots', '0' * 40, 'model.safetensors')
+    cached = os.path.join(env['HF_HOME'], 'hub', 'models--gpt2', 'snapshots', '0' * 40,
+                          'model.safetensors')
     record = {'init_from': 'gpt2', 'weights': cached,
               'sha256': hashlib.sha256(open(cached, 'rb').read()).hexdigest()}
     assert a['pretrained'] == b['pretrained'] == record
     assert json.load(open(os.path.join(split, 'meta.json')))['pretrained'] == record
-    assert a['model_args'] | {'dropout': 0.1} == {'n_layer': 2, 'n_head': 4, 'n_embd': 64, 'block_size': 32,
-                                                  'bias': True, 'activation': 'gelu_tanh',
-                                                  'vocab_size': N_VOCAB, 'dropout': 0.1,
-                                                  'pos_emb': 'learned', 'qk_norm': False, 'tie_head': True,
+    assert a['model_args'] | {'dropout': 0.1} == {'n_layer': 2, 'n_head': 4, 'n_embd': 64,
+                                                  'block_size': 32, 'bias': True,
+                                                  'activation': 'gelu_tanh', 'vocab_size': N_VOCAB,
+                                                  'dropout': 0.1, 'pos_emb': 'learned',
+                                                  'qk_norm': False, 'tie_head': True,
                                                   'logit_softcap': 0.0, 'zero_init': False}
     config = json.load(open(os.path.join(straight, 'config.json')))
-    assert config['n_embd'] == {'value': 64, 'source': 'weights of gpt2'} and config['bias']['value'] is True
+    assert (config['n_embd'] == {'value': 64, 'source': 'weights of gpt2'}
+            and config['bias']['value'] is True)
 
 
 @pytest.mark.slow
@@ -239,7 +254,8 @@ def test_export_of_a_trained_run_generates_greedily_like_sample_py(data_dir, tmp
     sample = lambda *args: forked.run('sample.py', f'--out_dir={out}', *args, timeout=120)
     assert sample(f'--export_hf={export}').returncode == 0
     again = sample(f'--export_hf={export}')  # never over an existing export
-    assert again.returncode == 2 and again.stderr.count('\n') == 1 and 'not an empty folder' in again.stderr
+    assert (again.returncode == 2 and again.stderr.count('\n') == 1
+            and 'not an empty folder' in again.stderr)
     greedy = sample('--top_k=1', '--num_samples=1', '--max_new_tokens=24', '--dtype=float32')
     assert greedy.returncode == 0, greedy.stderr
     theirs = AutoModelForCausalLM.from_pretrained(export).eval()

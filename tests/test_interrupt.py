@@ -1,5 +1,6 @@
-"""Preemption as clusters and terminals deliver it: SIGTERM or Ctrl-C ends the run after the step under way
-with a whole last.pt, and the resumed run is bitwise the run that was never interrupted."""
+"""Preemption as clusters and terminals deliver it: SIGTERM or Ctrl-C ends the run after the step
+under way with a whole last.pt, and the resumed run is bitwise the run that was never
+interrupted."""
 import json
 import os
 import signal
@@ -11,12 +12,13 @@ import torch
 import forked
 from conftest import PROBE, RUN_CONFIG, read_metrics, torchrun, wait_for_stderr
 
-# training runs in subprocesses: the 'not slow' tier skips them; signals reach fresh interpreters, as users'
-# runs are
+# training runs in subprocesses: the 'not slow' tier skips them; signals reach fresh interpreters,
+# as users' runs are
 pytestmark = [pytest.mark.slow, pytest.mark.fresh]
 
 # dropout and loader workers on: the RNG streams and the loader position must both survive the stop
-ARGS = ['--max_iters=600', '--lr_decay_iters=600', '--eval_interval=100', '--dropout=0.1', '--num_workers=1']
+ARGS = ['--max_iters=600', '--lr_decay_iters=600', '--eval_interval=100', '--dropout=0.1',
+        '--num_workers=1']
 
 
 def trajectory(out_dir):
@@ -43,7 +45,8 @@ def wait_for_step(out_dir, step, proc, timeout=120):
 
 
 def start(cmd, env=None):
-    # a session of its own, as a terminal's foreground job: killpg reaches the loader workers as Ctrl-C does
+    # a session of its own, as a terminal's foreground job: killpg reaches the loader workers as
+    # Ctrl-C does
     return forked.Process(*cmd, env=env, new_session=True)
 
 
@@ -52,9 +55,10 @@ def train_cmd(out_dir, data_dir, *args):
 
 
 def test_sigterm_ctrl_c_and_sigkill_then_resume_bitwise(tmp_path, data_dir):
-    # SIGTERM: a cluster's notice; SIGINT to the process group: Ctrl-C; SIGKILL: no notice, so only what
-    # checkpoint_interval saved between evaluations (every 25 iterations, evaluations every 100) survives.
-    # The straight run and the three interrupted ones run side by side, then the three resumes.
+    # SIGTERM: a cluster's notice; SIGINT to the process group: Ctrl-C; SIGKILL: no notice, so only
+    # what checkpoint_interval saved between evaluations (every 25 iterations, evaluations every
+    # 100) survives. The straight run and the three interrupted ones run side by side, then the
+    # three resumes.
     cases = {signal.SIGTERM: (143, 60, []), signal.SIGINT: (130, 90, []),
              signal.SIGKILL: (-9, 130, ['--checkpoint_interval=25'])}
     straight = str(tmp_path / 'straight')
@@ -71,7 +75,8 @@ def test_sigterm_ctrl_c_and_sigkill_then_resume_bitwise(tmp_path, data_dir):
                     # Ctrl-C reaches the whole group: the training process and its workers
                     procs[signum].send_signal(signum, group=True)
                 else:
-                    procs[signum].send_signal(signum)  # a cluster's SIGTERM goes to the job's main process
+                    # a cluster's SIGTERM goes to the job's main process
+                    procs[signum].send_signal(signum)
                 del waiting[signum]
         time.sleep(0.02)
     assert not waiting, waiting
@@ -81,7 +86,8 @@ def test_sigterm_ctrl_c_and_sigkill_then_resume_bitwise(tmp_path, data_dir):
         assert proc.returncode == code, stderr
         last = torch.load(os.path.join(out, 'last.pt'), weights_only=True)
         if signum == signal.SIGKILL:
-            assert last['iter_num'] % 25 == 0 and last['iter_num'] > 100 and not read_metrics(out, 'stop')
+            assert (last['iter_num'] % 25 == 0 and last['iter_num'] > 100
+                    and not read_metrics(out, 'stop'))
         else:
             stop = read_metrics(out, 'stop')
             assert (len(stop) == 1 and stop[0]['signal'] == signal.Signals(signum).name
@@ -90,7 +96,8 @@ def test_sigterm_ctrl_c_and_sigkill_then_resume_bitwise(tmp_path, data_dir):
             line = next(l for l in stdout.splitlines()
                         if l.startswith(f"stopped by {signal.Signals(signum).name}"))
             resume = line.split('resume with: ')[1]
-            assert resume.startswith('python train.py') and resume.endswith('--init_from=resume'), line
+            assert (resume.startswith('python train.py')
+                    and resume.endswith('--init_from=resume')), line
     resumes = [start(train_cmd(outs[signum], data_dir, *ARGS, *extra, '--init_from=resume'))
                for signum, (_, _, extra) in cases.items()]
     for proc in [procs[None], *resumes]:
@@ -102,9 +109,9 @@ def test_sigterm_ctrl_c_and_sigkill_then_resume_bitwise(tmp_path, data_dir):
 
 def test_second_ctrl_c_exits_at_once_with_whole_checkpoints(tmp_path, data_dir):
     out = str(tmp_path / 'run')
-    # the third write of last.pt (iteration 3) stops before its rename (tests/probe.py): the first Ctrl-C
-    # waits for an iteration that does not end, however fast this CPU, and the second comes once the first has
-    # been heard
+    # the third write of last.pt (iteration 3) stops before its rename (tests/probe.py): the first
+    # Ctrl-C waits for an iteration that does not end, however fast this CPU, and the second comes
+    # once the first has been heard
     proc = start([PROBE, *train_cmd(out, data_dir, *ARGS, '--checkpoint_interval=1')],
                  env={**os.environ, 'PROBE_HOLD_SAVE': '3'})
     wait_for_stderr(proc, 'probe: holding the write of')
@@ -112,7 +119,8 @@ def test_second_ctrl_c_exits_at_once_with_whole_checkpoints(tmp_path, data_dir):
     wait_for_stderr(proc, 'SIGINT: saving last.pt after the iteration under way')
     proc.send_signal(signal.SIGINT, group=True)
     proc.communicate(timeout=60)
-    assert proc.returncode == 130 and not read_metrics(out, 'stop')  # no save-and-stop: it left at once
+    # no save-and-stop: it left at once
+    assert proc.returncode == 130 and not read_metrics(out, 'stop')
     # whole, and the one before the write that was under way
     assert torch.load(os.path.join(out, 'last.pt'), weights_only=True)['iter_num'] == 2
 
@@ -120,21 +128,23 @@ def test_second_ctrl_c_exits_at_once_with_whole_checkpoints(tmp_path, data_dir):
 def test_two_ranks_stop_together_on_sigterm_and_resume_bitwise(tmp_path, data_dir):
     args = [*ARGS, '--gradient_accumulation_steps=2', '--max_iters=200', '--lr_decay_iters=200']
     straight, stopped = str(tmp_path / 'straight'), str(tmp_path / 'stopped')
-    cmd = ['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py', RUN_CONFIG,
-           f'--data_dir={data_dir}']
+    cmd = ['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py',
+           RUN_CONFIG, f'--data_dir={data_dir}']
     straight_proc = start([*cmd, f'--out_dir={straight}', *args])
     proc = start([*cmd, f'--out_dir={stopped}', *args])
     wait_for_step(stopped, 60, proc)
-    proc.send_signal(signal.SIGTERM)  # to torchrun, as a cluster does: it passes SIGTERM on to every rank
+    # to torchrun, as a cluster does: it passes SIGTERM on to every rank
+    proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
-    # torchrun reports the signal with a traceback of its own; the ranks end without one, rank 0 saying how
-    # to resume
+    # torchrun reports the signal with a traceback of its own; the ranks end without one, rank 0
+    # saying how to resume
     assert proc.returncode != 0, stderr
     assert 'train.py", line' not in stderr and 'runlog.py", line' not in stderr, stderr
     assert 'stopped by SIGTERM at iteration' in stdout, stdout
     stop = read_metrics(stopped, 'stop')
     assert len(stop) == 1, stdout + stderr
-    assert torch.load(os.path.join(stopped, 'last.pt'), weights_only=True)['iter_num'] == stop[0]['step']
+    assert (torch.load(os.path.join(stopped, 'last.pt'), weights_only=True)['iter_num']
+            == stop[0]['step'])
     resumed = torchrun(stopped, data_dir, *args, '--init_from=resume')
     assert resumed.returncode == 0, resumed.stderr
     straight_proc.communicate(timeout=300)

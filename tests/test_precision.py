@@ -32,7 +32,8 @@ def test_float16_skipped_steps_do_not_advance_the_schedule(tmp_path, data_dir, d
             assert after['lr'] == before['lr'] and after['scale'] < before['scale']
     real_steps = sum(not s for s in skipped)
     ckpt = torch.load(os.path.join(out, 'last.pt'), weights_only=True)
-    assert ckpt['scheduler']['last_epoch'] == real_steps  # scheduler steps == optimizer steps that ran
+    # scheduler steps == optimizer steps that ran
+    assert ckpt['scheduler']['last_epoch'] == real_steps
     assert ckpt['optimizer'][0]['state'][0]['step'].item() == real_steps
     # the EMA took in the initial weights, then each step that ran
     assert ckpt['ema']['n_averaged'].item() == 1 + real_steps
@@ -52,7 +53,8 @@ def test_every_dtype_learns_like_float32(tmp_path, data_dir):
         out = str(tmp_path / dtype)
         run_train(out, data_dir, f'--dtype={dtype}', probe=True,
                   env={**os.environ, 'PROBE_DTYPES': str(tmp_path)})
-        assert json.load(open(tmp_path / 'dtypes.0')) == [dtype]  # linear layers' outputs: autocast in effect
+        # linear layers' outputs: autocast in effect
+        assert json.load(open(tmp_path / 'dtypes.0')) == [dtype]
         evals = read_metrics(out, 'eval')
         assert evals[-1]['val_loss'] < evals[0]['val_loss']
         final[dtype] = evals[-1]['val_loss']
@@ -88,10 +90,11 @@ def test_auto_dtype_is_measured_on_cpu_and_can_be_forced(tmp_path, data_dir):
         assert meta['dtype'] == 'float32' and 'emulated' in choice['rule']
     assert (json.load(open(os.path.join(out, 'config.json')))['resolved']
             == {'device': 'cpu', 'dtype': meta['dtype']})
-    for forced in ('float32', 'bfloat16'):  # the switch that runs the suite either way on any machine
+    # the switch that runs the suite either way on any machine
+    for forced in ('float32', 'bfloat16'):
         out = str(tmp_path / forced)
-        run_train(out, data_dir, '--dtype=auto', '--device=cpu', '--max_iters=2', '--eval_interval=2',
-                  env={**os.environ, 'HONESTGPT_AUTO_DTYPE': forced})
+        run_train(out, data_dir, '--dtype=auto', '--device=cpu', '--max_iters=2',
+                  '--eval_interval=2', env={**os.environ, 'HONESTGPT_AUTO_DTYPE': forced})
         assert json.load(open(os.path.join(out, 'meta.json')))['dtype'] == forced
 
 
@@ -109,8 +112,8 @@ def test_float16_on_cpu_warns_with_the_measured_slowdown(tmp_path, data_dir, mon
     # train.py says it, once, where float16 is clearly emulated, and not where it is clearly native
     float16, float32 = perf.float16_float32_seconds(8 * 32, 128)  # the run's micro-batch and width
     slowdown = float16 / float32
-    result = run_train(str(tmp_path / 'fp16'), data_dir, '--dtype=float16', '--device=cpu', '--n_embd=128',
-                       '--max_iters=1', '--eval_interval=1')
+    result = run_train(str(tmp_path / 'fp16'), data_dir, '--dtype=float16', '--device=cpu',
+                       '--n_embd=128', '--max_iters=1', '--eval_interval=1')
     warning = [line for line in result.stderr.splitlines()
                if line.startswith('warning: dtype=float16 on this CPU')]
     if slowdown > 3 or slowdown < 1.2:  # between, the run's own may fall either side of 1.5
@@ -193,4 +196,5 @@ def test_out_of_memory_is_one_clear_message(tmp_path, data_dir, device):
             and 'batch_size=1000' in error[0]), result.stderr
     assert 'gradient_accumulation_steps' in error[0]
     assert len(read_metrics(out, 'abort')) == 1
-    assert not [f for f in os.listdir(out) if f.endswith('.pt') or f.endswith('.tmp')]  # nothing half-written
+    # nothing half-written
+    assert not [f for f in os.listdir(out) if f.endswith('.pt') or f.endswith('.tmp')]

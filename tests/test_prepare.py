@@ -32,7 +32,8 @@ def read_split(out_dir, split):
 
 
 def folder_snapshot(folder):
-    return {name: open(os.path.join(folder, name), 'rb').read() for name in sorted(os.listdir(folder))}
+    return {name: open(os.path.join(folder, name), 'rb').read()
+            for name in sorted(os.listdir(folder))}
 
 
 def run_cli(*args, cwd, env=None):
@@ -66,8 +67,10 @@ def test_folder_splits_are_disjoint_and_duplicates_dropped(tmp_path):
     out_dir = prepare.prepare('docs', data_dir=tmp_path / 'data', input_path=tmp_path / 'docs')
     meta = read_meta(out_dir)
     assert meta['duplicates_dropped'] == 2
-    # the first block of 20 documents holds exactly 2 val and 1 test; of the last 10, this seed put 1 in val
-    assert {s: meta['splits'][s]['documents'] for s in prepare.SPLITS} == {'train': 26, 'val': 3, 'test': 1}
+    # the first block of 20 documents holds exactly 2 val and 1 test; of the last 10, this seed put
+    # 1 in val
+    assert ({s: meta['splits'][s]['documents'] for s in prepare.SPLITS}
+            == {'train': 26, 'val': 3, 'test': 1})
     tags = {s: doc_tags(out_dir, s) for s in prepare.SPLITS}
     all_tags = tags['train'] + tags['val'] + tags['test']
     # each document exactly once, copies of 03 included
@@ -83,7 +86,8 @@ def test_folder_splits_are_disjoint_and_duplicates_dropped(tmp_path):
 
 def test_folder_split_is_deterministic_seeded_and_the_same_for_any_num_proc(tmp_path, monkeypatch):
     write_docs(tmp_path / 'docs')
-    monkeypatch.setattr(prepare, 'BATCH_BYTES', 256)  # tasks of 2 documents: both processes tokenize some
+    # tasks of 2 documents: both processes tokenize some
+    monkeypatch.setattr(prepare, 'BATCH_BYTES', 256)
     runs = [prepare.prepare('docs', data_dir=tmp_path / d, input_path=tmp_path / 'docs', seed=seed,
                             num_proc=num_proc)
             for d, seed, num_proc in [('a', 1, 1), ('b', 1, 2), ('c', 2, 1)]]
@@ -125,15 +129,17 @@ def test_single_file_contiguous_split(tmp_path):
     expected = {'test': (0, 50), 'train': (50, 902), 'val': (902, 1003)}
     for split, (a, b) in expected.items():
         assert decode(read_split(out_dir, split).tolist()) == text[a:b]
-        assert meta['splits'][split] == {'tokens': b - a, 'documents': 1, 'bytes': b - a, 'unknown_chars': 0,
-                                         'byte_range': [a, b], 'shards': [f't_{split}_000000.bin']}
+        assert meta['splits'][split] == {'tokens': b - a, 'documents': 1, 'bytes': b - a,
+                                         'unknown_chars': 0, 'byte_range': [a, b],
+                                         'shards': [f't_{split}_000000.bin']}
     assert meta['source_sha256'] == hashlib.sha256(text.encode()).hexdigest()
     assert meta['split_rule'].startswith('contiguous')
     assert meta['dtype'] == 'uint16' and meta['duplicates_dropped'] == 0
 
 
 def test_bpe_from_local_tiktoken_file(tmp_path, monkeypatch):
-    monkeypatch.setenv('TIKTOKEN_CACHE_DIR', str(tmp_path / 'cache'))  # tiktoken caches even local files
+    # tiktoken caches even local files
+    monkeypatch.setenv('TIKTOKEN_CACHE_DIR', str(tmp_path / 'cache'))
     ranks = tmp_path / 'tiny.tiktoken'
     write_ranks(ranks, [b'th', b'he', b'the'])
     docs = {f'd{i}.txt': f'the theme of the other {i} ' * (i + 1) for i in range(5)}
@@ -153,7 +159,8 @@ def test_bpe_from_local_tiktoken_file(tmp_path, monkeypatch):
     seen, n_text_tokens = [], 0
     for split in prepare.SPLITS:
         ids = read_split(out_dir, split).tolist()
-        assert len(ids) == meta['splits'][split]['tokens'] and ids[-1] == 259, 'each document ends with eot'
+        assert (len(ids) == meta['splits'][split]['tokens']
+                and ids[-1] == 259), 'each document ends with eot'
         ends = [k for k, t in enumerate(ids) if t == 259]
         split_docs = [tok.decode(ids[a + 1:b]) for a, b in zip([-1] + ends, ends)]
         assert len(split_docs) == meta['splits'][split]['documents']
@@ -165,7 +172,8 @@ def test_bpe_from_local_tiktoken_file(tmp_path, monkeypatch):
     assert 258 in read_split(out_dir, 'train')
     assert n_text_tokens < sum(len(t.encode()) for t in docs.values()), 'merges were used'
 
-    write_ranks(ranks, [b'th', b'he'])  # same path, different merges: neither meta nor the cache may go stale
+    # same path, different merges: neither meta nor the cache may go stale
+    write_ranks(ranks, [b'th', b'he'])
     with pytest.raises(tokenizer.TokenizerError, match='changed since'):
         tokenizer.load(meta['tokenizer'])
     out_dir = prepare.prepare('b', data_dir=tmp_path / 'data', input_path=tmp_path / 'docs',
@@ -192,20 +200,24 @@ def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
     (['x', '--input', 'empty.txt'], 'empty'),
     (['x', '--input', 'blank.txt'], 'only whitespace'),
     (['x', '--input', 'empty_dir'], 'has no files'),
-    (['x', '--input', 'latin1.txt'], r'latin1.txt is not UTF-8 \(invalid byte at offset 3\).*iconv'),
+    (['x', '--input', 'latin1.txt'],
+     r'latin1.txt is not UTF-8 \(invalid byte at offset 3\).*iconv'),
     (['x', '--input', 'tiny.txt'], 'split has no tokens'),
     (['x', '--input', 'two_docs'], 'only 2 distinct documents'),
     (['x', '--input', 'good.txt', '--tokenizer', 'bpe'], "tokenizer 'bpe' not understood"),
     (['x', '--input', 'good.txt', '--tokenizer', 'nope.tiktoken'], 'not found'),
     (['unknown_name'], 'pystdlib_char.*--input'),
     (['x', '--input', 'good.txt', '--num_proc', '-1'], 'num_proc=-1 must be at least 1'),
-    (['x', '--input', 'null.jsonl'], "null.jsonl:2 has 'text': null, not a string: fix or drop that record"),
+    (['x', '--input', 'null.jsonl'],
+     "null.jsonl:2 has 'text': null, not a string: fix or drop that record"),
     (['x', '--input', 'number.jsonl'], "number.jsonl:1 has 'text': 42, not a string"),
     (['x', '--input', 'surrogate.jsonl'], r"surrogate.jsonl:1 holds a lone surrogate '\\ud800'"),
-    (['x', '--input', 'latin1.jsonl'], r'latin1.jsonl:1 is not UTF-8 \(invalid byte at offset 13\).*iconv'),
+    (['x', '--input', 'latin1.jsonl'],
+     r'latin1.jsonl:1 is not UTF-8 \(invalid byte at offset 13\).*iconv'),
     (['x', '--input', 'truncated.jsonl.gz'], 'truncated.jsonl.gz is not a readable gzip file'),
     (['x', '--input', 'corrupt.jsonl.gz'], 'corrupt.jsonl.gz is not a readable gzip file'),
-    (['x', '--input', 'good.txt', '--seed', 'abc'], r"invalid int value: 'abc' \(python prepare.py --help"),
+    (['x', '--input', 'good.txt', '--seed', 'abc'],
+     r"invalid int value: 'abc' \(python prepare.py --help"),
     ([], 'the following arguments are required: name'),
 ])
 def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
@@ -225,7 +237,8 @@ def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
     (tmp_path / 'latin1.jsonl').write_bytes('{"text": "caf\u00e9"}\n'.encode('latin-1'))
     records = gzip.compress(b''.join(b'{"text": "record %d"}\n' % i for i in range(1000)))
     (tmp_path / 'truncated.jsonl.gz').write_bytes(records[:len(records) // 2])
-    (tmp_path / 'corrupt.jsonl.gz').write_bytes(records[:100] + bytes(b ^ 0xff for b in records[100:200])
+    (tmp_path / 'corrupt.jsonl.gz').write_bytes(records[:100]
+                                                + bytes(b ^ 0xff for b in records[100:200])
                                                 + records[200:])
     result = run_cli(*args, cwd=tmp_path)
     assert result.returncode == 2
@@ -280,7 +293,8 @@ def test_pystdlib_char(tmp_path):
         assert meta['splits'][split]['tokens'] == len(read_split(out_dir, split)) > 0
     assert meta['splits']['train']['documents'] > 10 * meta['splits']['test']['documents'] > 0
     _, _, reader = prepare.source_items('pystdlib_char', None, 'text', None)
-    dirs = {name for path in reader.files for name in os.path.relpath(path, reader.root).split('/')[:-1]}
+    dirs = {name for path in reader.files
+            for name in os.path.relpath(path, reader.root).split('/')[:-1]}
     assert (dirs
             and not any(d in ('site-packages', '__pycache__', 'idle_test') or d.startswith('test')
                         for d in dirs))
@@ -290,7 +304,8 @@ def test_pystdlib_char(tmp_path):
 
 def test_jsonl_and_gzip_records_split_like_the_same_documents_in_files(tmp_path, monkeypatch):
     texts = write_docs(tmp_path / 'docs')
-    monkeypatch.setattr(prepare, 'BATCH_BYTES', 256)  # tasks of 2 documents: both processes tokenize some
+    # tasks of 2 documents: both processes tokenize some
+    monkeypatch.setattr(prepare, 'BATCH_BYTES', 256)
     records = [json.dumps({'id': k, 'body': texts[name]}) for k, name in enumerate(sorted(texts))]
     (tmp_path / 'docs.jsonl').write_text('\n'.join(records) + '\n\n')  # a blank line is no record
     with gzip.open(tmp_path / 'docs.jsonl.gz', 'wt') as f:
@@ -302,9 +317,9 @@ def test_jsonl_and_gzip_records_split_like_the_same_documents_in_files(tmp_path,
         assert (read_split(outs[0], split).tolist() == read_split(outs[1], split).tolist()
                 == read_split(outs[2], split).tolist())
     meta = read_meta(outs[0])
-    assert meta['duplicates_dropped'] == 2 and sorted(doc_tags(outs[0], 'train') + doc_tags(outs[0], 'val') +
-                                                       doc_tags(outs[0], 'test')) == [f'{i:02d}'
-                                                                                      for i in range(30)]
+    assert (meta['duplicates_dropped'] == 2
+            and sorted(doc_tags(outs[0], 'train') + doc_tags(outs[0], 'val')
+                       + doc_tags(outs[0], 'test')) == [f'{i:02d}' for i in range(30)])
     result = run_cli('x', '--input', 'docs.jsonl', cwd=tmp_path)  # --text_key defaults to 'text'
     assert result.returncode == 2 and len(result.stderr.splitlines()) == 1
     assert "docs.jsonl:1 is not a JSON object with a 'text' field: pass --text_key" in result.stderr
@@ -337,19 +352,23 @@ def test_parquet_records_split_like_the_same_records_in_jsonl(tmp_path):
         assert read_split(outs[0], split).tolist() == read_split(outs[1], split).tolist()
     assert read_meta(outs[0])['duplicates_dropped'] == 2
     result = run_cli('x', '--input', 'docs.parquet', cwd=tmp_path)  # --text_key defaults to 'text'
-    assert result.returncode == 2 and "docs.parquet has no column 'text' (it has id, body)" in result.stderr
+    assert (result.returncode == 2
+            and "docs.parquet has no column 'text' (it has id, body)" in result.stderr)
 
 
 def test_small_shards_hold_the_same_tokens(tmp_path, monkeypatch):
     rng = random.Random(0)
     text = ''.join(rng.choice('abcdefghij \n') for _ in range(5000))
     (tmp_path / 'in.txt').write_text(text, encoding='utf-8')
-    monkeypatch.setattr(prepare, 'BATCH_BYTES', 512)  # many pieces, cut at newlines, tokenized by 2 processes
-    one = prepare.prepare('t', data_dir=tmp_path / 'one', input_path=tmp_path / 'in.txt', num_proc=1)
-    many = prepare.prepare('t', data_dir=tmp_path / 'many', input_path=tmp_path / 'in.txt', shard_size=1000,
-                           num_proc=2)
+    # many pieces, cut at newlines, tokenized by 2 processes
+    monkeypatch.setattr(prepare, 'BATCH_BYTES', 512)
+    one = prepare.prepare('t', data_dir=tmp_path / 'one', input_path=tmp_path / 'in.txt',
+                          num_proc=1)
+    many = prepare.prepare('t', data_dir=tmp_path / 'many', input_path=tmp_path / 'in.txt',
+                           shard_size=1000, num_proc=2)
     meta = read_meta(many)
-    assert meta['splits']['train']['shards'] == [f't_train_{i:06d}.bin' for i in range(5)]  # 4250 tokens
+    # 4250 tokens
+    assert meta['splits']['train']['shards'] == [f't_train_{i:06d}.bin' for i in range(5)]
     for split in prepare.SPLITS:
         assert read_split(one, split).tolist() == read_split(many, split).tolist()
         counts = [int(np.fromfile(os.path.join(many, f), dtype=np.int32, count=3)[2])
@@ -366,32 +385,35 @@ def write_jsonl_corpus(path, megabytes):
     size = 0
     with open(path, 'w') as f:
         while size < megabytes * 1e6:
-            line = json.dumps({'text': ' '.join(rng.choices(words, k=rng.randint(100, 600))) + '.'}) + '\n'
+            line = json.dumps({'text': ' '.join(rng.choices(words, k=rng.randint(100, 600)))
+                                       + '.'}) + '\n'
             f.write(line)
             size += len(line)
 
 
 @pytest.mark.slow
 def test_peak_memory_does_not_grow_with_the_corpus(tmp_path):
-    """A prepare that held the corpus would grow by several bytes per character (text, code points, ids): 50
-    MB more text, 250 MB or more; one that read ahead of its tokenizers (Pool.imap) by the 50 MB of text.
-    Streaming holds at most 2 x num_proc tasks of about 1 MB of text and their ids, so the peak rises towards
-    that bound, by well under 25 MB, and the set of document digests grows by ~70 bytes per document (23,000
-    more here: 1.6 MB)."""
+    """A prepare that held the corpus would grow by several bytes per character (text, code points,
+    ids): 50 MB more text, 250 MB or more; one that read ahead of its tokenizers (Pool.imap) by the
+    50 MB of text. Streaming holds at most 2 x num_proc tasks of about 1 MB of text and their ids,
+    so the peak rises towards that bound, by well under 25 MB, and the set of document digests grows
+    by ~70 bytes per document (23,000 more here: 1.6 MB)."""
     peaks = []
     for megabytes in (10, 60):
         corpus = tmp_path / f'c{megabytes}.jsonl'
         write_jsonl_corpus(corpus, megabytes)
         measure = ('import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, '
                    'capture_output=True); '
-                   'print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)')  # KB: the largest process
-        result = subprocess.run([sys.executable, '-c', measure, sys.executable, PREPARE_PY, 'c', '--input',
-                                 str(corpus),
+                   # KB: the largest process
+                   'print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)')
+        result = subprocess.run([sys.executable, '-c', measure, sys.executable, PREPARE_PY, 'c',
+                                 '--input', str(corpus),
                                  '--data_dir', str(tmp_path / f'd{megabytes}'), '--num_proc', '2'],
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         peaks.append(int(result.stdout) / 1024)
-    assert peaks[1] - peaks[0] < 25, f'peak RSS {peaks[0]:.0f} MB on 10 MB, {peaks[1]:.0f} MB on 60 MB'
+    assert peaks[1] - peaks[0] < 25, (f'peak RSS {peaks[0]:.0f} MB on 10 MB, {peaks[1]:.0f} MB on '
+                                      f'60 MB')
 
 
 def test_pieces_of_a_text_without_newlines_cut_between_characters(tmp_path, monkeypatch):

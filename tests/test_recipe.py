@@ -1,7 +1,7 @@
-"""The modern recipe's switches: rotary positions, QK-norm, ReLU squared, an untied head, soft-capped logits,
-zero-initialized projections, Muon beside AdamW and the warmup-stable-decay schedule. Each does what it says
-here; exact resume and DDP with all of them on are test_resume.py's and test_ddp.py's tests, run over RECIPE
-too."""
+"""The modern recipe's switches: rotary positions, QK-norm, ReLU squared, an untied head,
+soft-capped logits, zero-initialized projections, Muon beside AdamW and the warmup-stable-decay
+schedule. Each does what it says here; exact resume and DDP with all of them on are test_resume.py's
+and test_ddp.py's tests, run over RECIPE too."""
 import json
 import math
 import os
@@ -16,28 +16,31 @@ from conftest import ok, read_metrics, run_train, run_trains, torchrun
 from model import ACTIVATIONS, GPT, GPTConfig, Muon, newton_schulz, rotate
 
 # every switch on, Muon's rate and the wsd decay share set apart from their defaults
-RECIPE = ['--optimizer=muon', '--muon_lr=0.03', '--pos_emb=rope', '--qk_norm=True', '--activation=relu2',
-          '--tie_head=False', '--logit_softcap=15.0', '--zero_init=True', '--lr_schedule=wsd',
-          '--wsd_decay_frac=0.5']
-SWITCHES = dict(pos_emb='rope', qk_norm=True, activation='relu2', tie_head=False, logit_softcap=15.0,
-                zero_init=True)
+RECIPE = ['--optimizer=muon', '--muon_lr=0.03', '--pos_emb=rope', '--qk_norm=True',
+          '--activation=relu2', '--tie_head=False', '--logit_softcap=15.0', '--zero_init=True',
+          '--lr_schedule=wsd', '--wsd_decay_frac=0.5']
+SWITCHES = dict(pos_emb='rope', qk_norm=True, activation='relu2', tie_head=False,
+                logit_softcap=15.0, zero_init=True)
 
 
 def tiny_gpt(**kw):
     torch.manual_seed(0)
-    return GPT(GPTConfig(**{**dict(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32), **kw}))
+    return GPT(GPTConfig(**{**dict(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32),
+                            **kw}))
 
 
 def test_rope_scores_depend_on_the_offset_only():
     attn = tiny_gpt(pos_emb='rope').blocks[0].attn
     # one query and one key vector at every position
     q, k = torch.randn(2, 1, 1, 1, 16).expand(2, 1, 1, 16, 16).unbind(0)
-    q, k = rotate(q, attn.cos, attn.sin), rotate(k, attn.cos, attn.sin)  # as the model's attention turns them
+    # as the model's attention turns them
+    q, k = rotate(q, attn.cos, attn.sin), rotate(k, attn.cos, attn.sin)
     scores = (q @ k.transpose(-2, -1))[0, 0]  # (T, T): query i, key j
     for offset in range(-15, 16):  # constant along every diagonal, and not the same on all of them
         diagonal = torch.diagonal(scores, offset)
         assert torch.allclose(diagonal, diagonal[0].expand_as(diagonal), atol=1e-5)
-    assert not torch.allclose(torch.diagonal(scores, 0)[0], torch.diagonal(scores, -3)[0], atol=1e-3)
+    assert not torch.allclose(torch.diagonal(scores, 0)[0], torch.diagonal(scores, -3)[0],
+                              atol=1e-3)
     assert ('wpe.weight' not in tiny_gpt(pos_emb='rope').state_dict()
             and 'wpe.weight' in tiny_gpt().state_dict())
 
@@ -50,7 +53,8 @@ def test_rope_turns_queries_and_keys_in_the_forward_by_absolute_position():
             block.attn.c_attn.weight.mul_(20)
     idx = torch.randint(50, (2, 16))
     logits = model(idx)
-    # a prefix gives the logits it has inside the whole sequence: causal, and its tokens keep their offsets
+    # a prefix gives the logits it has inside the whole sequence: causal, and its tokens keep their
+    # offsets
     assert torch.allclose(model(idx[:, :8]), logits[:, :8], atol=1e-6)
     for block in model.blocks:  # the same weights without the rotation: another function
         block.attn.rope = False
@@ -64,7 +68,8 @@ def test_softcap_bounds_logits():
             model.wte.weight.mul_(300)  # the tied head: logits far beyond the cap
     idx = torch.randint(0, 50, (2, 16))
     assert free(idx).abs().max() > 20 and capped(idx).abs().max() <= 2
-    assert torch.allclose(capped(idx), 2 * torch.tanh(free(idx) / 2))  # the same weights, their logits capped
+    # the same weights, their logits capped
+    assert torch.allclose(capped(idx), 2 * torch.tanh(free(idx) / 2))
 
 
 def test_zero_init_blocks_start_as_the_identity():
@@ -79,8 +84,10 @@ def test_zero_init_blocks_start_as_the_identity():
 def test_untied_head_has_its_own_weight_and_relu2_squares():
     model = tiny_gpt(tie_head=False)
     params = dict(model.named_parameters())
-    assert model.lm_head.weight is not model.wte.weight and {'lm_head.weight', 'wte.weight'} <= set(params)
-    assert model.num_params() == (sum(p.numel() for p in model.parameters()) - params['wte.weight'].numel()
+    assert (model.lm_head.weight is not model.wte.weight
+            and {'lm_head.weight', 'wte.weight'} <= set(params))
+    assert model.num_params() == (sum(p.numel() for p in model.parameters())
+                                  - params['wte.weight'].numel()
                                   - params['wpe.weight'].numel())
     x = torch.randn(100)
     assert torch.equal(ACTIVATIONS['relu2'](x), F.relu(x) ** 2)
@@ -98,10 +105,11 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest_each_at_its_rate():
     assert set(in_muon) == {n for n, p in model.named_parameters() if n.startswith('blocks.')
                             and p.dim() == 2}
     assert {'wte.weight', 'wpe.weight', 'lm_head.weight'} <= set(in_adamw)
-    assert [g['lr'] for g in adamw.param_groups] == [1e-3, 1e-3] and muon.param_groups[0]['lr'] == 0.03
+    assert ([g['lr'] for g in adamw.param_groups] == [1e-3, 1e-3]
+            and muon.param_groups[0]['lr'] == 0.03)
     assert muon.param_groups[0]['momentum'] == 0.9
-    # one object to the loop: its groups are theirs, so one scheduler sets each group's rate from its own
-    # base, also after a resume, which gives the members new group dicts
+    # one object to the loop: its groups are theirs, so one scheduler sets each group's rate from
+    # its own base, also after a resume, which gives the members new group dicts
     assert optimizer.param_groups == adamw.param_groups + muon.param_groups
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
     optimizer.load_state_dict(optimizer.state_dict())
@@ -248,20 +256,22 @@ def test_bfloat16_units_count_only_where_the_kernels_can_use_them(monkeypatch):
 
 
 def test_export_refuses_what_gpt2_cannot_hold():
-    for switch, phrase in (({'pos_emb': 'rope'}, "pos_emb='rope'"), ({'qk_norm': True}, 'qk_norm=True'),
+    for switch, phrase in (({'pos_emb': 'rope'}, "pos_emb='rope'"),
+                           ({'qk_norm': True}, 'qk_norm=True'),
                            ({'logit_softcap': 15.0}, 'logit_softcap=15.0')):
         assert phrase in hf.cannot_hold(tiny_gpt(**switch).config)
     assert hf.cannot_hold(tiny_gpt(zero_init=True).config) == []  # an init, not an architecture
 
 
 def wsd_factor(step, warmup=5, decay_iters=30, frac=0.5, min_factor=0.1):
-    """The warmup-stable-decay schedule written out for these tests: warmup, flat, linear to min_factor,
-    flat."""
+    """The warmup-stable-decay schedule written out for these tests: warmup, flat, linear to
+    min_factor, flat."""
     decay_start = decay_iters - frac * (decay_iters - warmup)
     if step < warmup:
         return (step + 1) / (warmup + 1)
     return max(min_factor,
-               1.0 - (1.0 - min_factor) * max(0.0, step - decay_start) / (decay_iters - decay_start))
+               1.0 - (1.0 - min_factor) * max(0.0, step - decay_start)
+               / (decay_iters - decay_start))
 
 
 @pytest.mark.slow
@@ -287,10 +297,11 @@ def test_muon_on_two_ranks_tracks_one_process(tmp_path, data_dir):
 @pytest.mark.slow
 def test_float16_overflow_skips_both_optimizers_and_the_wsd_schedule_waits(tmp_path, data_dir):
     out = str(tmp_path / 'fp16')
-    # one process under the probe, which counts each optimizer's real steps; the scale backs off from 2^26 by
-    # skips
-    ok(torchrun(out, data_dir, *RECIPE, '--dtype=float16', f'--init_scale={2.0 ** 26}', '--max_iters=50',
-                '--lr_decay_iters=30', probe=True, nproc=1, env_extra={'PROBE_STEPS': str(tmp_path)}))
+    # one process under the probe, which counts each optimizer's real steps; the scale backs off
+    # from 2^26 by skips
+    ok(torchrun(out, data_dir, *RECIPE, '--dtype=float16', f'--init_scale={2.0 ** 26}',
+                '--max_iters=50', '--lr_decay_iters=30', probe=True, nproc=1,
+                env_extra={'PROBE_STEPS': str(tmp_path)}))
     steps = read_metrics(out, 'train')
     skipped = [s['skipped'] for s in steps]
     real_steps = sum(not s for s in skipped)
@@ -305,19 +316,21 @@ def test_float16_overflow_skips_both_optimizers_and_the_wsd_schedule_waits(tmp_p
     ckpt = torch.load(os.path.join(out, 'last.pt'), weights_only=True)
     assert ckpt['scheduler']['last_epoch'] == real_steps
     adamw, muon = ckpt['optimizer']
-    assert [g['lr'] for g in adamw['param_groups']] == pytest.approx([3e-3 * wsd_factor(real_steps)] * 2)
+    assert ([g['lr'] for g in adamw['param_groups']]
+            == pytest.approx([3e-3 * wsd_factor(real_steps)] * 2))
     # Muon's own base rate
     assert muon['param_groups'][0]['lr'] == pytest.approx(0.03 * wsd_factor(real_steps))
 
 
 @pytest.mark.slow
 def test_a_finished_run_trains_further_without_warming_up_again(tmp_path, data_dir):
-    """Two ways on: a cosine run whose max_iters alone is raised goes on at min_lr; a wsd run resumed from
-    stable.pt (its state at the stable phase's end) with a longer schedule stays at the peak rate, then cools
-    down anew. Raising lr_decay_iters on a cosine run instead puts the rate back up the curve, as README
-    says."""
+    """Two ways on: a cosine run whose max_iters alone is raised goes on at min_lr; a wsd run
+    resumed from stable.pt (its state at the stable phase's end) with a longer schedule stays at the
+    peak rate, then cools down anew. Raising lr_decay_iters on a cosine run instead puts the rate
+    back up the curve, as README says."""
     cosine, wsd = str(tmp_path / 'cosine'), str(tmp_path / 'wsd')
-    run_trains(data_dir, (cosine, []), (wsd, ['--lr_schedule=wsd', '--wsd_decay_frac=0.5']))  # 40 iterations
+    # 40 iterations
+    run_trains(data_dir, (cosine, []), (wsd, ['--lr_schedule=wsd', '--wsd_decay_frac=0.5']))
     run_train(cosine, data_dir, '--init_from=resume', '--max_iters=50')
     lrs = [r['lr'] for r in read_metrics(cosine, 'train')]
     assert lrs[40:] == [pytest.approx(3e-4)] * 10  # min_lr, as at the end of the first session
@@ -326,7 +339,8 @@ def test_a_finished_run_trains_further_without_warming_up_again(tmp_path, data_d
     assert stable['iter_num'] == 23 and stable['scheduler']['last_epoch'] == 23
     longer = str(tmp_path / 'longer')
     run_train(longer, data_dir, '--lr_schedule=wsd', '--wsd_decay_frac=0.5', '--init_from=resume',
-              f"--resume_from={os.path.join(wsd, 'stable.pt')}", '--max_iters=80', '--lr_decay_iters=80')
+              f"--resume_from={os.path.join(wsd, 'stable.pt')}", '--max_iters=80',
+              '--lr_decay_iters=80')
     lrs = [r['lr'] for r in read_metrics(longer, 'train')]  # iterations 24 to 80
     assert lrs[:19] == [3e-3] * 19 and 3e-4 < lrs[20] < 3e-3 and lrs[-1] < 6e-4  # cooled down anew
     # the straight wsd run had decayed by then: the longer one had not

@@ -28,12 +28,13 @@ def read_report(out_dir):
 
 
 def train_further(text):
-    return next(line.strip() for line in text.splitlines() if line.startswith('    python train.py'))
+    return next(line.strip()
+                for line in text.splitlines() if line.startswith('    python train.py'))
 
 
 def test_finished_run(finished):
-    result = subprocess.run([sys.executable, 'report.py', finished], cwd=REPO, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run([sys.executable, 'report.py', finished], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     text = read_report(finished)
     test = read_metrics(finished, 'test')[0]
@@ -42,8 +43,8 @@ def test_finished_run(finished):
             and f"at iteration {test['best_iter']}" in text)
     assert f"test loss {test['test_loss']:.4f}" in text
     assert '| max_iters | **20** | command line |' in text and '| beta1 | 0.9 | default |' in text
-    # a finished run has nothing left at its max_iters: the command raises it, and says what lr_decay_iters
-    # does
+    # a finished run has nothing left at its max_iters: the command raises it, and says what
+    # lr_decay_iters does
     assert train_further(text).endswith('--init_from=resume --max_iters=40 --lr_decay_iters=20')
     assert "change the command's --lr_decay_iters=20 to --lr_decay_iters=40" in text
     png = os.path.join(finished, 'curves.png')
@@ -57,13 +58,14 @@ def test_train_further_as_the_report_says_then_again(tmp_path, data_dir):
     out = str(tmp_path / 'run')
     run_train(out, data_dir, '--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10',
               '--write_report=True')
-    # what the report tells the user to do: its command, with lr_decay_iters raised as its sentence says
+    # what the report tells the user to do: its command, with lr_decay_iters raised as its sentence
+    # says
     command = train_further(read_report(out)).replace('--lr_decay_iters=20', '--lr_decay_iters=40')
     result = forked.run(*shlex.split(command)[1:])
     assert result.returncode == 0, result.stderr
     assert [r['step'] for r in read_metrics(out, 'train')] == list(range(1, 41))
-    # the resumed run's own command holds --max_iters and --lr_decay_iters: the next one names each once,
-    # raised
+    # the resumed run's own command holds --max_iters and --lr_decay_iters: the next one names each
+    # once, raised
     text = read_report(out)
     args = shlex.split(train_further(text))
     assert ([a for a in args if a.startswith(('--max_iters=', '--lr_decay_iters='))]
@@ -75,11 +77,13 @@ def test_aborted_run(finished, tmp_path, data_dir):
     out = str(tmp_path / 'aborted')
     result = run_train(out, data_dir, '--init_from=resume',
                        f"--resume_from={os.path.join(finished, 'last.pt')}",
-                       '--max_iters=80', '--learning_rate=1e9', '--lr_decay_iters=1000', check=False)
+                       '--max_iters=80', '--learning_rate=1e9', '--lr_decay_iters=1000',
+                       check=False)
     assert result.returncode != 0
     abort = read_metrics(out, 'abort')[0]
     report.write_report(out)
-    assert f"Status: **aborted**: at iteration {abort['step']}: {abort['message']}" in read_report(out)
+    assert (f"Status: **aborted**: at iteration {abort['step']}: {abort['message']}"
+            in read_report(out))
 
 
 def test_killed_run(finished, tmp_path):
@@ -87,7 +91,8 @@ def test_killed_run(finished, tmp_path):
     shutil.copytree(finished, out)
     records = [r for r in read_metrics(out) if r['kind'] != 'test']
     with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:
-        f.write(''.join(json.dumps(r) + '\n' for r in records) + '{"kind": "train", "st')  # killed mid-write
+        # killed mid-write
+        f.write(''.join(json.dumps(r) + '\n' for r in records) + '{"kind": "train", "st')
     report.write_report(out)
     assert 'the run did not finish (killed or still running?) at iteration 20' in read_report(out)
 
@@ -101,15 +106,16 @@ def test_a_run_stopped_by_a_signal(finished, tmp_path):
         f.write(''.join(json.dumps(r) + '\n' for r in records))
     report.write_report(out)
     text = read_report(out)
-    assert 'Status: **stopped**: by SIGTERM at iteration 20 of 20' in text and '--init_from=resume' in text
+    assert ('Status: **stopped**: by SIGTERM at iteration 20 of 20' in text
+            and '--init_from=resume' in text)
 
 
 def train_record(step, time):
     # step 12 overflowed in float16 (skipped, its norm inf); step 25's gradient norm spiked
     return {'kind': 'train', 'step': step, 'loss': 2.0, 'lr': 1e-3,
             'grad_norm': {12: float('inf'), 25: 50.0}.get(step, 1.0),
-            'tokens_per_sec': 1000.0, 'skipped': step == 12, 'skipped_total': int(step >= 12), 'time': time,
-            'mfu': 0.25, 'utilization': 0.5 + 0.2 * (step % 2), 'peak_mem_mb': 123.0}
+            'tokens_per_sec': 1000.0, 'skipped': step == 12, 'skipped_total': int(step >= 12),
+            'time': time, 'mfu': 0.25, 'utilization': 0.5 + 0.2 * (step % 2), 'peak_mem_mb': 123.0}
 
 
 def test_diagnoses_from_made_up_metrics(tmp_path):
@@ -122,8 +128,8 @@ def test_diagnoses_from_made_up_metrics(tmp_path):
               'resolved': {'device': 'cpu', 'dtype': 'float32'}}
     meta = {'command': ['train.py', 'config/tiny.py', '--init_from=auto', '--resume_from=x.pt'],
             'world_size': 2,
-            'dataset': {'split_rule': 'contiguous: test [0, 0.05n), train [0.05n, 0.9n), val [0.9n, n) '
-                                      'characters'}}
+            'dataset': {'split_rule': 'contiguous: test [0, 0.05n), train [0.05n, 0.9n), val '
+                                      '[0.9n, n) characters'}}
     # killed after iteration 30 and resumed 4000 s later: 30 s + 10 s of training, on 2 processes
     records = ([{'kind': 'start', 'step': 0, 'time': 1000.0}]
                + [train_record(s, 1000.0 + s) for s in range(1, 31)]
@@ -132,7 +138,8 @@ def test_diagnoses_from_made_up_metrics(tmp_path):
     records += [{'kind': 'eval', 'step': s, 'train_loss': t, 'val_loss': v, 'ema_val_loss': v - 0.1,
                  'best_val_loss': 0, 'val_bits_per_token': 0}
                 for s, t, v in ((10, 2.0, 2.05), (20, 1.4, 1.5), (30, 1.2, 1.6), (40, 1.0, 1.7))]
-    records += [{'kind': 'test', 'step': 40, 'best_iter': 20, 'best_val_loss': 1.5, 'test_loss': 1.2}]
+    records += [{'kind': 'test', 'step': 40, 'best_iter': 20, 'best_val_loss': 1.5,
+                 'test_loss': 1.2}]
     for name, content in (('config.json', json.dumps(config)), ('meta.json', json.dumps(meta)),
                           ('metrics.jsonl', ''.join(json.dumps(r) + '\n' for r in records))):
         with open(os.path.join(out, name), 'w') as f:
@@ -146,7 +153,8 @@ def test_diagnoses_from_made_up_metrics(tmp_path):
             'best 1.4000' in text)
     assert ('median MFU 25.0%' in text and "mean utilization 60%: rank 0's CPU time over the wall "
             "time of torch's threads" in text
-            and "peak memory 123 MB by the last training log line: rank 0's peak resident set" in text)
+            and "peak memory 123 MB by the last training log line: rank 0's peak resident set"
+            in text)
     assert 'test loss sits well below val loss: with a single text, test is its first 5%' in text
     assert '(40 s), 0.02 compute hours (2 process(es))' in text and 'estimated cost 0.08' in text
     assert ('float16 steps skipped: 1' in text
@@ -158,7 +166,8 @@ def test_diagnoses_from_made_up_metrics(tmp_path):
 
 def test_fit_and_leakage_reads():
     def evals(*pairs):
-        return [{'step': 10 * (i + 1), 'train_loss': t, 'val_loss': v} for i, (t, v) in enumerate(pairs)]
+        return [{'step': 10 * (i + 1), 'train_loss': t, 'val_loss': v}
+                for i, (t, v) in enumerate(pairs)]
     assert report.fit_read(evals((3.0, 3.1), (2.5, 2.6), (2.0, 2.1))).startswith('underfitting')
     assert report.fit_read(evals((3.0, 3.1), (2.5, 2.6), (2.4, 2.65))).startswith('fitting')
     assert 'val loss sits 0.5000 below' in report.leakage(evals((2.0, 2.1), (1.5, 1.0)))

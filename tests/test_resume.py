@@ -1,4 +1,5 @@
-"""Exact resume and crash safety: an interrupted run, resumed, is the run that was never interrupted."""
+"""Exact resume and crash safety: an interrupted run, resumed, is the run that was never
+interrupted."""
 import glob
 import json
 import os
@@ -45,13 +46,16 @@ def test_bfloat16_resume_mid_epoch_between_evaluations_is_bitwise(tmp_path, data
               env={**os.environ, 'PROBE_DTYPES': str(tmp_path)})
     # what the linear layers returned after the resume
     assert json.load(open(tmp_path / 'dtypes.0')) == ['bfloat16']
-    assert trajectory(split) == trajectory(straight)  # so before it too: a float32 part would differ
-    evals = lambda d: [(r['step'], r['val_loss']) for r in read_metrics(d, 'eval') if r['step'] % 10 == 0]
+    # so before it too: a float32 part would differ
+    assert trajectory(split) == trajectory(straight)
+    evals = lambda d: [(r['step'], r['val_loss'])
+                       for r in read_metrics(d, 'eval') if r['step'] % 10 == 0]
     assert evals(split) == evals(straight)
     a, b = (torch.load(os.path.join(d, 'last.pt'), weights_only=True) for d in (straight, split))
     assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
     lrs = lambda ckpt: [g['lr'] for state in ckpt['optimizer'] for g in state['param_groups']]
-    assert lrs(a) == lrs(b)  # each optimizer's groups resumed at their own rate: Muon's is not AdamW's
+    # each optimizer's groups resumed at their own rate: Muon's is not AdamW's
+    assert lrs(a) == lrs(b)
     if recipe:  # Muon's Newton-Schulz dtype, 'auto': the straight run's choice, kept by the resume
         chosen = [json.load(open(os.path.join(d, 'meta.json')))['muon_dtype']
                   for d in (straight, split)]
@@ -118,15 +122,16 @@ def test_kept_checkpoints_are_the_latest_k_and_each_replays_the_run_written_in_t
 
 
 def start_train(out_dir, data_dir, *overrides, hold_save=None):
-    """train.py under tests/probe.py; hold_save=N: its N-th write of last.pt stops before the rename."""
+    """train.py under tests/probe.py; hold_save=N: its N-th write of last.pt stops before the
+    rename."""
     env = {**os.environ, 'PROBE_HOLD_SAVE': str(hold_save)} if hold_save else None
-    return forked.Process(PROBE, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}',
-                          *overrides, env=env)
+    return forked.Process(PROBE, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}',
+                          f'--out_dir={out_dir}', *overrides, env=env)
 
 
 def test_sigkill_at_random_moments_and_mid_write_then_auto_resume(tmp_path, data_dir):
-    args = ['--max_iters=100', '--lr_decay_iters=100', '--eval_interval=3', '--dropout=0.1', '--n_embd=128',
-            '--n_layer=4', '--init_from=auto']
+    args = ['--max_iters=100', '--lr_decay_iters=100', '--eval_interval=3', '--dropout=0.1',
+            '--n_embd=128', '--n_layer=4', '--init_from=auto']
     straight, killed = str(tmp_path / 'straight'), str(tmp_path / 'killed')
     run_train(straight, data_dir, *args)
     rng = random.Random(0)
@@ -172,9 +177,9 @@ def logged_steps(out_dir):
 
 @pytest.mark.slow
 def test_a_run_folder_moved_after_a_kill_resumes_with_each_step_logged_once(tmp_path, data_dir):
-    # killed holding its second write of last.pt (iteration 6): the logs run past last.pt (iteration 3); the
-    # folder is then moved, as to another disk, and resumed there: the steps after iteration 3 are redone and
-    # logged once
+    # killed holding its second write of last.pt (iteration 6): the logs run past last.pt (iteration
+    # 3); the folder is then moved, as to another disk, and resumed there: the steps after iteration
+    # 3 are redone and logged once
     args = ['--max_iters=12', '--lr_decay_iters=12', '--eval_interval=3']
     killed, moved = str(tmp_path / 'killed'), str(tmp_path / 'moved')
     proc = start_train(killed, data_dir, *args, hold_save=2)
@@ -191,14 +196,16 @@ def test_a_run_folder_moved_after_a_kill_resumes_with_each_step_logged_once(tmp_
 def test_refuses_mismatched_or_corrupt_checkpoints(tmp_path, data_dir):
     out = str(tmp_path / 'run')
     run_train(out, data_dir, '--max_iters=10', '--lr_decay_iters=10', '--eval_interval=10')
-    result = run_train(out, data_dir, '--init_from=resume', '--max_iters=20', '--n_layer=3', check=False)
+    result = run_train(out, data_dir, '--init_from=resume', '--max_iters=20', '--n_layer=3',
+                       check=False)
     assert result.returncode != 0 and 'n_layer=2 there, 3 here' in result.stderr
     assert result.stderr.count('\n') == 1 and 'Traceback' not in result.stderr
     # a different dataset (same name, other content) is refused by its hash
     import prepare
     from conftest import make_corpus
     other_data = str(tmp_path / 'other_data')
-    prepare.prepare('toy', data_dir=other_data, input_path=make_corpus(str(tmp_path / 'src'), seed=5))
+    prepare.prepare('toy', data_dir=other_data,
+                    input_path=make_corpus(str(tmp_path / 'src'), seed=5))
     result = run_train(out, other_data, '--init_from=resume', '--max_iters=20', check=False)
     assert (result.returncode != 0 and 'trained on other data' in result.stderr
             and 'Traceback' not in result.stderr)
@@ -218,7 +225,8 @@ def test_refuses_mismatched_or_corrupt_checkpoints(tmp_path, data_dir):
     with open(last, 'r+b') as f:
         f.truncate(os.path.getsize(last) // 2)
     result = run_train(out, data_dir, '--init_from=resume', '--max_iters=20', check=False)
-    assert result.returncode != 0 and result.stderr.count('\n') == 1 and 'Traceback' not in result.stderr
+    assert (result.returncode != 0 and result.stderr.count('\n') == 1
+            and 'Traceback' not in result.stderr)
     assert last in result.stderr and 'unreadable' in result.stderr
 
 
@@ -301,11 +309,12 @@ def test_checkpoints_that_cannot_be_migrated_and_a_newer_format_are_refused(tmp_
     assert os.listdir(out) == ['last.pt']  # nothing written
     result = forked.run('sample.py', f'--ckpt={out / "last.pt"}')
     assert result.returncode == 2 and 'has format 2' in result.stderr
-    run_train(str(tmp_path / 'new'), data_dir, '--max_iters=2', '--lr_decay_iters=2', '--warmup_iters=1',
-              '--eval_interval=2')
+    run_train(str(tmp_path / 'new'), data_dir, '--max_iters=2', '--lr_decay_iters=2',
+              '--warmup_iters=1', '--eval_interval=2')
     last = tmp_path / 'new' / 'last.pt'
     torch.save({**torch.load(last, weights_only=True), 'format': 99}, last)
-    result = run_train(str(tmp_path / 'new'), data_dir, '--max_iters=4', '--init_from=resume', check=False)
+    result = run_train(str(tmp_path / 'new'), data_dir, '--max_iters=4', '--init_from=resume',
+                       check=False)
     assert result.returncode == 2 and 'has format 99, newer than this code' in result.stderr
 
 
@@ -317,7 +326,8 @@ def test_resumed_run_reports_this_session_and_the_total(tmp_path, data_dir):
     run_train(out, data_dir, *quick, '--max_iters=20', '--init_from=resume')
     test = read_metrics(out, 'test')[-1]
     assert test['total_seconds'] > test['wall_seconds'] and test['total_seconds'] >= first
-    done = [l for l in open(os.path.join(out, 'train.log')).read().splitlines() if l.startswith('done:')][-1]
+    done = [l for l in open(os.path.join(out, 'train.log')).read().splitlines()
+            if l.startswith('done:')][-1]
     assert done.startswith('done: iterations 11-20 in ') and 'all 20 iterations in ' in done
 
 

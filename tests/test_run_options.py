@@ -1,5 +1,6 @@
 """Documented run options, each observed end to end: early stopping with patience,
-always_save_checkpoint=False, eval_iters=0 (the whole split), and what TensorBoard and wandb receive."""
+always_save_checkpoint=False, eval_iters=0 (the whole split), and what TensorBoard and wandb
+receive."""
 import json
 import os
 import subprocess
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' t
 
 
 def saves_by_iteration(out_dir):
-    """{iteration: 'saved ...' line} from train.log: each save's line follows its iteration's log line."""
+    """{iteration: 'saved ...' line} from train.log: each save's line follows its iteration's log
+    line."""
     saves, iteration = {}, None
     for line in open(os.path.join(out_dir, 'train.log')):
         if line.startswith('iter '):
@@ -31,31 +33,34 @@ def saves_by_iteration(out_dir):
 
 def test_patience_stops_early_and_without_always_save_last_pt_follows_each_best(tmp_path, data_dir):
     out = str(tmp_path / 'run')
-    # learning rate 0: the val loss of the first evaluation (at 2) is never beaten, so patience 2 stops at 6
+    # learning rate 0: the val loss of the first evaluation (at 2) is never beaten, so patience 2
+    # stops at 6
     result = run_train(out, data_dir, '--learning_rate=0', '--warmup_iters=0', '--max_iters=20',
                        '--eval_interval=2',
                        '--patience=2', '--always_save_checkpoint=False', '--test_eval=True')
     assert [r['step'] for r in read_metrics(out, 'eval')] == [2, 4, 6]
     assert [r['step'] for r in read_metrics(out, 'train')] == list(range(1, 7))
     assert 'early stop: no better val loss in 2 evaluations since iteration 2' in result.stdout
-    # a new best writes both files; the evaluation at 4 writes nothing; the early stop writes last.pt to
-    # resume from
+    # a new best writes both files; the evaluation at 4 writes nothing; the early stop writes
+    # last.pt to resume from
     assert saves_by_iteration(out) == {2: 'saved best.pt and last.pt', 6: 'saved last.pt'}
     assert torch.load(os.path.join(out, 'last.pt'), weights_only=True)['iter_num'] == 6
     assert read_metrics(out, 'test')[0]['best_iter'] == 2
     report.write_report(out)
-    assert 'Status: **early-stopped**: at iteration 6 of 20' in open(os.path.join(out, 'report.md')).read()
+    assert ('Status: **early-stopped**: at iteration 6 of 20'
+            in open(os.path.join(out, 'report.md')).read())
 
 
 def test_eval_iters_0_evaluates_the_whole_split(tmp_path, data_dir):
     out = str(tmp_path / 'run')
-    run_train(out, data_dir, '--eval_iters=0', '--max_iters=2', '--eval_interval=2', '--dtype=float32')
+    run_train(out, data_dir, '--eval_iters=0', '--max_iters=2', '--eval_interval=2',
+              '--dtype=float32')
     ckpt = torch.load(os.path.join(out, 'last.pt'), weights_only=True)
     model = GPT(GPTConfig(**ckpt['model_args']))
     model.load_state_dict(ckpt['model'])
     model.eval()
-    # every token of val but the first, predicted once, from windows of block_size tokens (the last one
-    # shorter)
+    # every token of val but the first, predicted once, from windows of block_size tokens (the last
+    # one shorter)
     val = data.TokenWindows(data.open_dataset(data_dir, 'toy')[1]['val'], 32)
     tokens = torch.from_numpy(val.read(0, val.num_tokens).astype(np.int64))  # (N,)
     loss_sum = 0.0
@@ -63,14 +68,15 @@ def test_eval_iters_0_evaluates_the_whole_split(tmp_path, data_dir):
         for start in range(0, len(tokens) - 1, 32):
             x, y = tokens[start:start + 32], tokens[start + 1:start + 33]  # (<=32,)
             loss_sum += F.cross_entropy(model(x[:len(y)][None])[0], y, reduction='sum').item()
-    # the run sums batches, this test windows, in float32: they differ by ~1e-8; one of the ~250 windows left
-    # out moves the mean by ~1e-5
-    assert read_metrics(out, 'eval')[-1]['val_loss'] == pytest.approx(loss_sum / (len(tokens) - 1), rel=1e-6)
+    # the run sums batches, this test windows, in float32: they differ by ~1e-8; one of the ~250
+    # windows left out moves the mean by ~1e-5
+    assert read_metrics(out, 'eval')[-1]['val_loss'] == pytest.approx(loss_sum / (len(tokens) - 1),
+                                                                      rel=1e-6)
 
 
 def test_tensorboard_and_wandb_receive_every_number_of_metrics_jsonl(tmp_path, data_dir):
-    # tests/probe.py puts recording stand-ins for wandb and TensorBoard in their place: no packages, no
-    # network
+    # tests/probe.py puts recording stand-ins for wandb and TensorBoard in their place: no packages,
+    # no network
     out, calls_file = str(tmp_path / 'run'), tmp_path / 'calls.jsonl'
     run_train(out, data_dir, '--tensorboard_log=True', '--wandb_log=True', '--max_iters=4',
               '--eval_interval=2',

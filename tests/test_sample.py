@@ -26,8 +26,8 @@ def run_sample(*args):
 
 @pytest.mark.parametrize('device', DEVICES)
 def test_seed_decides_the_samples(run_dir, device):
-    # sample i is drawn with seed + i: the second sample of --seed=1 is the first of --seed=2, in another
-    # process
+    # sample i is drawn with seed + i: the second sample of --seed=1 is the first of --seed=2, in
+    # another process
     args = [f'--out_dir={run_dir}', '--max_new_tokens=30', f'--device={device}']
     seed_1 = run_sample(*args, '--seed=1', '--num_samples=2')
     seed_2 = run_sample(*args, '--seed=2', '--num_samples=1')
@@ -35,14 +35,15 @@ def test_seed_decides_the_samples(run_dir, device):
     assert f" on {'cuda:0' if device == 'cuda' else 'cpu'} " in seed_1.stderr
     first, second = seed_1.stdout.split(SEPARATOR)[:2]
     assert seed_2.stdout == second + SEPARATOR and first != second
-    assert first.startswith('\n')  # an empty prompt starts where documents do: a newline for a char tokenizer
+    # an empty prompt starts where documents do: a newline for a char tokenizer
+    assert first.startswith('\n')
 
 
 def test_top_k_1_is_greedy_with_a_prompt_file(run_dir, tmp_path):
     prompt = tmp_path / 'prompt.txt'
     prompt.write_text('the cat ')
-    result = run_sample(f'--out_dir={run_dir}', f'--start=FILE:{prompt}', '--top_k=1', '--num_samples=1',
-                        '--max_new_tokens=12', '--device=cpu',
+    result = run_sample(f'--out_dir={run_dir}', f'--start=FILE:{prompt}', '--top_k=1',
+                        '--num_samples=1', '--max_new_tokens=12', '--device=cpu',
                         '--dtype=float32')  # the reference below computes in float32
     assert result.returncode == 0, result.stderr
     ckpt = torch.load(os.path.join(run_dir, 'best.pt'), weights_only=True)
@@ -61,25 +62,27 @@ def test_top_k_1_is_greedy_with_a_prompt_file(run_dir, tmp_path):
 def test_missing_checkpoint_is_a_one_line_error(tmp_path):
     result = run_sample(f'--out_dir={tmp_path}')
     assert result.returncode == 2 and result.stdout == ''
-    assert result.stderr.startswith('error: checkpoint') and result.stderr.count('\n') == 1, result.stderr
+    assert (result.stderr.startswith('error: checkpoint')
+            and result.stderr.count('\n') == 1), result.stderr
 
 
-def test_export_writes_only_a_new_file_which_sample_reads_and_train_refuses_to_resume(run_dir, data_dir,
-                                                                                      tmp_path):
+def test_export_writes_only_a_new_file_which_sample_reads_and_train_refuses_to_resume(
+        run_dir, data_dir, tmp_path):
     def refused(result, words):
         return result.returncode == 2 and words in result.stderr and result.stderr.count('\n') == 1
 
     best = os.path.join(run_dir, 'best.pt')
     before = open(best, 'rb').read()
-    assert refused(run_sample(f'--out_dir={run_dir}', f'--export={best}'), 'exists: name a new file')
+    assert refused(run_sample(f'--out_dir={run_dir}', f'--export={best}'),
+                   'exists: name a new file')
     assert refused(run_sample(f'--out_dir={run_dir}', f"--export={tmp_path / 'no' / 'w.pt'}"),
                    'its folder does not exist')
     assert open(best, 'rb').read() == before and not (tmp_path / 'no').exists()
     exported = str(tmp_path / 'w.pt')
     assert run_sample(f'--out_dir={run_dir}', f'--export={exported}').returncode == 0
     assert run_sample(f'--ckpt={exported}', '--num_samples=1', '--max_new_tokens=5').returncode == 0
-    result = run_train(str(tmp_path / 'next'), data_dir, '--init_from=resume', f'--resume_from={exported}',
-                       check=False)
+    result = run_train(str(tmp_path / 'next'), data_dir, '--init_from=resume',
+                       f'--resume_from={exported}', check=False)
     assert refused(result, 'holds weights only') and not (tmp_path / 'next').exists()
     torch.save([1, 2], tmp_path / 'list.pt')
     assert refused(run_sample(f"--ckpt={tmp_path / 'list.pt'}"), 'holds a list, not a checkpoint')

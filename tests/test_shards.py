@@ -1,6 +1,6 @@
-"""Shards in llm.c's format: written and read back, llm.c's own layout read, bad headers refused in one line,
-and training on many shards: exact resume across shard boundaries, DDP as one process, a resume after shards
-changed refused."""
+"""Shards in llm.c's format: written and read back, llm.c's own layout read, bad headers refused in
+one line, and training on many shards: exact resume across shard boundaries, DDP as one process, a
+resume after shards changed refused."""
 import hashlib
 import json
 import os
@@ -19,8 +19,9 @@ from conftest import (epoch_batches, gpt2_shards, llmc_shard, make_corpus, ok, r
 
 
 def all_windows_match(ds, tokens, block_size):
-    return all(torch.equal(ds[s][0], torch.from_numpy(tokens[s:s + block_size].astype(np.int64))) and
-               torch.equal(ds[s][1], torch.from_numpy(tokens[s + 1:s + block_size + 1].astype(np.int64)))
+    return all(torch.equal(ds[s][0], torch.from_numpy(tokens[s:s + block_size].astype(np.int64)))
+               and torch.equal(ds[s][1],
+                               torch.from_numpy(tokens[s + 1:s + block_size + 1].astype(np.int64)))
                for s in range(len(tokens) - block_size))
 
 
@@ -37,13 +38,14 @@ def test_shard_writer_round_trip(tmp_path, dtype):
     assert headers == [[magic, version, n] for n in (7, 7, 7, 7, 2)]
     ds = data.TokenWindows([tmp_path / f for f in writer.files], block_size=4)
     assert ds.dtype == dtype and ds.num_tokens == 30
-    assert all_windows_match(ds, tokens, 4)  # windows inside a shard and across one or two boundaries
+    # windows inside a shard and across one or two boundaries
+    assert all_windows_match(ds, tokens, 4)
 
 
 @pytest.mark.skipif(not os.path.isdir('/proc/self/fd'), reason='counts open files in /proc')
 def test_reading_many_shards_keeps_no_file_open(tmp_path):
-    # a file (or memmap) kept per shard read would hold 50 descriptors here; FineWeb100B's 1,030 shards would
-    # exceed the usual limit of 1024
+    # a file (or memmap) kept per shard read would hold 50 descriptors here; FineWeb100B's 1,030
+    # shards would exceed the usual limit of 1024
     tokens = np.arange(1000) * 7 % 50257
     paths = [tmp_path / f'd_train_{i:06d}.bin' for i in range(50)]
     for i, path in enumerate(paths):
@@ -60,7 +62,8 @@ def test_llmc_shards_with_a_written_meta_are_a_dataset(tmp_path):
     rng = np.random.default_rng(0)
     streams = {'val': rng.integers(0, 50257, 300), 'train': rng.integers(0, 50257, 1000)}
     llmc_shard(folder / 'fineweb_val_000000.bin', streams['val'])
-    llmc_shard(folder / 'fineweb_train_000002.bin', streams['train'][600:])  # out of order on purpose
+    # out of order on purpose
+    llmc_shard(folder / 'fineweb_train_000002.bin', streams['train'][600:])
     llmc_shard(folder / 'fineweb_train_000001.bin', streams['train'][:600])
     (folder / 'meta.json').write_text(json.dumps({'vocab_size': 50257, 'tokenizer': 'gpt2'}))
     for dataset in ('fineweb10B', 'fineweb10B/fineweb_*.bin'):
@@ -77,8 +80,9 @@ def test_llmc_shards_with_a_written_meta_are_a_dataset(tmp_path):
 
 
 def test_a_token_id_past_meta_json_s_vocab_size_is_refused_when_the_data_opens(tmp_path):
-    """A hand-written meta.json with too small a vocab_size would fail in the model's embedding (on a GPU, a
-    device-side assert); the largest id of each shard is kept with its hash, and open_splits names it."""
+    """A hand-written meta.json with too small a vocab_size would fail in the model's embedding (on
+    a GPU, a device-side assert); the largest id of each shard is kept with its hash, and
+    open_splits names it."""
     folder = tmp_path / 'hand'
     folder.mkdir()
     llmc_shard(folder / 'd_val_000000.bin', list(range(40)))
@@ -87,7 +91,8 @@ def test_a_token_id_past_meta_json_s_vocab_size_is_refused_when_the_data_opens(t
     too_small = "d_train_000000.bin holds token id 59 but the dataset's meta.json has vocab_size 50"
     with pytest.raises(data.DataError, match=too_small):
         data.open_splits(str(tmp_path), 'hand', 8)
-    (folder / 'meta.json').write_text('{"vocab_size": 60, "tokenizer": "gpt2"}')  # the id, from the cache
+    # the id, from the cache
+    (folder / 'meta.json').write_text('{"vocab_size": 60, "tokenizer": "gpt2"}')
     assert data.open_splits(str(tmp_path), 'hand', 8)[1]['train'].largest_ids == [59]
 
 
@@ -112,7 +117,8 @@ def test_dataset_mistakes_are_one_line(tmp_path):
     llmc_shard(path, good)
     with open(path, 'r+b') as f:
         f.truncate(1024 + 150)
-    assert 'is 1174 bytes but its header says 100 uint16 tokens (1224 bytes): truncated?' in error('magic')
+    assert ('is 1174 bytes but its header says 100 uint16 tokens (1224 bytes): truncated?'
+            in error('magic'))
     with open(path, 'r+b') as f:
         f.truncate(1000)
     assert 'shorter than a shard' in error('magic')
@@ -121,15 +127,18 @@ def test_dataset_mistakes_are_one_line(tmp_path):
     (tmp_path / 'magic' / 'notes.bin').write_bytes(b'')
     assert 'notes.bin is not named like NAME_SPLIT_000000.bin' in error('magic')
     (tmp_path / 'old').mkdir()
-    (tmp_path / 'old' / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": "gpt2", "name": "old"}')
+    (tmp_path / 'old' / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": "gpt2", '
+                                                '"name": "old"}')
     np.zeros(10, np.uint16).tofile(tmp_path / 'old' / 'train.bin')
-    assert ('prepared by an older prepare.py (train.bin, no shards): run python prepare.py old again'
-            in error('old'))
-    # a hand-written meta.json cannot give a char vocabulary: the end-of-run sample would need its characters
+    assert ('prepared by an older prepare.py (train.bin, no shards): run python prepare.py old '
+            'again' in error('old'))
+    # a hand-written meta.json cannot give a char vocabulary: the end-of-run sample would need its
+    # characters
     for entry in ('"char"', '{"kind": "char"}'):
         (tmp_path / 'old' / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": %s}' % entry)
         assert 'names a char tokenizer without its characters' in error('old')
-    with pytest.raises(tokenizer.TokenizerError, match="the char tokenizer's characters are missing"):
+    with pytest.raises(tokenizer.TokenizerError,
+                       match="the char tokenizer's characters are missing"):
         tokenizer.load({'kind': 'char'})
     (tmp_path / 'old' / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": "gpt2",}')
     assert ('meta.json is not valid JSON (Expecting property name' in error('old')
@@ -138,11 +147,13 @@ def test_dataset_mistakes_are_one_line(tmp_path):
     assert 'has no' in error('nometa') and '"vocab_size": 50257' in error('nometa')
     assert 'no files match' in error('nometa/*.bin')
     for meta, message in (('5', 'lacks vocab_size and tokenizer'),
-                          ('{"vocab_size": "223", "tokenizer": "gpt2"}', "has vocab_size '223': write"),
+                          ('{"vocab_size": "223", "tokenizer": "gpt2"}',
+                           "has vocab_size '223': write"),
                           ('{"vocab_size": 0, "tokenizer": "gpt2"}', 'has vocab_size 0: write')):
         (tmp_path / 'old' / 'meta.json').write_text(meta)
         assert message in error('old')
-    with pytest.raises(data.DataError, match="data_dir '.*' cannot hold datasets .*: set data_dir to a"):
+    with pytest.raises(data.DataError,
+                       match="data_dir '.*' cannot hold datasets .*: set data_dir to a"):
         data.prepare_once(str(tmp_path / 'old' / 'meta.json'), 'pystdlib_char')
 
 
@@ -190,7 +201,8 @@ def test_data_change_checks_the_head_fingerprint_older_checkpoints_recorded(tmp_
 
 @pytest.fixture(scope='module')
 def sharded_dir(tmp_path_factory):
-    """The toy corpus in shards of 5,000 tokens (train: 9 of them) and no test split, as FineWeb's."""
+    """The toy corpus in shards of 5,000 tokens (train: 9 of them) and no test split, as
+    FineWeb's."""
     root = tmp_path_factory.mktemp('sharded')
     out_dir = prepare.prepare('toy', data_dir=str(root), input_path=make_corpus(str(root / 'src')),
                               shard_size=5000)
@@ -201,15 +213,18 @@ def sharded_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_resume_across_shard_boundaries_is_bitwise_and_refused_after_shards_changed(tmp_path, sharded_dir):
+def test_resume_across_shard_boundaries_is_bitwise_and_refused_after_shards_changed(tmp_path,
+                                                                                    sharded_dir):
     from test_resume import HARD, trajectory
     meta, shards = data.open_dataset(sharded_dir, 'toy')
     train = data.TokenWindows(shards['train'], 32)
     assert len(shards['train']) >= 8 and 'test' not in shards
     # the resumed part, steps 15-30 of 2 micro-batches each, reads a window across two shards
-    resumed = [s for b in epoch_batches(data.TrainSampler(train.num_tokens, 32, 8, 16, 1337), 0)[28:60]
+    resumed = [s for b in epoch_batches(data.TrainSampler(train.num_tokens, 32, 8, 16, 1337),
+                                        0)[28:60]
                for s in b]
-    assert any(np.searchsorted(train.offsets, s, 'right') != np.searchsorted(train.offsets, s + 32, 'right')
+    assert any(np.searchsorted(train.offsets, s, 'right')
+               != np.searchsorted(train.offsets, s + 32, 'right')
                for s in resumed)
     straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
     args = [*HARD, '--dtype=float32', '--test_eval=True']
@@ -226,7 +241,8 @@ def test_resume_across_shard_boundaries_is_bitwise_and_refused_after_shards_chan
     for name in os.listdir(os.path.join(sharded_dir, 'toy')):
         shutil.copyfile(os.path.join(sharded_dir, 'toy', name), copied / name)
     run_train(split, str(tmp_path / 'copied'), *args, '--init_from=resume', '--max_iters=31')
-    # a shard added, then one token changed at the end of a shard, its size kept: each refused in one line
+    # a shard added, then one token changed at the end of a shard, its size kept: each refused in
+    # one line
     changed_data = str(tmp_path / 'changed')
     shutil.copytree(sharded_dir, changed_data)
     val = os.path.join(changed_data, 'toy', 'toy_val_000000.bin')
@@ -246,16 +262,19 @@ def test_resume_across_shard_boundaries_is_bitwise_and_refused_after_shards_chan
 def test_default_dataset_of_the_older_layout_is_prepared_again(tmp_path):
     old = tmp_path / 'data' / 'pystdlib_char'
     old.mkdir(parents=True)
-    (old / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": {"kind": "char", "chars": ["a"]}}')
+    (old / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": {"kind": "char", "chars": '
+                                   '["a"]}}')
     np.zeros(10, np.uint16).tofile(old / 'train.bin')
     result = run_train(str(tmp_path / 'out'), str(tmp_path / 'data'), '--dataset=pystdlib_char',
                        '--max_iters=1', '--eval_interval=1', '--eval_iters=1')
     assert 'preparing the default dataset pystdlib_char' in result.stdout
-    assert os.path.exists(old / 'pystdlib_char_train_000000.bin') and not os.path.exists(old / 'train.bin')
+    assert (os.path.exists(old / 'pystdlib_char_train_000000.bin')
+            and not os.path.exists(old / 'train.bin'))
 
 
 def assert_refused(out_dir, data_dir, args, change):
-    result = run_train(out_dir, data_dir, *args, '--init_from=resume', '--max_iters=40', check=False)
+    result = run_train(out_dir, data_dir, *args, '--init_from=resume', '--max_iters=40',
+                       check=False)
     assert result.returncode == 2 and result.stderr.count('\n') == 1
     assert f'was trained on other data (shards {change})' in result.stderr
 
@@ -274,9 +293,11 @@ def test_bench_loader_mode_reads_windows(tmp_path, sharded_dir):
     run = str(tmp_path / 'run')
     run_train(run, sharded_dir, '--max_iters=1', '--eval_interval=1', '--batch_size=4')
     out = tmp_path / 'loader.json'
-    result = forked.run('bench.py', f'--loader={run}', '--bench_iters=50', f'--json={out}', timeout=120)
+    result = forked.run('bench.py', f'--loader={run}', '--bench_iters=50', f'--json={out}',
+                        timeout=120)
     assert result.returncode == 0, result.stderr
-    report = json.loads(out.read_text())['loader']  # the run's own loader: its batch size and shards
+    # the run's own loader: its batch size and shards
+    report = json.loads(out.read_text())['loader']
     assert report['batches'] == 50 and report['windows_per_sec'] > 0 and report['batch_size'] == 4
     assert report['train_shards'] == len(data.open_dataset(sharded_dir, 'toy')[1]['train']) > 1
     assert 'windows/s' in result.stdout

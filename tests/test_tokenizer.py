@@ -1,6 +1,7 @@
-"""tokenizer.py and prepare.py --tokenizer bpe:N: a BPE learned on train alone, deterministic, round-tripping
-every document; a changed ranks file refused; the Hugging Face files encoding as ours; GPT-2's export needing
-no files; and a run on a learned BPE that trains, samples and exports."""
+"""tokenizer.py and prepare.py --tokenizer bpe:N: a BPE learned on train alone, deterministic,
+round-tripping every document; a changed ranks file refused; the Hugging Face files encoding as
+ours; GPT-2's export needing no files; and a run on a learned BPE that trains, samples and
+exports."""
 import base64
 import json
 import os
@@ -21,18 +22,18 @@ from model import GPT, GPTConfig
 from test_prepare import folder_snapshot, read_meta, read_split, run_cli
 
 SEPARATOR = '-' * 40 + '\n'
-# strings only one split holds, repeated so often that a BPE learned on that split would merge their pairs
-# first
+# strings only one split holds, repeated so often that a BPE learned on that split would merge their
+# pairs first
 ONLY_IN = {'train': ' wywywywy', 'val': ' zqzqzqzq', 'test': ' xjxjxjxj'}
 
 
 def write_split_docs(folder, n=40, seed=1337):
-    """n documents of pseudo-English, each with its split's own string 30 times, and characters of 1 to 4
-    bytes: the split of the k-th distinct document is DocumentSplitter's, so it is known before prepare.py
-    runs."""
+    """n documents of pseudo-English, each with its split's own string 30 times, and characters of 1
+    to 4 bytes: the split of the k-th distinct document is DocumentSplitter's, so it is known before
+    prepare.py runs."""
     splitter, rng = prepare.DocumentSplitter(seed), random.Random(0)
-    words = ['the', 'cat', 'sees', 'a', 'small', 'bird', 'on', 'old', 'road', 'café', 'naïve', '☃',
-             '𝄞']
+    words = ['the', 'cat', 'sees', 'a', 'small', 'bird', 'on', 'old', 'road', 'café', 'naïve',
+             '☃', '𝄞']
     texts = {}
     for k in range(n):
         split = splitter(k)  # distinct digests: the split of the k-th document in file-name order
@@ -66,8 +67,10 @@ def test_bpe_learns_train_alone_and_round_trips_every_document(tmp_path):
     assert not any(pair in token for token in ranks
                    for pair in (b'zq', b'qz', b'xj', b'jx')), 'val or test text learned'
     trained = meta['tokenizer']['trained']  # a corpus this small is learned whole
-    assert trained['vocab_size_asked'] == 300 and trained['documents'] == meta['splits']['train']['documents']
-    assert trained['bytes'] == sum(len(t.encode()) for split, t in texts.values() if split == 'train')
+    assert (trained['vocab_size_asked'] == 300
+            and trained['documents'] == meta['splits']['train']['documents'])
+    assert trained['bytes'] == sum(len(t.encode())
+                                   for split, t in texts.values() if split == 'train')
     tok = tokenizer.load(meta['tokenizer'], out_dir)
     for split in prepare.SPLITS:
         ids = read_split(out_dir, split)
@@ -76,15 +79,20 @@ def test_bpe_learns_train_alone_and_round_trips_every_document(tmp_path):
         assert decoded == expected, f'{split}: each document decodes to itself'
         assert meta['splits'][split]['bytes'] == sum(len(t.encode()) for t in expected)
     val_bytes_per_token = meta['splits']['val']['bytes'] / meta['splits']['val']['tokens']
-    assert meta['val_bytes_per_token'] == round(val_bytes_per_token, 4) and 1.5 < val_bytes_per_token < 4
+    assert (meta['val_bytes_per_token'] == round(val_bytes_per_token, 4)
+            and 1.5 < val_bytes_per_token < 4)
 
 
-def test_bpe_is_the_same_for_any_num_proc_and_run_and_samples_within_its_bound(tmp_path, monkeypatch):
+def test_bpe_is_the_same_for_any_num_proc_and_run_and_samples_within_its_bound(tmp_path,
+                                                                               monkeypatch):
     write_split_docs(tmp_path / 'docs')
-    monkeypatch.setattr(prepare, 'BATCH_BYTES', 2048)  # tasks of 2 documents: both processes tokenize some
-    monkeypatch.setattr(prepare, 'BPE_SAMPLE_BYTES', 20_000)  # about half the train split: a sample is drawn
-    runs = [prepare.prepare('b', data_dir=tmp_path / d, input_path=tmp_path / 'docs', tokenizer='bpe:400',
-                            num_proc=num_proc) for d, num_proc in [('a', 1), ('b', 2), ('c', 2)]]
+    # tasks of 2 documents: both processes tokenize some
+    monkeypatch.setattr(prepare, 'BATCH_BYTES', 2048)
+    # about half the train split: a sample is drawn
+    monkeypatch.setattr(prepare, 'BPE_SAMPLE_BYTES', 20_000)
+    runs = [prepare.prepare('b', data_dir=tmp_path / d, input_path=tmp_path / 'docs',
+                            tokenizer='bpe:400', num_proc=num_proc)
+            for d, num_proc in [('a', 1), ('b', 2), ('c', 2)]]
     assert folder_snapshot(runs[0]) == folder_snapshot(runs[1]) == folder_snapshot(runs[2])
     assert sorted(os.listdir(runs[0])) == ['b.tiktoken', 'b_test_000000.bin', 'b_train_000000.bin',
                                            'b_val_000000.bin', 'meta.json']
@@ -103,7 +111,8 @@ def test_a_changed_or_missing_ranks_file_is_refused_in_one_line(tmp_path):
             == path), 'resolved inside the dataset folder, wherever it was prepared'
     with open(path, 'a') as f:
         f.write(f"{base64.b64encode(b'xyz').decode()} {meta['tokenizer']['eot_id']}\n")
-    assert_refused(tmp_path, path, 'changed since the dataset was prepared: restore it, or re-run prepare.py')
+    assert_refused(tmp_path, path,
+                   'changed since the dataset was prepared: restore it, or re-run prepare.py')
     os.remove(path)
     assert_refused(tmp_path, path, 'not found')
 
@@ -128,7 +137,8 @@ def test_bad_bpe_sizes_are_one_line_errors(tmp_path):
 def test_hugging_face_files_encode_and_decode_as_ours(tmp_path, kind):
     from tokenizers import Tokenizer as HFTokenizer
     text = 'the cat sees café ☃ 𝄞\n\n\t  x  <|endoftext|> 12 unseen: Ω\ufffd'
-    if kind == 'char':  # U+FFFD a character of the vocabulary: the unknown id keeps a name of its own
+    # U+FFFD a character of the vocabulary: the unknown id keeps a name of its own
+    if kind == 'char':
         tok = tokenizer.char(sorted(set('the cat sees café\n\t 12\ufffd')))
     elif kind == 'learned':
         texts = write_split_docs(tmp_path / 'docs')
@@ -137,8 +147,9 @@ def test_hugging_face_files_encode_and_decode_as_ours(tmp_path, kind):
         tok = tokenizer.load(read_meta(out_dir)['tokenizer'], out_dir)
         text += ''.join(t for _, t in texts.values())
     else:
-        # 'abcd' is a token that merging never reaches (bc first, then no pair is a token): tiktoken takes a
-        # piece that is a token whole; and '  ' merges two spaces that GPT-2's split keeps apart
+        # 'abcd' is a token that merging never reaches (bc first, then no pair is a token): tiktoken
+        # takes a piece that is a token whole; and '  ' merges two spaces that GPT-2's split keeps
+        # apart
         write_ranks(tmp_path / 'edge.tiktoken', [b'bc', b'ab', b'cd', b'abcd', b'  ', b' a'])
         tok = tokenizer.ranks_file(str(tmp_path / 'edge.tiktoken'))
         text = 'abcd x  abcd'
@@ -153,19 +164,20 @@ def test_hugging_face_files_encode_and_decode_as_ours(tmp_path, kind):
 
 
 def test_export_of_a_gpt2_tokenized_run_needs_no_tokenizer_files(tmp_path):
-    # a run on FineWeb's shards: its tokenizer is GPT-2's, whose files tiktoken would download, and this is
-    # offline
+    # a run on FineWeb's shards: its tokenizer is GPT-2's, whose files tiktoken would download, and
+    # this is offline
     model_args = dict(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=50257)
     model = GPT(GPTConfig(**model_args))
-    checkpoint.save_file({'format': checkpoint.FORMAT, 'model': model.state_dict(), 'model_args': model_args,
-                          'config': {}, 'iter_num': 0,
+    checkpoint.save_file({'format': checkpoint.FORMAT, 'model': model.state_dict(),
+                          'model_args': model_args, 'config': {}, 'iter_num': 0,
                           'dataset': {'tokenizer': {'kind': 'tiktoken', 'encoding': 'gpt2'}}},
                          str(tmp_path / 'best.pt'))
     proxy = 'http://127.0.0.1:9'
     env = dict(os.environ, TIKTOKEN_CACHE_DIR=str(tmp_path / 'empty_cache'),
                HTTPS_PROXY=proxy, HTTP_PROXY=proxy, https_proxy=proxy, http_proxy=proxy)
     export = tmp_path / 'hf'
-    result = forked.run('sample.py', f'--out_dir={tmp_path}', f'--export_hf={export}', env=env, timeout=120)
+    result = forked.run('sample.py', f'--out_dir={tmp_path}', f'--export_hf={export}', env=env,
+                        timeout=120)
     assert result.returncode == 0, result.stderr
     assert "AutoTokenizer.from_pretrained('gpt2')" in result.stderr
     config = json.loads((export / 'config.json').read_text())
@@ -194,12 +206,13 @@ def test_a_run_on_a_learned_bpe_trains_samples_and_exports(tmp_path):
     with open(os.path.join(data_dir, 'toy', 'toy.tiktoken'), 'a') as f:
         f.write(f"{base64.b64encode(b'xyz').decode()} {ours.eot_id}\n")
     refused = run_train(str(tmp_path / 'run2'), data_dir, '--max_iters=1', check=False)
-    assert refused.returncode == 2 and refused.stderr.count('\n') == 1 and 'changed since' in refused.stderr
+    assert (refused.returncode == 2 and refused.stderr.count('\n') == 1
+            and 'changed since' in refused.stderr)
     theirs, their_tokenizer = (AutoModelForCausalLM.from_pretrained(export).eval(),
                                AutoTokenizer.from_pretrained(export))
     assert (their_tokenizer.encode('the cat sees a small bird.\n')
             == ours.encode('the cat sees a small bird.\n'))
     assert their_tokenizer.eos_token_id == ours.eot_id == ours.vocab_size - 1
-    generated = theirs.generate(torch.tensor([their_tokenizer.encode('the cat')]), max_new_tokens=24,
-                                do_sample=False)
+    generated = theirs.generate(torch.tensor([their_tokenizer.encode('the cat')]),
+                                max_new_tokens=24, do_sample=False)
     assert greedy.stdout == their_tokenizer.decode(generated[0]) + '\n' + SEPARATOR

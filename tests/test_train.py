@@ -1,4 +1,5 @@
-"""End-to-end: train.py run as users run it, on a small generated corpus, checked through its files."""
+"""End-to-end: train.py run as users run it, on a small generated corpus, checked through its
+files."""
 import hashlib
 import importlib.util
 import json
@@ -30,9 +31,10 @@ def test_run_learns_and_records_everything(tmp_path, data_dir, device):
     steps = read_metrics(out, 'train')
     assert [s['step'] for s in steps] == list(range(1, 61))
     for s in steps:
-        assert ({'loss', 'lr', 'grad_norm', 'tokens_per_sec'} <= s.keys() and math.isfinite(s['loss'])
-                and s['tokens_per_sec'] > 0)
-    assert steps[0]['lr'] < steps[5]['lr'] and steps[-1]['lr'] < steps[20]['lr']  # warmup, then decay
+        assert ({'loss', 'lr', 'grad_norm', 'tokens_per_sec'} <= s.keys()
+                and math.isfinite(s['loss']) and s['tokens_per_sec'] > 0)
+    # warmup, then decay
+    assert steps[0]['lr'] < steps[5]['lr'] and steps[-1]['lr'] < steps[20]['lr']
     # how busy the device was; a GPU's from NVML, where nvidia-ml-py is (the GPU image has it)
     if device == 'cpu' or importlib.util.find_spec('pynvml'):
         busy = [s['utilization'] for s in steps]
@@ -40,15 +42,18 @@ def test_run_learns_and_records_everything(tmp_path, data_dir, device):
     test = read_metrics(out, 'test')[0]
     assert (test['best_iter'] == min(evals, key=lambda e: e['val_loss'])['step']
             and math.isfinite(test['test_loss']))
-    assert 0 < test['save_seconds'] < test['wall_seconds']  # the save cost is measured, inside the run's time
+    # the save cost is measured, inside the run's time
+    assert 0 < test['save_seconds'] < test['wall_seconds']
     assert ('best val loss' in result.stdout and 'test loss' in result.stdout
             and 'a sample from the best weights' in result.stdout)
     # the run directory: resolved config with sources, run metadata, state_dict-only checkpoints
     config = json.load(open(os.path.join(out, 'config.json')))
     assert config['max_iters'] == {'value': 60, 'source': 'command line'}
-    assert config['n_layer']['source'].endswith('run_config.py') and config['beta1']['source'] == 'default'
+    assert (config['n_layer']['source'].endswith('run_config.py')
+            and config['beta1']['source'] == 'default')
     meta = json.load(open(os.path.join(out, 'meta.json')))
-    assert {'git_sha', 'git_dirty', 'command', 'versions', 'hardware', 'seed', 'start_time'} <= meta.keys()
+    assert ({'git_sha', 'git_dirty', 'command', 'versions', 'hardware', 'seed', 'start_time'}
+            <= meta.keys())
     assert meta['versions']['torch'] == torch.__version__
     # this checkout's commit, and whether it has changes (test_units: a repository made for it)
     git = [subprocess.run(['git', *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
@@ -65,7 +70,8 @@ def test_run_learns_and_records_everything(tmp_path, data_dir, device):
     else:
         assert meta['hardware']['gpu'] is None
     log = open(os.path.join(out, 'train.log')).read().strip().splitlines()
-    stdout = result.stdout.strip().splitlines()  # start-up lines come before the run directory exists
+    # start-up lines come before the run directory exists
+    stdout = result.stdout.strip().splitlines()
     # warnings go to stderr and the log; the rest of the log is stdout's
     warnings = [line for line in log if line.startswith('warning: ')]
     assert all(line in result.stderr for line in warnings)
@@ -80,8 +86,9 @@ def test_run_learns_and_records_everything(tmp_path, data_dir, device):
 @pytest.mark.slow
 def test_overfit_one_batch(tmp_path, data_dir):
     out = str(tmp_path / 'overfit')
-    result = run_train(out, data_dir, '--overfit_one_batch=True', '--max_iters=150', '--decay_lr=False',
-                       '--learning_rate=1e-2', '--eval_interval=150', '--log_interval=10')
+    result = run_train(out, data_dir, '--overfit_one_batch=True', '--max_iters=150',
+                       '--decay_lr=False', '--learning_rate=1e-2', '--eval_interval=150',
+                       '--log_interval=10')
     losses = [s['loss'] for s in read_metrics(out, 'train')]
     assert losses[0] > 2.0 and losses[-1] < 0.1, losses
     assert 'overfit one batch: loss' in result.stdout
@@ -89,7 +96,8 @@ def test_overfit_one_batch(tmp_path, data_dir):
 
 @pytest.mark.slow
 def test_a_finished_overfit_run_started_again_ends_cleanly(tmp_path, data_dir):
-    # init_from=auto on a finished run takes no step: no losses for the overfit line, which is left out
+    # init_from=auto on a finished run takes no step: no losses for the overfit line, which is left
+    # out
     out = str(tmp_path / 'again')
     args = ('--overfit_one_batch=True', '--max_iters=3', '--decay_lr=False', '--eval_interval=3',
             '--init_from=auto')
@@ -107,8 +115,8 @@ def test_nan_aborts_with_context_and_keeps_checkpoints(tmp_path, data_dir):
     out = str(tmp_path / 'nan')
     run_train(out, data_dir)
     before = {name: sha(os.path.join(out, name)) for name in ('best.pt', 'last.pt')}
-    # the resumed run's first micro-batch (iteration 41) gives a NaN loss, on an iteration with an evaluation
-    # and a save due: the run must stop before either
+    # the resumed run's first micro-batch (iteration 41) gives a NaN loss, on an iteration with an
+    # evaluation and a save due: the run must stop before either
     result = run_train(out, data_dir, '--init_from=resume', '--max_iters=80', '--eval_interval=1',
                        '--checkpoint_interval=1',
                        check=False, probe=True, env={**os.environ, 'PROBE_NAN': '0:1'})
@@ -129,7 +137,8 @@ def test_bad_config_and_missing_data_create_nothing(tmp_path, data_dir):
                  ['--ema_decay=1']):
         result = run_train(str(out), data_dir, *args, check=False)
         assert result.returncode != 0 and 'Traceback' not in result.stderr, result.stderr
-        assert result.stderr.strip().count('\n') == 0 and result.stderr.startswith('error:'), result.stderr
+        assert (result.stderr.strip().count('\n') == 0
+                and result.stderr.startswith('error:')), result.stderr
         assert not out.exists()
 
 
@@ -142,9 +151,9 @@ def run_20(tmp_path_factory, data_dir):
 
 
 def test_a_forked_run_is_the_run_of_a_fresh_interpreter(tmp_path, data_dir):
-    # run_train forks a server that has imported torch (tests/forked.py): the same run in a fresh `python
-    # train.py`, with dropout and a loader worker, so that the RNG streams and the worker process are compared
-    # too
+    # run_train forks a server that has imported torch (tests/forked.py): the same run in a fresh
+    # `python train.py`, with dropout and a loader worker, so that the RNG streams and the worker
+    # process are compared too
     args = ['--max_iters=20', '--lr_decay_iters=20', '--dropout=0.1', '--num_workers=1']
     forked_run, fresh = str(tmp_path / 'forked'), str(tmp_path / 'fresh')
     run_train(forked_run, data_dir, *args)
@@ -153,13 +162,16 @@ def test_a_forked_run_is_the_run_of_a_fresh_interpreter(tmp_path, data_dir):
                                 f'--data_dir={data_dir}', f'--out_dir={fresh}', *args],
                                cwd=REPO, capture_output=True, text=True, timeout=300))
     assert 'ResourceWarning' not in result.stderr, result.stderr
-    for kind, keys in (('train', ('step', 'loss', 'lr', 'grad_norm')), ('eval', ('step', 'val_loss'))):
-        records = [[[r[k] for k in keys] for r in read_metrics(run, kind)] for run in (forked_run, fresh)]
+    for kind, keys in (('train', ('step', 'loss', 'lr', 'grad_norm')),
+                       ('eval', ('step', 'val_loss'))):
+        records = [[[r[k] for k in keys] for r in read_metrics(run, kind)]
+                   for run in (forked_run, fresh)]
         assert records[0] == records[1] and len(records[0]) > 0, kind
     weights = [torch.load(os.path.join(run, 'last.pt'), weights_only=True)['model']
                for run in (forked_run, fresh)]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
-    commands = [json.load(open(os.path.join(run, 'meta.json')))['command'][:2] for run in (forked_run, fresh)]
+    commands = [json.load(open(os.path.join(run, 'meta.json')))['command'][:2]
+                for run in (forked_run, fresh)]
     assert commands[0] == commands[1] == ['train.py', RUN_CONFIG]
 
 
@@ -168,17 +180,20 @@ def test_existing_run_is_not_overwritten(run_20, data_dir):
     before = sha(os.path.join(run_20, 'last.pt')), sha(os.path.join(run_20, 'metrics.jsonl'))
     result = run_train(run_20, data_dir, '--max_iters=20', '--lr_decay_iters=20', check=False)
     assert result.returncode == 2 and 'already holds a checkpoint' in result.stderr
-    assert (sha(os.path.join(run_20, 'last.pt')), sha(os.path.join(run_20, 'metrics.jsonl'))) == before
+    assert (sha(os.path.join(run_20, 'last.pt')),
+            sha(os.path.join(run_20, 'metrics.jsonl'))) == before
 
 
 @pytest.mark.fresh
-@pytest.mark.parametrize('key, package', [('tensorboard_log', 'tensorboard'), ('wandb_log', 'wandb')])
+@pytest.mark.parametrize('key, package',
+                         [('tensorboard_log', 'tensorboard'), ('wandb_log', 'wandb')])
 def test_missing_logging_package_is_a_one_line_error(tmp_path, data_dir, key, package):
     if importlib.util.find_spec(package):
         pytest.skip(f'{package} is installed here')
     result = run_train(str(tmp_path / 'run'), data_dir, f'--{key}=True', check=False)
-    assert result.returncode != 0 and result.stderr == (f"error: {key}=True needs the {package} package: "
-                                                        f"pip install {package}, or set {key}=False\n")
+    assert result.returncode != 0 and result.stderr == (f"error: {key}=True needs the {package} "
+                                                        f"package: pip install {package}, or set "
+                                                        f"{key}=False\n")
     assert not (tmp_path / 'run').exists()
 
 
@@ -186,23 +201,26 @@ def test_missing_logging_package_is_a_one_line_error(tmp_path, data_dir, key, pa
 def test_nanogpt_config_runs_unchanged(tmp_path, data_dir):
     # nanoGPT's own shakespeare_char config file, shrunk from the command line to test size
     out = str(tmp_path / 'nano')
-    cmd = ['config/shakespeare_char.py', '--dataset=toy', '--n_layer=1', '--n_head=2', '--n_embd=16',
-           '--block_size=16', '--batch_size=4', '--max_iters=4', '--lr_decay_iters=4', '--warmup_iters=1',
-           '--eval_interval=2', '--eval_iters=2']
+    cmd = ['config/shakespeare_char.py', '--dataset=toy', '--n_layer=1', '--n_head=2',
+           '--n_embd=16', '--block_size=16', '--batch_size=4', '--max_iters=4',
+           '--lr_decay_iters=4', '--warmup_iters=1', '--eval_interval=2', '--eval_iters=2']
     result = forked.run('train.py', *cmd, f'--data_dir={data_dir}', f'--out_dir={out}')
     assert result.returncode == 0, result.stderr
     config = json.load(open(os.path.join(out, 'config.json')))
     assert config['dropout'] == {'value': 0.2, 'source': 'config/shakespeare_char.py'}
-    assert os.path.exists(os.path.join(out, 'best.pt')) and os.path.exists(os.path.join(out, 'last.pt'))
+    assert (os.path.exists(os.path.join(out, 'best.pt'))
+            and os.path.exists(os.path.join(out, 'last.pt')))
 
 
 @pytest.mark.fresh
 @pytest.mark.parametrize('args, message', [
-    (['--device=mps'], "error: device='mps' is not supported: use device=cpu, cuda, cuda:N or auto"),
+    (['--device=mps'],
+     "error: device='mps' is not supported: use device=cpu, cuda, cuda:N or auto"),
     (['--device=cuda'], "error: device='cuda' but CUDA is not available here: use device=cpu"),
     (['--checkpoint_interval=-1'], "error: checkpoint_interval=-1 must not be negative"),
     (['--lr_schedule=linear'], "error: lr_schedule='linear': use 'cosine' or 'wsd'"),
-    (['--grad_clip=-1'], "error: grad_clip=-1.0 must not be negative"),  # a negative clip flips the gradients
+    # a negative clip flips the gradients
+    (['--grad_clip=-1'], "error: grad_clip=-1.0 must not be negative"),
     (['--beta1=2'], "error: beta1=2.0, beta2=0.95 and muon_momentum=0.95 must each be in [0, 1)"),
 ])
 def test_mistakes_are_one_line_exit_2_nothing_written(tmp_path, data_dir, args, message):
@@ -216,16 +234,18 @@ def test_mistakes_are_one_line_exit_2_nothing_written(tmp_path, data_dir, args, 
 @pytest.mark.slow
 def test_zero_learning_rate_without_warmup_runs(tmp_path, data_dir):
     out = str(tmp_path / 'lr0')
-    run_train(out, data_dir, '--learning_rate=0', '--warmup_iters=0', '--max_iters=3', '--eval_interval=3')
+    run_train(out, data_dir, '--learning_rate=0', '--warmup_iters=0', '--max_iters=3',
+              '--eval_interval=3')
     assert [r['lr'] for r in read_metrics(out, 'train')] == [0.0, 0.0, 0.0]
 
 
 @pytest.fixture(scope='module')
 def short_run(tmp_path_factory, data_dir):
-    """One run that the tests of its log lines and records share: 30 iterations of 2 micro-batches."""
+    """One run that the tests of its log lines and records share: 30 iterations of 2
+    micro-batches."""
     out = str(tmp_path_factory.mktemp('short') / 'run')
-    return out, run_train(out, data_dir, '--max_iters=30', '--lr_decay_iters=30', '--eval_interval=30',
-                          '--gradient_accumulation_steps=2')
+    return out, run_train(out, data_dir, '--max_iters=30', '--lr_decay_iters=30',
+                          '--eval_interval=30', '--gradient_accumulation_steps=2')
 
 
 @pytest.mark.slow
@@ -234,7 +254,8 @@ def test_start_up_says_what_it_does_and_how_long_the_run_will_take(short_run):
     first_iter = next(i for i, l in enumerate(lines) if l.startswith('iter 1/'))
     assert any(l.startswith('building the model') for l in lines[:first_iter])
     # 2 micro-batches per step: the second one's time is known within the first step
-    estimate = next(l for l in lines[:first_iter] if l.startswith('a micro-batch after the first took'))
+    estimate = next(l for l in lines[:first_iter] if l.startswith('a micro-batch after the first '
+                                                                  'took'))
     assert ('s per iteration' in estimate
             and re.search(r', \d+ s for the 29 left$', estimate)), estimate
     # the train lines' ETA in the same units as the estimate: seconds for a run of seconds
@@ -255,9 +276,9 @@ def test_live_log_line(short_run):
 
 @pytest.mark.slow
 def test_eta_is_the_mean_of_the_last_ten_intervals_without_the_first(short_run):
-    """The session's first interval holds one-time work (compilation, warm-up): the ETA starts from the
-    estimate (the second micro-batch's time) and then follows the mean time per iteration of the last 10
-    intervals, so a slow spell moves it at once, by its share of those intervals."""
+    """The session's first interval holds one-time work (compilation, warm-up): the ETA starts from
+    the estimate (the second micro-batch's time) and then follows the mean time per iteration of the
+    last 10 intervals, so a slow spell moves it at once, by its share of those intervals."""
     steps = read_metrics(short_run[0], 'train')
     estimate = read_metrics(short_run[0], 'estimate')[0]['seconds_per_iter']
     tokens_per_iter = 2 * 8 * 32
@@ -266,17 +287,19 @@ def test_eta_is_the_mean_of_the_last_ten_intervals_without_the_first(short_run):
     assert steps[0]['eta_seconds'] == pytest.approx(29 * estimate, rel=1e-6)
     for k in range(1, 30):
         recent = seconds[max(1, k - 9):k + 1]
-        assert steps[k]['eta_seconds'] == pytest.approx((30 - steps[k]['step']) * sum(recent) / len(recent),
-                                                        rel=1e-6, abs=1e-9)
+        assert steps[k]['eta_seconds'] == pytest.approx((30 - steps[k]['step']) * sum(recent)
+                                                        / len(recent), rel=1e-6, abs=1e-9)
 
 
 @pytest.mark.slow
 def test_one_time_work_in_the_first_micro_batch_is_left_out_of_estimate_and_eta(tmp_path, data_dir):
-    """What compilation does to the first micro-batch (here: 3 s of sleep in its loss, tests/probe.py) must
-    not reach the start-up estimate or the ETA; the step itself takes milliseconds."""
+    """What compilation does to the first micro-batch (here: 3 s of sleep in its loss,
+    tests/probe.py) must not reach the start-up estimate or the ETA; the step itself takes
+    milliseconds."""
     out = str(tmp_path / 'slow_start')
     result = forked.run(PROBE, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out}',
-                        '--max_iters=6', '--eval_interval=6', env={**os.environ, 'PROBE_SLEEP': '1-1:3'})
+                        '--max_iters=6', '--eval_interval=6',
+                        env={**os.environ, 'PROBE_SLEEP': '1-1:3'})
     assert result.returncode == 0, result.stderr
     assert read_metrics(out, 'estimate')[0]['seconds_per_iter'] < 1
     # 3 s x 5 iterations left, were it in
@@ -352,7 +375,8 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again(tmp_path, data_d
     # what a run killed at start-up leaves
     (out / 'metrics.jsonl').write_text('{"kind": "start", "step": 0, "time": 0}\n')
     result = run_train(str(out), data_dir, '--init_from=resume', '--max_iters=2', check=False)
-    assert result.returncode == 2 and 'does not exist, so there is nothing to resume' in result.stderr
+    assert (result.returncode == 2
+            and 'does not exist, so there is nothing to resume' in result.stderr)
     assert 'init_from=scratch or auto' in result.stderr
     run_train(str(out), data_dir, '--max_iters=2', '--eval_interval=2')  # scratch reuses it
     assert ([r['kind'] for r in read_metrics(str(out))][0] == 'start'

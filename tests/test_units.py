@@ -27,14 +27,16 @@ from model import GPT, GPTConfig
 
 
 def tiny_gpt(**kw):
-    return GPT(GPTConfig(**{**dict(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32), **kw}))
+    return GPT(GPTConfig(**{**dict(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32),
+                            **kw}))
 
 
 def test_forward_contract():
     model = tiny_gpt()
     logits = model(torch.randint(0, 50, (3, 16)))
     assert logits.shape == (3, 16, 50) and logits.dtype == torch.float32
-    assert model(torch.randint(0, 50, (2, 5))).shape == (2, 5, 50)  # shorter than block_size is fine
+    # shorter than block_size is fine
+    assert model(torch.randint(0, 50, (2, 5))).shape == (2, 5, 50)
     with pytest.raises(ValueError, match='block_size'):
         model(torch.randint(0, 50, (1, 17)))
 
@@ -43,7 +45,8 @@ def test_attention_runs_in_float32_under_bfloat16_on_cpu(monkeypatch):
     model = tiny_gpt()
     seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, 'scaled_dot_product_attention',
-                        lambda q, k, v, **kw: seen.append((q.dtype, k.dtype, v.dtype)) or sdpa(q, k, v, **kw))
+                        lambda q, k, v, **kw: (seen.append((q.dtype, k.dtype, v.dtype))
+                                               or sdpa(q, k, v, **kw)))
     with torch.autocast('cpu', dtype=torch.bfloat16):
         logits = model(torch.randint(0, 50, (2, 16)))
     assert logits.dtype == torch.bfloat16 and seen == [(torch.float32,) * 3] * model.config.n_layer
@@ -101,7 +104,8 @@ def test_eval_covers_every_token_once(token_file, world_size):
                     if target != data.IGNORE_INDEX:
                         seen.append(start + 1 + i)
                         assert target == tokens[start + 1 + i] and x[i] == tokens[start + i]
-    assert sorted(seen) == list(range(1, 1000))  # every token but the first is a target exactly once
+    # every token but the first is a target exactly once
+    assert sorted(seen) == list(range(1, 1000))
 
 
 def test_eval_cap_is_fixed_and_spread(token_file):
@@ -113,14 +117,17 @@ def test_eval_cap_is_fixed_and_spread(token_file):
 
 def test_train_shards_union_equals_one_process():
     one = data.TrainSampler(5000, 16, batch_size=8, global_batch=32, seed=3)
-    ranks = [data.TrainSampler(5000, 16, batch_size=8, global_batch=32, seed=3, rank=r, world_size=2)
+    ranks = [data.TrainSampler(5000, 16, batch_size=8, global_batch=32, seed=3, rank=r,
+                               world_size=2)
              for r in range(2)]
     one_batches, rank_batches = epoch_batches(one, 0), [epoch_batches(s, 0) for s in ranks]
     steps = len(one_batches) // 4
     assert steps > 0 and all(len(b) == 2 * steps for b in rank_batches)
-    for step in range(steps):  # an optimizer step = 4 micro-batches on 1 process, 2 on each of 2 ranks
+    # an optimizer step = 4 micro-batches on 1 process, 2 on each of 2 ranks
+    for step in range(steps):
         single = sorted(s for b in one_batches[4 * step:4 * step + 4] for s in b)
-        sharded = sorted(s for r in range(2) for b in rank_batches[r][2 * step:2 * step + 2] for s in b)
+        sharded = sorted(s for r in range(2) for b in rank_batches[r][2 * step:2 * step + 2]
+                         for s in b)
         assert single == sharded
     assert not set(sum(rank_batches[0], [])) & set(sum(rank_batches[1], []))
     assert epoch_batches(one, 0) != epoch_batches(one, 1)  # reshuffled each epoch
@@ -149,18 +156,22 @@ def test_train_sampler_resumes_on_another_number_of_ranks():
     one = data.TrainSampler(5000, 16, batch_size=4, global_batch=16, seed=2)
     one.load_state_dict(two[0].state_dict())
     resumed = iter(one)
-    next_step = sorted(s for _ in range(4) for s in next(resumed))  # one process: 4 micro-batches a step
+    # one process: 4 micro-batches a step
+    next_step = sorted(s for _ in range(4) for s in next(resumed))
     expected = sorted(s for sampler in two for b in itertools.islice(iter(sampler), 2) for s in b)
     assert next_step == expected  # the 4th optimizer step's windows, whoever runs it
 
 
 def test_train_sampler_holds_an_epoch_as_one_tensor_and_yields_its_batches_in_order():
-    big = data.TrainSampler(4_000_000, 16, batch_size=8, global_batch=8, seed=0)  # 250k windows an epoch
+    # 250k windows an epoch
+    big = data.TrainSampler(4_000_000, 16, batch_size=8, global_batch=8, seed=0)
     tracemalloc.start()
     next(iter(big))
-    peak = tracemalloc.get_traced_memory()[1]  # Python objects only: a tensor's memory is not traced
+    # Python objects only: a tensor's memory is not traced
+    peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert peak < 1e6, f'{peak / 1e6:.1f} MB of Python objects for one batch: the epoch was built as lists'
+    assert peak < 1e6, (f'{peak / 1e6:.1f} MB of Python objects for one batch: the epoch was built '
+                        f'as lists')
     small = data.TrainSampler(3000, 16, batch_size=4, global_batch=8, seed=1, rank=1, world_size=2)
     small.load_state_dict({'epoch': 1, 'position': 40})  # the 5th batch of this rank in epoch 1
     expected = epoch_batches(small, 1)[5:] + epoch_batches(small, 2) + epoch_batches(small, 3)[:3]
@@ -172,17 +183,19 @@ def test_train_sampler_rejects_tiny_split():
         data.TrainSampler(100, 32, batch_size=8, global_batch=8, seed=0)
 
 
-DEFAULTS = {'batch_size': 12, 'learning_rate': 6e-4, 'compile': False, 'device': 'auto', 'out_dir': 'out'}
+DEFAULTS = {'batch_size': 12, 'learning_rate': 6e-4, 'compile': False, 'device': 'auto',
+            'out_dir': 'out'}
 
 
 def test_configure_file_then_overrides(tmp_path):
     cfg = tmp_path / 'c.py'
     cfg.write_text("import math\nbatch_size = 4\nlearning_rate = 1\n")
-    config, sources = configure(DEFAULTS, [str(cfg), '--batch_size=8', '--device=cuda:1', '--out_dir=2024'])
+    config, sources = configure(DEFAULTS,
+                                [str(cfg), '--batch_size=8', '--device=cuda:1', '--out_dir=2024'])
     assert config == {'batch_size': 8, 'learning_rate': 1.0, 'compile': False, 'device': 'cuda:1',
                       'out_dir': '2024'}
-    assert sources == {'batch_size': 'command line', 'learning_rate': str(cfg), 'compile': 'default',
-                       'device': 'command line', 'out_dir': 'command line'}
+    assert sources == {'batch_size': 'command line', 'learning_rate': str(cfg),
+                       'compile': 'default', 'device': 'command line', 'out_dir': 'command line'}
 
 
 @pytest.mark.parametrize('argv, message', [
@@ -203,7 +216,8 @@ def test_configure_errors(argv, message):
     (['--device=tpu'], "device='tpu': use 'auto', 'cpu' or 'cuda'"),
     (['--out_dir=x'], "out_dir='x': use 'out'"),  # one allowed value: no 'or'
     (['--batch_size=0'], "batch_size=0 must be at least 1"),
-    (['--learning_rate=-0.1'], "learning_rate=-0.1 must not be negative"),  # no number is, named or not
+    # no number is, named or not
+    (['--learning_rate=-0.1'], "learning_rate=-0.1 must not be negative"),
 ])
 def test_configure_checks_allowed_and_least_values_after_every_source(tmp_path, argv, message):
     limits = {'choices': {'device': ('auto', 'cpu', 'cuda'), 'out_dir': ('out',)},
@@ -218,7 +232,8 @@ def test_configure_checks_allowed_and_least_values_after_every_source(tmp_path, 
 def test_configure_file_unknown_key(tmp_path):
     cfg = tmp_path / 'c.py'
     cfg.write_text("learnig_rate = 1e-3\n")
-    with pytest.raises(ConfigError, match="unknown config key 'learnig_rate': did you mean learning_rate"):
+    with pytest.raises(ConfigError,
+                       match="unknown config key 'learnig_rate': did you mean learning_rate"):
         configure(DEFAULTS, [str(cfg)])
 
 
@@ -230,7 +245,8 @@ def test_auto_dtype_is_timed_once_per_model_py(tmp_path, monkeypatch):
     timed = []
     monkeypatch.setattr(perf, 'step_seconds', lambda *args: timed.append(args)
                         or {'float32': 2.0, 'bfloat16': 1.0})
-    args = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=50, dropout=0.0, bias=False)
+    args = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=50, dropout=0.0,
+                bias=False)
     assert perf.auto_dtype('cpu', args, 4)[0] == perf.auto_dtype('cpu', args, 4)[0] == 'bfloat16'
     assert len(timed) == 1  # the second run read the cache
     edited = tmp_path / 'model.py'
@@ -242,15 +258,19 @@ def test_auto_dtype_is_timed_once_per_model_py(tmp_path, monkeypatch):
 
 def test_resolve_dtype_keeps_a_resumed_choice_and_refuses_a_forced_nonsense(monkeypatch):
     import perf
-    args = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=50, dropout=0.0, bias=False)
+    args = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=50, dropout=0.0,
+                bias=False)
     monkeypatch.setattr(perf, 'auto_dtype', lambda *a: ('bfloat16', {'rule': 'measured'}))
-    assert perf.resolve_dtype('float16', 'cpu', args, 4) == ('float16', {'rule': 'set in the config'})
+    assert (perf.resolve_dtype('float16', 'cpu', args, 4)
+            == ('float16', {'rule': 'set in the config'}))
     assert perf.resolve_dtype('auto', 'cpu', args, 4) == ('bfloat16', {'rule': 'measured'})
     # a resume continues in the run's dtype even where a measurement now would choose another
     dtype, how = perf.resolve_dtype('auto', 'cpu', args, 4, ('out/last.pt', 'float32'))
     assert dtype == 'float32' and 'out/last.pt' in how['rule']
-    monkeypatch.setattr(perf, 'auto_dtype', lambda *a: ('fp8', {'rule': 'forced by HONESTGPT_AUTO_DTYPE'}))
-    with pytest.raises(ValueError, match='HONESTGPT_AUTO_DTYPE=fp8: use float32, bfloat16 or float16'):
+    monkeypatch.setattr(perf, 'auto_dtype',
+                        lambda *a: ('fp8', {'rule': 'forced by HONESTGPT_AUTO_DTYPE'}))
+    with pytest.raises(ValueError,
+                       match='HONESTGPT_AUTO_DTYPE=fp8: use float32, bfloat16 or float16'):
         perf.resolve_dtype('auto', 'cpu', args, 4)
 
 
