@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 import checkpoint
 import prepare
 import tokenizer
+from prepare import SHARD
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 # an eval window with no targets: pads a rank's batches without counting anything twice
@@ -48,46 +49,6 @@ class DataError(Exception):
     pass
 
 
-class LlmcShard:
-    """llm.c's token shard, the format llm.c and modded-nanogpt publish FineWeb in: a header of 256
-    int32 (magic, version, number of tokens), then the ids, uint16 (GPT-2's vocabulary) or uint32.
-    Shards are written and read through SHARD, so another format is a class with these members
-    (docs/design.md); the checks of sizes, changes and fingerprints around them stay as they are."""
-    HEADER_BYTES = 256 * 4  # where the ids begin
-    LAYOUTS = {'uint16': (20240520, 1), 'uint32': (20240801, 7)}  # llm.c's gpt-2 and llama-3 ones
-
-    @staticmethod
-    def header(num_tokens, dtype):
-        """The header's bytes for a shard of num_tokens ids of dtype."""
-        header = np.zeros(LlmcShard.HEADER_BYTES // 4, dtype=np.int32)
-        header[:3] = *LlmcShard.LAYOUTS[np.dtype(dtype).name], num_tokens
-        return header.tobytes()
-
-    @staticmethod
-    def parse_header(path, head):
-        """(numpy dtype, number of tokens) from the first HEADER_BYTES of the shard at path."""
-        magic, version, num_tokens = (int(v) for v in np.frombuffer(head[:12], dtype=np.int32))
-        versions = {m: (v, dtype) for dtype, (m, v) in LlmcShard.LAYOUTS.items()}
-        if magic not in versions:
-            raise DataError(f"{path} is not a token shard (magic {magic}, expected 20240520 or "
-                            f"20240801 as llm.c writes): point the dataset at shard files, or "
-                            f"prepare it again")
-        if version != versions[magic][0]:
-            raise DataError(f"{path} has shard version {version}, this code reads version "
-                            f"{versions[magic][0]} for magic {magic}: prepare it again with this "
-                            f"prepare.py")
-        return np.dtype(versions[magic][1]), num_tokens
-
-    @staticmethod
-    def read(fd, dtype, start, count):
-        """count ids of dtype from position start of the open shard fd."""
-        raw = os.pread(fd, count * dtype.itemsize, LlmcShard.HEADER_BYTES + start * dtype.itemsize)
-        return np.frombuffer(raw, dtype=dtype)
-
-
-SHARD = LlmcShard  # the format prepare.py writes and runs read
-
-
 def read_shard_header(path):
     """(numpy dtype, number of tokens) of a shard, its header checked against the file's size."""
     size = os.path.getsize(path)
@@ -96,7 +57,10 @@ def read_shard_header(path):
     if size < SHARD.HEADER_BYTES:
         raise DataError(f"{path} is {size} bytes, shorter than a shard's {SHARD.HEADER_BYTES}-byte "
                         f"header: prepare or download it again")
-    dtype, num_tokens = SHARD.parse_header(path, head)
+    try:
+        dtype, num_tokens = SHARD.parse_header(path, head)
+    except ValueError as e:  # another format's file, or another version of it
+        raise DataError(e) from None
     expected = SHARD.HEADER_BYTES + num_tokens * dtype.itemsize
     if size != expected:
         raise DataError(f"{path} is {size} bytes but its header says {num_tokens} {dtype.name} "

@@ -31,7 +31,6 @@ import zlib
 
 import numpy as np
 
-import data  # the shard format: data.py reads what this writes
 import tokenizer
 from configurator import fail
 
@@ -440,6 +439,47 @@ def train_bpe(vocab_size, text_path, reader, num_proc, seed, folder, name):
 # -----------------------------------------------------------------------------
 # write: each split's ids appended to its shards, then meta.json
 
+class LlmcShard:
+    """llm.c's token shard, the format llm.c and modded-nanogpt publish FineWeb in: a header of 256
+    int32 (magic, version, number of tokens), then the ids, uint16 (GPT-2's vocabulary) or uint32.
+    Shards are written here and read by data.py through SHARD, so another format is a class with
+    these members (docs/design.md); data.py's checks of sizes, changes and fingerprints stay."""
+    HEADER_BYTES = 256 * 4  # where the ids begin
+    LAYOUTS = {'uint16': (20240520, 1), 'uint32': (20240801, 7)}  # llm.c's gpt-2 and llama-3 ones
+
+    @staticmethod
+    def header(num_tokens, dtype):
+        """The header's bytes for a shard of num_tokens ids of dtype."""
+        header = np.zeros(LlmcShard.HEADER_BYTES // 4, dtype=np.int32)
+        header[:3] = *LlmcShard.LAYOUTS[np.dtype(dtype).name], num_tokens
+        return header.tobytes()
+
+    @staticmethod
+    def parse_header(path, head):
+        """(numpy dtype, number of tokens) from the first HEADER_BYTES of the shard at path;
+        ValueError, naming path and the fix, for another layout."""
+        magic, version, num_tokens = (int(v) for v in np.frombuffer(head[:12], dtype=np.int32))
+        versions = {m: (v, dtype) for dtype, (m, v) in LlmcShard.LAYOUTS.items()}
+        if magic not in versions:
+            raise ValueError(f"{path} is not a token shard (magic {magic}, expected 20240520 or "
+                             f"20240801 as llm.c writes): point the dataset at shard files, or "
+                             f"prepare it again")
+        if version != versions[magic][0]:
+            raise ValueError(f"{path} has shard version {version}, this code reads version "
+                             f"{versions[magic][0]} for magic {magic}: prepare it again with this "
+                             f"prepare.py")
+        return np.dtype(versions[magic][1]), num_tokens
+
+    @staticmethod
+    def read(fd, dtype, start, count):
+        """count ids of dtype from position start of the open shard fd."""
+        raw = os.pread(fd, count * dtype.itemsize, LlmcShard.HEADER_BYTES + start * dtype.itemsize)
+        return np.frombuffer(raw, dtype=dtype)
+
+
+SHARD = LlmcShard  # the format this writes and data.py reads
+
+
 class ShardWriter:
     """A split's tokens appended to NAME_SPLIT_000000.bin, NAME_SPLIT_000001.bin, ... of shard_size
     tokens each (the last one shorter). The header's token count is written when a shard is
@@ -455,7 +495,7 @@ class ShardWriter:
             if self.file is None:
                 self.file = open(os.path.join(
                     self.folder, f'{self.name}_{self.split}_{len(self.files):06d}.bin'), 'wb')
-                self.file.write(data.SHARD.header(0, self.dtype))
+                self.file.write(SHARD.header(0, self.dtype))
             piece, tokens = (tokens[:self.shard_size - self.count],
                              tokens[self.shard_size - self.count:])
             self.file.write(piece.astype(self.dtype).tobytes())
@@ -466,7 +506,7 @@ class ShardWriter:
     def close(self):
         if self.file is not None:
             self.file.seek(0)
-            self.file.write(data.SHARD.header(self.count, self.dtype))
+            self.file.write(SHARD.header(self.count, self.dtype))
             self.file.close()
             self.files.append(os.path.basename(self.file.name))
             self.file, self.count = None, 0

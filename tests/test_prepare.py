@@ -10,7 +10,6 @@ import sys
 import numpy as np
 import pytest
 
-import data
 import prepare
 import tokenizer
 from conftest import write_ranks
@@ -27,7 +26,7 @@ def read_split(out_dir, split):
     """A split's tokens: its shards' tokens after their 1024-byte headers, concatenated."""
     meta = read_meta(out_dir)
     return np.concatenate([np.fromfile(os.path.join(out_dir, f), dtype=meta['dtype'],
-                                       offset=data.SHARD.HEADER_BYTES)
+                                       offset=prepare.SHARD.HEADER_BYTES)
                            for f in meta['splits'][split]['shards']])
 
 
@@ -180,6 +179,16 @@ def test_bpe_from_local_tiktoken_file(tmp_path, monkeypatch):
                               tokenizer=str(ranks))
     assert tokenizer.load(read_meta(out_dir)['tokenizer']).encode('the') == [256, ord('e')]
     assert read_meta(out_dir)['tokenizer']['eot_id'] == 258
+
+
+def test_prepare_imports_no_torch():
+    """Preparing data needs numpy and a tokenizer, not torch, whose import would add about 2 s to
+    every prepare.py command (and to each of these tests)."""
+    check = (f"import sys; sys.path.insert(0, {os.path.dirname(PREPARE_PY)!r}); import prepare; "
+             f"print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    result = subprocess.run([sys.executable, '-c', check], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and result.stdout == '[]\n', result.stderr
 
 
 def test_gpt2_offline_fails_with_one_line_hint(tmp_path):

@@ -20,6 +20,7 @@ import data
 import distributed
 import evaluate
 import perf
+import prepare
 import runlog
 from configurator import ConfigError, configure
 from conftest import DEVICES, OLD_CHECKPOINTS, epoch_batches
@@ -87,7 +88,7 @@ def token_file(tmp_path):
     tokens = np.arange(1000, dtype=np.uint16) % 7
     paths = [tmp_path / f'x_train_{i:06d}.bin' for i in range(4)]
     for path, piece in zip(paths, np.split(tokens, [300, 300, 750])):
-        path.write_bytes(data.SHARD.header(len(piece), np.uint16) + piece.tobytes())
+        path.write_bytes(prepare.SHARD.header(len(piece), np.uint16) + piece.tobytes())
     return paths, tokens
 
 
