@@ -76,11 +76,8 @@ def layout_differences(tensors, expected):
 
 
 def file_sha256(path):
-    h = hashlib.sha256()
     with open(path, 'rb') as f:
-        for chunk in iter(lambda: f.read(1 << 24), b''):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, 'sha256').hexdigest()
 
 # -----------------------------------------------------------------------------
 # in
