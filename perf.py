@@ -60,8 +60,8 @@ MEASURE_TOKENS = 8192
 
 @functools.cache
 def cpu_name():
-    """The processor's model name, its bfloat16 matmul units and the vector kernels torch runs
-    on it: what decides CPU speed per dtype."""
+    """The processor's model name, its bfloat16 matmul units, the vector kernels torch runs on it
+    and a cap set on oneDNN's (which runs the matmuls): what decides CPU speed per dtype."""
     name = 'unknown CPU'
     try:
         with open('/proc/cpuinfo') as f:
@@ -73,15 +73,18 @@ def cpu_name():
                                         ('avx512_bf16', torch.cpu._is_avx512_bf16_supported()))
              if present]
     kernels = torch.backends.cpu.get_cpu_capability()
-    return f"{name} ({', '.join(units) or 'no bf16 units'}; {kernels} kernels)"
+    cap = os.environ.get('ONEDNN_MAX_CPU_ISA') or os.environ.get('DNNL_MAX_CPU_ISA')
+    return (f"{name} ({', '.join(units) or 'no bf16 units'}; {kernels} kernels"
+            f"{f'; oneDNN up to {cap}' if cap else ''})")
 
 
 def bfloat16_units():
-    """Whether torch's CPU kernels can use bfloat16 matmul units: the CPU has AMX or AVX512-BF16,
-    and ATEN_CPU_CAPABILITY leaves the kernels at AVX-512 (capped at AVX2 they emulate bfloat16, as
-    on a CPU without the units: docs/benchmarks.md caps them so, to time an AVX2-only CPU)."""
+    """Whether bfloat16 matmuls can run on this CPU's bfloat16 units: it has AMX or AVX512-BF16, and
+    oneDNN, which runs torch's CPU matmuls, may use bfloat16 (ONEDNN_MAX_CPU_ISA=AVX2 caps it
+    below: bfloat16 is then emulated, as on a CPU without the units; docs/benchmarks.md caps it so,
+    to time an AVX2-only CPU)."""
     return ((torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
-            and torch.backends.cpu.get_cpu_capability() == 'AVX512')
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def cuda_autocast_dtype(capability):

@@ -442,8 +442,8 @@ def train_bpe(vocab_size, text_path, reader, num_proc, seed, folder, name):
 class LlmcShard:
     """llm.c's token shard, the format llm.c and modded-nanogpt publish FineWeb in: a header of 256
     int32 (magic, version, number of tokens), then the ids, uint16 (GPT-2's vocabulary) or uint32.
-    Shards are written here and read by data.py through SHARD, so another format is a class with
-    these members (docs/design.md); data.py's checks of sizes, changes and fingerprints stay."""
+    Shards are written here and read by data.py through SHARD, so another format with a fixed-size
+    header, then the ids, is a class with these members (docs/design.md)."""
     HEADER_BYTES = 256 * 4  # where the ids begin
     LAYOUTS = {'uint16': (20240520, 1), 'uint32': (20240801, 7)}  # llm.c's gpt-2 and llama-3 ones
 

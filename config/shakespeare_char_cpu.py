@@ -1,11 +1,13 @@
 # shakespeare_char on a CPU: nanoGPT's val loss 1.886 in less time than nanoGPT's own CPU recipe
-# (docs/benchmarks.md). Against that recipe (4 layers, batch 12, lr 1e-3, 2000 steps): 2 layers (at this
-# length the loss follows the steps taken, not the depth), a batch of 32 at a 5x learning rate, 700 steps.
+# (docs/benchmarks.md). Against that recipe (4 layers, batch 12, lr 1e-3, 2000 steps): 2 layers (at
+# this length the loss follows the steps taken, not the depth), a batch of 32 at a 5x learning rate,
+# 700 steps.
 # Prepare first: python prepare.py shakespeare_char [--input input.txt]
 out_dir = 'out-shakespeare-char-cpu'
 dataset = 'shakespeare_char'
 eval_interval = 350
-eval_iters = 55  # x batch_size windows of 64 cover the whole val split: the val loss is exact, not sampled
+# x batch_size windows of 64 cover the whole val split: the val loss is exact, not sampled
+eval_iters = 55
 log_interval = 50
 always_save_checkpoint = False
 

@@ -1,14 +1,15 @@
 # shakespeare_char on a CPU, fast: nanoGPT's val loss 1.886 in a quarter of the time of nanoGPT's
 # own CPU recipe beside it, or less (docs/benchmarks.md: 4.0-6.4x with bfloat16 units, 4.2-4.4x
 # with AVX2 alone, a machine's first run included).
-# config/shakespeare_char_cpu.py's shape, with the modern recipe: Muon for
-# the blocks' matrices, rotary positions, QK-norm, an untied zero-initialized head, soft-capped logits,
+# config/shakespeare_char_cpu.py's shape, with the modern recipe: Muon for the blocks' matrices,
+# rotary positions, QK-norm, an untied zero-initialized head, soft-capped logits,
 # warmup-stable-decay.
 # Prepare first: python prepare.py shakespeare_char [--input input.txt]
 out_dir = 'out-shakespeare-char-fast'
 dataset = 'shakespeare_char'
 eval_interval = 210  # at the end only: an evaluation of train and val costs as much as ~25 steps
-eval_iters = 55  # x batch_size windows of 64 cover the whole val split: the val loss is exact, not sampled
+# x batch_size windows of 64 cover the whole val split: the val loss is exact, not sampled
+eval_iters = 55
 log_interval = 50
 always_save_checkpoint = False
 
@@ -20,7 +21,8 @@ dropout = 0.0
 bias = False
 pos_emb = 'rope'
 qk_norm = True
-activation = 'gelu'  # relu2 is as fast here but ended 0.01-0.02 higher in this recipe (docs/benchmarks.md)
+# relu2 is as fast here but ended 0.01-0.02 higher in this recipe (docs/benchmarks.md)
+activation = 'gelu'
 tie_head = False
 logit_softcap = 15.0
 zero_init = True

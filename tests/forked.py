@@ -33,7 +33,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER = os.path.join(REPO, 'tests', 'fork_server.py')
-IMPORT_TIME_ENV = ('OMP_', 'MKL_', 'KMP_', 'PYTHON', 'TORCH', 'LC_', 'LANG', 'TMP', 'TEMP')
+IMPORT_TIME_ENV = ('OMP_', 'MKL_', 'KMP_', 'PYTHON', 'TORCH', 'LC_', 'LANG', 'TMP', 'TEMP', 'ATEN_',
+                   'ONEDNN_', 'DNNL_')
 # read after the imports, not during them: what torchrun gives its workers, the folder that inductor
 # writes into the environment when it first compiles (its default, which a fork would compute
 # alike), and the thread count, which the child gives torch as a fresh interpreter would take it

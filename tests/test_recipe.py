@@ -242,16 +242,17 @@ def test_muon_dtype_auto_is_bfloat16_where_native_float32_where_emulated_else_th
         'rule': 'CPU without bfloat16 matmul units: bfloat16 would be emulated'})
 
 
-def test_bfloat16_units_count_only_where_the_kernels_can_use_them(monkeypatch):
-    """AMX or AVX512-BF16 in the CPU, and kernels at AVX-512: ATEN_CPU_CAPABILITY=avx2 caps them
-    below the units, and bfloat16 is emulated, as on a CPU without them."""
-    for amx, avx512_bf16, kernels, usable in ((True, True, 'AVX512', True),
-                                              (False, True, 'AVX512', True),
-                                              (True, True, 'AVX2', False),
-                                              (False, False, 'AVX512', False)):
+def test_bfloat16_units_count_only_where_onednn_may_use_them(monkeypatch):
+    """AMX or AVX512-BF16 in the CPU, and oneDNN (torch's CPU matmuls) allowed bfloat16:
+    ONEDNN_MAX_CPU_ISA=AVX2 caps it below, and bfloat16 is emulated, as on a CPU without them."""
+    for amx, avx512_bf16, onednn, usable in ((True, True, True, True),
+                                             (True, False, True, True),
+                                             (False, True, True, True),
+                                             (True, True, False, False),
+                                             (False, False, True, False)):
         monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: amx)
         monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: avx512_bf16)
-        monkeypatch.setattr(torch.backends.cpu, 'get_cpu_capability', lambda: kernels)
+        monkeypatch.setattr(torch.ops.mkldnn, '_is_mkldnn_bf16_supported', lambda: onednn)
         assert perf.bfloat16_units() == usable
 
 
