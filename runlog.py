@@ -30,7 +30,8 @@ import report
 from configurator import fail, tell_torchrun
 
 LOGS = ('metrics.jsonl', 'train.log')
-master = True  # rank 0: train.py sets it; the other ranks print and write nothing
+# rank 0 (torchrun sets RANK; one process is rank 0): the other ranks print and write nothing
+master = int(os.environ.get('RANK', 0)) == 0
 run_dir, with_report = None, False  # set by start()
 files = {}  # LOGS, open for appending once start() has run
 tensorboard = None  # a SummaryWriter when asked
