@@ -182,7 +182,7 @@ def data_parallel(model, device_ids):
     return DDP(model, device_ids=device_ids, broadcast_buffers=False)
 
 
-def all_ranks(values):
+def sum_over_ranks(values):
     """values, a tensor on this process's device, summed over the ranks in place (alone: as they
     are). Every rank calls it at the same points."""
     if dist.is_initialized():
@@ -192,7 +192,7 @@ def all_ranks(values):
 
 def any_rank(flag, device):
     """Whether flag is true on any rank. Every rank calls it at the same points."""
-    return bool(all_ranks(torch.tensor(float(bool(flag)), device=device)).item())
+    return bool(sum_over_ranks(torch.tensor(float(bool(flag)), device=device)).item())
 
 
 def gather(obj):

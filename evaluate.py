@@ -223,7 +223,7 @@ def loss(model, loader, device, autocast, label='eval'):
                 sums[0] += model(x, y, reduction='sum')
             sums[1] += (y != data.IGNORE_INDEX).sum()
         sums[2] = batches.fault is not None
-        loss_sum, count, faults = distributed.all_ranks(sums).tolist()
+        loss_sum, count, faults = distributed.sum_over_ranks(sums).tolist()
     model.train(was_training)
     if faults:  # a collective: every rank is here
         raise data.DataError(next(m for m in distributed.gather(batches.fault) if m))
@@ -232,11 +232,11 @@ def loss(model, loader, device, autocast, label='eval'):
 
 def score(model, examples, batch_size, device, autocast, rank=0, world_size=1):
     """acc and acc_norm of the model on examples, each counted once across ranks: rank r scores
-    examples r::world_size, and the counts meet in one all_reduce (distributed.all_ranks, when there
-    is a group), then one host sync. Runs in model.eval() and torch.inference_mode() and gives the
-    model back in the mode it came in. Ties go to the first ending. Returns {'examples', 'correct',
-    'correct_norm', 'acc', 'acc_norm', 'chance'}; chance is the mean of 1 / number of endings, the
-    accuracy of a uniform guess."""
+    examples r::world_size, and the counts meet in one all_reduce (distributed.sum_over_ranks,
+    when there is a group), then one host sync. Runs in model.eval() and torch.inference_mode() and
+    gives the model back in the mode it came in. Ties go to the first ending. Returns {'examples',
+    'correct', 'correct_norm', 'acc', 'acc_norm', 'chance'}; chance is the mean of 1 / number of
+    endings, the accuracy of a uniform guess."""
     was_training = model.training
     model.eval()
     with torch.inference_mode():
@@ -245,7 +245,7 @@ def score(model, examples, batch_size, device, autocast, rank=0, world_size=1):
         # correct, correct_norm, examples (DUMMY has label -1)
         counts = torch.stack([(summed.argmin(1) == labels).sum(), (mean.argmin(1) == labels).sum(),
                               (labels >= 0).sum()])
-        correct, correct_norm, count = distributed.all_ranks(counts).tolist()
+        correct, correct_norm, count = distributed.sum_over_ranks(counts).tolist()
     model.train(was_training)
     return {'examples': count, 'correct': correct, 'correct_norm': correct_norm,
             'acc': correct / count, 'acc_norm': correct_norm / count,

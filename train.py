@@ -38,7 +38,7 @@ import sample
 import smoke
 import tokenizer
 from configurator import fail
-from distributed import all_ranks, any_rank, gather
+from distributed import any_rank, gather, sum_over_ranks
 from model import GPT
 from runlog import abort, log, record
 
@@ -393,7 +393,7 @@ def agree_or_abort(loss_sum, grad_norm, starts, lr):
     Returns the mean loss, the gradient norm and whether a stop was asked."""
     flags = torch.tensor([runlog.stop_signal is not None, batches.fault is not None,
                           writer.failed() is not None], device=device).float()
-    loss_sum, stops, faults, unsaved = all_ranks(torch.cat([loss_sum.view(1), flags]))
+    loss_sum, stops, faults, unsaved = sum_over_ranks(torch.cat([loss_sum.view(1), flags]))
     synced = torch.stack([loss_sum / gradient_accumulation_steps, grad_norm.float(), stops, faults,
                           unsaved])
     loss, grad_norm, stops, faults, unsaved = synced.tolist()
@@ -519,7 +519,7 @@ def smoke_step(batch):
     loss, _, _ = train_step(iter([batch]), accum=1)
     scaler.step(optimizer)
     scaler.update()
-    return all_ranks(loss.view(1)).item() / world_size
+    return sum_over_ranks(loss.view(1)).item() / world_size
 
 if smoke_steps and not resuming:  # this rank's next train batch, read without moving the sampler
     windows = [splits['train'][start] for start in next(iter(train_sampler))]
