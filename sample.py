@@ -22,6 +22,7 @@ import checkpoint
 import distributed
 import hf
 import perf
+import runlog
 import tokenizer
 from configurator import ConfigError, configure, fail
 from model import GPT, GPTConfig
@@ -111,6 +112,23 @@ def sample_pieces(model, tok, start, max_new_tokens, temperature, top_k, seed, d
     finally:
         model.train(was_training)
     yield tok.decode(waiting)  # what a final U+FFFD held back
+
+
+def run_end_sample(model, tokenizer_meta, new_tokens, seed, device, autocast, sharded):
+    """train.py's sample at a run's end, logged as its tokens come. The tokenizer loads only now:
+    GPT-2's is a one-time download, which an offline GPU node may lack, and then the run says so
+    and ends as it would have. A sharded model's forward needs every rank: all sample, or none."""
+    try:
+        tok, no_sample = tokenizer.load(tokenizer_meta), ''
+    except tokenizer.TokenizerError as e:
+        tok, no_sample = None, f"no sample: {e}"
+    if sharded and distributed.any_rank(no_sample, device):
+        no_sample = no_sample or "no sample: another rank could not load the tokenizer"
+    if no_sample:
+        return runlog.log(no_sample)
+    runlog.log("a sample from the best weights:")
+    with autocast:
+        runlog.log_pieces(sample_pieces(model, tok, tok.start, new_tokens, 0.8, 200, seed, device))
 
 
 if __name__ == '__main__':

@@ -36,7 +36,6 @@ import prepare
 import runlog
 import sample
 import smoke
-import tokenizer
 from configurator import fail
 from distributed import any_rank, gather, sum_over_ranks
 from model import GPT
@@ -253,21 +252,10 @@ def lr_factor(opt_step):
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 scaler = torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=dtype == 'float16')
 
-def try_step(size):
-    """fit_batch's trial: a forward, backward and optimizer step of size windows, on the model
-    unwrapped (a rank out of memory must not leave the others in a collective). Without the
-    GradScaler: its per-step record outlives a restore, and an overflow would skip the step whose
-    optimizer state this must allocate."""
-    x, y, _ = default_collate([splits['train'][start] for start in range(size)])
-    with autocast:
-        loss = model(x.to(device), y.to(device))
-    loss.backward()
-    optimizer.step()
-
 if fit_batch:  # micro-batches that fit: found now, or by the run a resume continues (preflight)
     if not resuming:
         config['batch_size'], config['gradient_accumulation_steps'] = smoke.fit_batch(
-            batch_size, gradient_accumulation_steps, try_step,
+            batch_size, gradient_accumulation_steps, splits['train'], autocast,
             dict(model=model, optimizer=optimizer, scaler=scaler), device)
         config_sources.update(dict.fromkeys(('batch_size', 'gradient_accumulation_steps'),
                                             f"fit_batch, from batch_size={batch_size}"))
@@ -606,19 +594,8 @@ runlog.done({'kind': 'test', 'step': progress.iter_num, 'best_iter': progress.be
              'wall_seconds': session_seconds, 'save_seconds': save_seconds,
              'total_seconds': seconds_before + session_seconds}, start_iter)
 if sample_tokens and (master or sharded):  # a sharded model's forward needs every rank
-    try:  # only now: GPT-2's tokenizer is a one-time download, which an offline GPU node may lack
-        tok, no_sample = tokenizer.load(data_meta['tokenizer']), ''
-    except tokenizer.TokenizerError as e:
-        tok, no_sample = None, f"no sample: {e}"
-    if sharded and any_rank(no_sample, device):  # every rank samples, or none
-        no_sample = no_sample or "no sample: another rank could not load the tokenizer"
-    if no_sample:
-        log(no_sample)
-    else:
-        log("a sample from the best weights:")
-        with autocast:  # printed as the tokens come
-            runlog.log_pieces(sample.sample_pieces(best_model, tok, tok.start, sample_tokens, 0.8,
-                                                   200, seed, device))
+    sample.run_end_sample(best_model, data_meta['tokenizer'], sample_tokens, seed, device, autocast,
+                          sharded)
 runlog.finish()
 # the interpreter's exit would run a full collection over every object left, torch's modules' among
 # them (0.6-0.8 s on a CPU): nothing there needs it (runlog closes the logs at exit)
