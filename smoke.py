@@ -10,6 +10,7 @@ import math
 import time
 
 import torch
+from torch.utils.data import default_collate
 
 import checkpoint
 import distributed
@@ -50,17 +51,30 @@ def smoke_test(steps, step, batch, parts, device):
                         f"the test")
 
 
-def fit_batch(batch_size, accum, try_step, parts, device):
-    """(batch_size, accum): the largest micro-batch, halving from batch_size, with which
-    try_step(size) (a forward, backward and optimizer step of that many windows) runs out of memory
-    on no rank, with accum raised to keep a step's windows. Each try is undone (parts and the RNGs
-    restored). An odd size or 1 that runs out of memory ends the run with a line, exit 2."""
+def try_step(size, train_split, autocast, model, optimizer, device):
+    """fit_batch's trial: a forward, backward and optimizer step of size windows, on the model
+    unwrapped (a rank out of memory must not leave the others in a collective). Without the
+    GradScaler: its per-step record outlives a restore, and an overflow would skip the step whose
+    optimizer state this must allocate."""
+    x, y, _ = default_collate([train_split[start] for start in range(size)])
+    with autocast:
+        loss = model(x.to(device), y.to(device))
+    loss.backward()
+    optimizer.step()
+
+
+def fit_batch(batch_size, accum, train_split, autocast, parts, device):
+    """(batch_size, accum): the largest micro-batch, halving from batch_size, with which try_step
+    runs out of memory on no rank, with accum raised to keep a step's windows. Each try is undone
+    (parts and the RNGs restored). An odd size or 1 that runs out of memory ends the run with a
+    line, exit 2."""
     first = batch_size
     while True:
         saved = checkpoint.snapshot(parts, device)
         failed = False
         try:
-            try_step(batch_size)
+            try_step(batch_size, train_split, autocast, parts['model'], parts['optimizer'],
+                     device)
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not runlog.out_of_memory(e):
                 raise

@@ -74,9 +74,9 @@ if 'PROBE_CUDA_MEMORY' in os.environ:  # not before: a GPU missing from perf.GPU
         reset_peak_memory(device)
         cap(device)
 
-    def cap_and_fit(batch_size, accum, try_step, parts, device):
-        cap(device)
-        return fit_batch(batch_size, accum, try_step, parts, device)
+    def cap_and_fit(*args):  # fit_batch's arguments, the device last
+        cap(args[-1])
+        return fit_batch(*args)
     perf.reset_peak_memory, smoke.fit_batch = reset_and_cap, cap_and_fit
 micro_batches = 0
 
