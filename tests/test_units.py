@@ -525,7 +525,8 @@ def test_a_profiled_iteration_warns_of_nothing():
     assert (result.returncode, result.stdout) == (0, 'True\n'), result.stderr
 
 
-def test_fit_batch_halves_until_a_step_fits_keeps_the_global_batch_and_undoes_each_try(capsys):
+def test_fit_batch_halves_until_a_step_fits_keeps_the_global_batch_and_undoes_each_try(
+        capsys, monkeypatch):
     import smoke
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
@@ -533,7 +534,7 @@ def test_fit_batch_halves_until_a_step_fits_keeps_the_global_batch_and_undoes_ea
                  scaler=torch.amp.GradScaler('cpu', enabled=False))
     before, rng, tried, fits = copy.deepcopy(model.state_dict()), torch.get_rng_state(), [], 3
 
-    def try_step(size):  # a step, then out of memory above `fits` windows: a GPU's or a CPU's
+    def try_step(size, *data):  # a step, then out of memory above `fits`: a GPU's or a CPU's
         tried.append(size)
         model(torch.randn(size, 4)).square().sum().backward()
         parts['optimizer'].step()
@@ -542,7 +543,9 @@ def test_fit_batch_halves_until_a_step_fits_keeps_the_global_batch_and_undoes_ea
         if size > fits:
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate "
                                "2147483648 bytes. Error code 12 (Cannot allocate memory)")
-    assert smoke.fit_batch(16, 2, try_step, parts, 'cpu') == (2, 16) and tried == [16, 8, 4, 2]
+    monkeypatch.setattr(smoke, 'try_step', try_step)
+    fit = lambda size, accum: smoke.fit_batch(size, accum, None, None, parts, 'cpu')
+    assert fit(16, 2) == (2, 16) and tried == [16, 8, 4, 2]
     assert 'fit_batch: batch_size=16 runs out of memory, 2 fits' in capsys.readouterr().out
     # every try undone: the weights, the optimizer's state, the gradients and the RNG
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
@@ -550,14 +553,15 @@ def test_fit_batch_halves_until_a_step_fits_keeps_the_global_batch_and_undoes_ea
     assert torch.equal(torch.get_rng_state(), rng)
     fits = 2  # 12, 6, then 3: odd, it cannot be halved
     with pytest.raises(SystemExit) as exit_code:
-        smoke.fit_batch(12, 1, try_step, parts, 'cpu')
+        fit(12, 1)
     assert exit_code.value.code == 2 and 'batch_size=3 runs out of memory and cannot be halved' in \
         capsys.readouterr().err
 
-    def broken(size):  # any other error is not out of memory: it propagates
+    def broken(size, *data):  # any other error is not out of memory: it propagates
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    monkeypatch.setattr(smoke, 'try_step', broken)
     with pytest.raises(RuntimeError, match='shapes'):
-        smoke.fit_batch(4, 1, broken, parts, 'cpu')
+        fit(4, 1)
 
 
 def test_one_state_saved_under_two_names_is_written_once_and_each_name_replaced_alone(
