@@ -32,7 +32,7 @@ import checkpoint
 import data
 import distributed
 import hf
-import perf
+import precision
 import sample
 import tokenizer as tokenizers  # 'tokenizer' is a config key below
 from configurator import ConfigError, configure
@@ -363,11 +363,12 @@ def main(config):
     except TaskError as e:
         check(False, e)
     try:  # train.py's rule, for this model's shape on this device
-        dtype = perf.resolve_dtype(config['dtype'], device, {**vars(model.config), 'dropout': 0.0},
-                                   config['batch_size'])[0]
+        dtype = precision.resolve_dtype(config['dtype'], device,
+                                        {**vars(model.config), 'dropout': 0.0},
+                                        config['batch_size'])[0]
     except ValueError as e:
         check(False, e)
-    autocast = perf.autocast(device_type, dtype)
+    autocast = precision.autocast(device_type, dtype)
     print(f"evaluating {source} on {device} {dtype}", file=sys.stderr)
     for path, examples in tasks.items():
         start = time.perf_counter()
@@ -380,7 +381,7 @@ def main(config):
 if __name__ == '__main__':
     try:
         main(configure({k: globals()[k] for k in config_keys}, sys.argv[1:],
-                       choices={'dtype': ('auto', *perf.DTYPES)},
+                       choices={'dtype': ('auto', *precision.DTYPES)},
                        minimums={'batch_size': 1})[0])
     except ConfigError as e:
         check(False, e)

@@ -15,7 +15,7 @@ import checkpoint
 import data
 import evaluate
 import hf
-import perf
+import precision
 import runlog
 import tokenizer
 from configurator import ConfigError, configure
@@ -23,7 +23,7 @@ from distributed import gather
 from model import GPT, OPTIMIZERS, GPTConfig
 from runlog import check, log
 
-CHOICES = {'dtype': ('auto', *perf.DTYPES), 'muon_dtype': ('auto', 'float32', 'bfloat16'),
+CHOICES = {'dtype': ('auto', *precision.DTYPES), 'muon_dtype': ('auto', 'float32', 'bfloat16'),
            'backend': ('auto', 'nccl', 'gloo'), 'parallel': ('ddp', 'fsdp'),
            'optimizer': OPTIMIZERS, 'lr_schedule': ('cosine', 'wsd'),
            'best_by': ('val_loss', 'acc_norm')}
@@ -168,15 +168,16 @@ def dtypes(config, model_config, resumed, device, sharded):
     if c['dtype'] == 'auto' and not resumed:
         log("choosing the dtype for dtype='auto'")
     try:
-        dtype, dtype_how = perf.resolve_dtype(c['dtype'], device, dataclasses.asdict(model_config),
-                                              c['batch_size'], kept['dtype'])
+        dtype, dtype_how = precision.resolve_dtype(c['dtype'], device,
+                                                   dataclasses.asdict(model_config),
+                                                   c['batch_size'], kept['dtype'])
     except ValueError as e:  # HONESTGPT_AUTO_DTYPE names no dtype
         check(False, e)
     check(not (sharded and dtype == 'float16'), "parallel='fsdp' trains in float32 or bfloat16, "
           "not float16 (dtype='auto' picks it below compute capability 8.0): use dtype=bfloat16, "
           "or float32 on such a GPU")
     if dtype == 'float16':
-        warning = perf.float16_warning(device, model_config, c['batch_size'])
+        warning = precision.float16_warning(device, model_config, c['batch_size'])
         if warning:
             log(warning, sys.stderr)
     muon_dtype, muon_dtype_how = c['muon_dtype'], None
@@ -185,6 +186,6 @@ def dtypes(config, model_config, resumed, device, sharded):
             log("choosing Muon's Newton-Schulz dtype for muon_dtype='auto'")
         with torch.device('meta'):  # the shapes of Muon's matrices, without their memory
             shapes = [p.shape for _, p in GPT(model_config).muon_params()]
-        muon_dtype, muon_dtype_how = perf.resolve(
-            muon_dtype, lambda: perf.auto_muon_dtype(device, shapes), kept['muon_dtype'])
+        muon_dtype, muon_dtype_how = precision.resolve(
+            muon_dtype, lambda: precision.auto_muon_dtype(device, shapes), kept['muon_dtype'])
     return dtype, dtype_how, muon_dtype, muon_dtype_how

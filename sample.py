@@ -21,7 +21,7 @@ from torch.optim.swa_utils import AveragedModel
 import checkpoint
 import distributed
 import hf
-import perf
+import precision
 import runlog
 import tokenizer
 from configurator import ConfigError, configure, fail
@@ -136,7 +136,7 @@ if __name__ == '__main__':
                    if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
     try:
         globals().update(configure({k: globals()[k] for k in config_keys}, sys.argv[1:],
-                                   choices={'dtype': ('auto', *perf.DTYPES)},
+                                   choices={'dtype': ('auto', *precision.DTYPES)},
                                    minimums=dict.fromkeys(('num_samples', 'max_new_tokens',
                                                            'top_k'), 1))[0])
     except ConfigError as e:
@@ -197,10 +197,11 @@ if __name__ == '__main__':
     except tokenizer.TokenizerError as e:
         fail(e)
     try:  # train.py's rule, for this model's shape on this device
-        dtype = perf.resolve_dtype(dtype, device, {**saved['model_args'], 'dropout': 0.0}, 1)[0]
+        dtype = precision.resolve_dtype(
+            dtype, device, {**saved['model_args'], 'dropout': 0.0}, 1)[0]
     except ValueError as e:
         fail(e)
-    autocast = perf.autocast(device_type, dtype)
+    autocast = precision.autocast(device_type, dtype)
     start = start or tok.start
     which = ', the EMA of its weights' if saved['weights'] == 'ema' else ''
     print(f"sampling {ckpt_path} (iteration {saved.get('iter_num', '?')}{which}) on {device} "

@@ -31,6 +31,7 @@ import data
 import distributed
 import evaluate
 import perf
+import precision
 import preflight
 import prepare
 import runlog
@@ -110,7 +111,8 @@ learning_rate = 6e-4  # AdamW's
 # Muon's base learning rate; the schedule scales it by the same factor as learning_rate
 muon_lr = 0.02
 muon_momentum = 0.95
-muon_dtype = 'auto'  # its Newton-Schulz's: 'auto', 'float32' or 'bfloat16' (perf.auto_muon_dtype)
+# Muon's Newton-Schulz's dtype: 'auto', 'float32' or 'bfloat16' (precision.auto_muon_dtype)
+muon_dtype = 'auto'
 # > 0: also keep an exponential moving average of the weights, ema = decay * ema + (1 - decay) * w
 # after each optimizer step that ran; it is evaluated beside them and picks best.pt; 0: off
 ema_decay = 0.0
@@ -205,7 +207,7 @@ init = preflight.start(config, config_sources, defaults, model_config, data_meta
 tasks, resuming, ckpt, ckpt_path = init.tasks, init.resuming, init.ckpt, init.ckpt_path
 pretrained = init.pretrained
 model_config, dtype, muon_dtype = init.model_config, init.dtype, init.muon_dtype
-autocast = perf.autocast(device_type, dtype)
+autocast = precision.autocast(device_type, dtype)
 
 # the shape GPT-2's weights may have set
 log(f"building the model: {model_config.n_layer} layers, {model_config.n_head} heads, "
@@ -222,7 +224,7 @@ if ema:
     ema.update_parameters(model)
 for module in [model] + ([ema.module] if ema else []):
     if sharded:  # FSDP moves each block to the device as it shards it: no rank holds it whole there
-        module.fully_shard(perf.DTYPES[dtype], device_type)
+        module.fully_shard(precision.DTYPES[dtype], device_type)
     else:
         module.to(device)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2),
@@ -295,7 +297,7 @@ if ddp and not sharded:  # buffers (rope's tables) are not broadcast in every fo
 # the run folder: created only now that the config, data and checkpoint are known to be good
 peak_flops, peak_how = float('nan'), ''
 if master:  # MFU's denominator: a known GPU's datasheet, else measured (seconds) once per machine
-    peak_flops, peak_how = perf.peak_flops(device, perf.DTYPES[dtype], announce=lambda: log(
+    peak_flops, peak_how = perf.peak_flops(device, precision.DTYPES[dtype], announce=lambda: log(
         "measuring this machine's peak FLOP/s for MFU (once per machine and dtype: cached)"))
 run_record = {'config': config, 'model_args': dataclasses.asdict(model_config),
               'dataset': dataset_id, 'pretrained': pretrained, 'dtype': dtype,
@@ -332,7 +334,7 @@ micro_batches = itertools.repeat(next(batches)) if overfit_one_batch else batche
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 speed = perf.Speedometer(progress.iter_num, max_iters, accum_steps, tokens_per_iter,
                          raw_model.flops_per_token(), peak_flops, world_size, device,
-                         perf.DTYPES[dtype])
+                         precision.DTYPES[dtype])
 
 def train_step(micro_batches, accum=accum_steps):
     """One optimizer step's gradients, from the next accum micro_batches: zero_grad, then per

@@ -13,6 +13,7 @@ from torch.cuda._utils import _get_device_index
 import checkpoint
 import distributed
 import perf
+import precision
 from model import GPT, GPTConfig, padded_vocab
 
 
@@ -98,7 +99,7 @@ def test_rng_state_holds_and_restores_only_this_process_s_gpu(monkeypatch):
     ('B200', (10, 0), 'bfloat16'),
 ])
 def test_auto_dtype_on_a_gpu_follows_its_compute_capability(gpu, capability, dtype):
-    assert perf.cuda_autocast_dtype(capability) == dtype
+    assert precision.cuda_autocast_dtype(capability) == dtype
 
 
 def test_a_gpu_s_utilization_is_nvml_s_and_its_idle_line_names_the_host(monkeypatch):

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-import perf
+import precision
 from conftest import DEVICES, REPO, RUN_CONFIG, read_metrics, run_train, run_trains
 from model import GPTConfig
 
@@ -82,7 +82,7 @@ def test_auto_dtype_is_measured_on_cpu_and_can_be_forced(tmp_path, data_dir):
               env=unforced)
     meta = json.load(open(os.path.join(out, 'meta.json')))
     choice = meta['dtype_choice']
-    if perf.bfloat16_units():
+    if precision.bfloat16_units():
         # bfloat16 units: both timed on this model's shape, the faster one trains
         assert (set(choice['seconds']) == {'float32', 'bfloat16'}
                 and meta['dtype'] == min(choice['seconds'], key=choice['seconds'].get))
@@ -100,17 +100,18 @@ def test_auto_dtype_is_measured_on_cpu_and_can_be_forced(tmp_path, data_dir):
 
 def test_float16_on_cpu_warns_with_the_measured_slowdown(tmp_path, data_dir, monkeypatch):
     config = GPTConfig(n_layer=2, n_head=2, n_embd=128, block_size=32, vocab_size=64)
-    monkeypatch.setattr(perf, 'float16_float32_seconds', lambda tokens, n_embd: (0.012, 1e-3))
-    emulated = perf.float16_warning('cpu', config, 8)
+    monkeypatch.setattr(precision, 'float16_float32_seconds', lambda tokens, n_embd: (0.012, 1e-3))
+    emulated = precision.float16_warning('cpu', config, 8)
     assert 'emulated' in emulated and '(12x slower)' in emulated
     assert 'use dtype=bfloat16' in emulated
-    assert perf.float16_warning('cuda:0', config, 8) == ''
+    assert precision.float16_warning('cuda:0', config, 8) == ''
     # float16 as fast as float32: AVX512-FP16 (Sapphire Rapids) runs it natively
-    monkeypatch.setattr(perf, 'float16_float32_seconds', lambda tokens, n_embd: (1e-3, 1e-3))
-    assert perf.float16_warning('cpu', config, 8) == ''
+    monkeypatch.setattr(precision, 'float16_float32_seconds', lambda tokens, n_embd: (1e-3, 1e-3))
+    assert precision.float16_warning('cpu', config, 8) == ''
     monkeypatch.undo()
     # train.py says it, once, where float16 is clearly emulated, and not where it is clearly native
-    float16, float32 = perf.float16_float32_seconds(8 * 32, 128)  # the run's micro-batch and width
+    # the run's micro-batch and width
+    float16, float32 = precision.float16_float32_seconds(8 * 32, 128)
     slowdown = float16 / float32
     result = run_train(str(tmp_path / 'fp16'), data_dir, '--dtype=float16', '--device=cpu',
                        '--n_embd=128', '--max_iters=1', '--eval_interval=1')

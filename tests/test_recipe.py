@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import hf
-import perf
+import precision
 from conftest import ok, read_metrics, run_train, run_trains, torchrun
 from model import ACTIVATIONS, GPT, GPTConfig, Muon, newton_schulz, rotate
 
@@ -225,20 +225,20 @@ def test_muon_dtype_auto_is_bfloat16_where_native_float32_where_emulated_else_th
     shapes = [p.shape for _, p in tiny_gpt().muon_params()]
     for capability, dtype in (((9, 0), 'bfloat16'), ((8, 0), 'bfloat16'), ((7, 5), 'float32')):
         monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device: capability)
-        assert perf.auto_muon_dtype('cuda', shapes)[0] == dtype
+        assert precision.auto_muon_dtype('cuda', shapes)[0] == dtype
     # a CPU with bfloat16 units (whatever this one has): measured, and the faster kept
-    monkeypatch.setattr(perf, 'bfloat16_units', lambda: True)
-    monkeypatch.setattr(perf, 'fastest', lambda runs: {'float32': 2e-3, 'bfloat16': 1e-3})
-    dtype, how = perf.auto_muon_dtype('cpu', shapes)
+    monkeypatch.setattr(precision, 'bfloat16_units', lambda: True)
+    monkeypatch.setattr(precision, 'fastest', lambda runs: {'float32': 2e-3, 'bfloat16': 1e-3})
+    dtype, how = precision.auto_muon_dtype('cpu', shapes)
     assert dtype == 'bfloat16' and how['seconds'] == {'float32': 2e-3, 'bfloat16': 1e-3}
     # once per machine and shapes: a second run keeps the cached choice
-    monkeypatch.setattr(perf, 'fastest', lambda runs: {'float32': 1e-3, 'bfloat16': 2e-3})
-    assert perf.auto_muon_dtype('cpu', shapes)[0] == 'bfloat16'
-    assert perf.auto_muon_dtype('cpu', shapes[:1])[0] == 'float32'
+    monkeypatch.setattr(precision, 'fastest', lambda runs: {'float32': 1e-3, 'bfloat16': 2e-3})
+    assert precision.auto_muon_dtype('cpu', shapes)[0] == 'bfloat16'
+    assert precision.auto_muon_dtype('cpu', shapes[:1])[0] == 'float32'
     # without bfloat16 units it would be emulated: float32, nothing measured
-    monkeypatch.setattr(perf, 'fastest', None)
-    monkeypatch.setattr(perf, 'bfloat16_units', lambda: False)
-    assert perf.auto_muon_dtype('cpu', shapes) == ('float32', {
+    monkeypatch.setattr(precision, 'fastest', None)
+    monkeypatch.setattr(precision, 'bfloat16_units', lambda: False)
+    assert precision.auto_muon_dtype('cpu', shapes) == ('float32', {
         'rule': 'CPU without bfloat16 matmul units: bfloat16 would be emulated'})
 
 
@@ -253,7 +253,7 @@ def test_bfloat16_units_count_only_where_onednn_may_use_them(monkeypatch):
         monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: amx)
         monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: avx512_bf16)
         monkeypatch.setattr(torch.ops.mkldnn, '_is_mkldnn_bf16_supported', lambda: onednn)
-        assert perf.bfloat16_units() == usable
+        assert precision.bfloat16_units() == usable
 
 
 def test_export_refuses_what_gpt2_cannot_hold():

@@ -20,6 +20,7 @@ import data
 import distributed
 import evaluate
 import perf
+import precision
 import prepare
 import runlog
 from configurator import ConfigError, configure
@@ -239,40 +240,41 @@ def test_configure_file_unknown_key(tmp_path):
 
 
 def test_auto_dtype_is_timed_once_per_model_py(tmp_path, monkeypatch):
-    import perf
+    import precision
     monkeypatch.setenv('HONESTGPT_CACHE', str(tmp_path))
     monkeypatch.delenv('HONESTGPT_AUTO_DTYPE', raising=False)
-    monkeypatch.setattr(perf, 'bfloat16_units', lambda: True)  # so that it times on any CPU
+    monkeypatch.setattr(precision, 'bfloat16_units', lambda: True)  # so that it times on any CPU
     timed = []
-    monkeypatch.setattr(perf, 'step_seconds', lambda *args: timed.append(args)
+    monkeypatch.setattr(precision, 'step_seconds', lambda *args: timed.append(args)
                         or {'float32': 2.0, 'bfloat16': 1.0})
     args = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=50, dropout=0.0,
                 bias=False)
-    assert perf.auto_dtype('cpu', args, 4)[0] == perf.auto_dtype('cpu', args, 4)[0] == 'bfloat16'
+    assert (precision.auto_dtype('cpu', args, 4)[0] == precision.auto_dtype('cpu', args, 4)[0]
+            == 'bfloat16')
     assert len(timed) == 1  # the second run read the cache
     edited = tmp_path / 'model.py'
-    edited.write_text(open(perf.inspect.getsourcefile(GPT)).read() + '# an edit\n')
-    monkeypatch.setattr(perf.inspect, 'getsourcefile', lambda obj: str(edited))
-    perf.auto_dtype('cpu', args, 4)
+    edited.write_text(open(precision.inspect.getsourcefile(GPT)).read() + '# an edit\n')
+    monkeypatch.setattr(precision.inspect, 'getsourcefile', lambda obj: str(edited))
+    precision.auto_dtype('cpu', args, 4)
     assert len(timed) == 2  # an edited model is timed again
 
 
 def test_resolve_dtype_keeps_a_resumed_choice_and_refuses_a_forced_nonsense(monkeypatch):
-    import perf
+    import precision
     args = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=50, dropout=0.0,
                 bias=False)
-    monkeypatch.setattr(perf, 'auto_dtype', lambda *a: ('bfloat16', {'rule': 'measured'}))
-    assert (perf.resolve_dtype('float16', 'cpu', args, 4)
+    monkeypatch.setattr(precision, 'auto_dtype', lambda *a: ('bfloat16', {'rule': 'measured'}))
+    assert (precision.resolve_dtype('float16', 'cpu', args, 4)
             == ('float16', {'rule': 'set in the config'}))
-    assert perf.resolve_dtype('auto', 'cpu', args, 4) == ('bfloat16', {'rule': 'measured'})
+    assert precision.resolve_dtype('auto', 'cpu', args, 4) == ('bfloat16', {'rule': 'measured'})
     # a resume continues in the run's dtype even where a measurement now would choose another
-    dtype, how = perf.resolve_dtype('auto', 'cpu', args, 4, ('out/last.pt', 'float32'))
+    dtype, how = precision.resolve_dtype('auto', 'cpu', args, 4, ('out/last.pt', 'float32'))
     assert dtype == 'float32' and 'out/last.pt' in how['rule']
-    monkeypatch.setattr(perf, 'auto_dtype',
+    monkeypatch.setattr(precision, 'auto_dtype',
                         lambda *a: ('fp8', {'rule': 'forced by HONESTGPT_AUTO_DTYPE'}))
     with pytest.raises(ValueError,
                        match='HONESTGPT_AUTO_DTYPE=fp8: use float32, bfloat16 or float16'):
-        perf.resolve_dtype('auto', 'cpu', args, 4)
+        precision.resolve_dtype('auto', 'cpu', args, 4)
 
 
 def test_usable_cpus_are_the_affinity_capped_by_every_cgroup_quota_above(tmp_path):
@@ -437,7 +439,7 @@ def test_an_older_checkpoint_migrates_to_this_code_s_layout_and_computes_what_it
     windows = data.EvalSampler(splits['val'].num_tokens, model.config.block_size, batch_size,
                                eval_iters * batch_size)
     loader = data.make_loader(splits['val'], windows, 0, 0, False)
-    val_loss = evaluate.loss(model, loader, 'cpu', perf.autocast('cpu', 'float32'))
+    val_loss = evaluate.loss(model, loader, 'cpu', precision.autocast('cpu', 'float32'))
     assert val_loss == pytest.approx(old['best_val_loss'], rel=1e-6)
 
 
