@@ -36,8 +36,9 @@ import precision
 import sample
 import tokenizer as tokenizers  # 'tokenizer' is a config key below
 from configurator import ConfigError, configure
+from ending import check
 from model import GPT, GPTConfig
-from runlog import check, progress
+from runlog import progress
 
 # -----------------------------------------------------------------------------
 out_dir = 'out'  # evaluates out_dir/best.pt

@@ -1,0 +1,123 @@
+"""
+How a run ends before its last iteration, each way in one line and with its own exit code: a
+mistake in the settings (check(): exit 2, said by rank 0, in train.log too once the run folder is
+open); a fault the ranks agree on (abort(): exit 1, an abort record and the report); a stop signal,
+Ctrl-C or SIGTERM (exit 128 + its number, once last.pt holds the step under way); out of memory
+(sys.excepthook: one line instead of a traceback, exit 1). configurator.fail is the same refusal
+for scripts before a run exists. runlog.py keeps the run's records.
+"""
+import math
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import perf
+import report
+import runlog
+from configurator import fail, tell_torchrun
+from runlog import finish, log, record
+
+# SIGINT (Ctrl-C) or SIGTERM (a cluster's notice), once catch_stop_signals() has run
+stop_signal = None
+
+
+def check(ok, message):
+    """A mistake in the settings, the same on every rank: rank 0 says it in one line (in
+    train.log too, once the run folder is open); all exit 2. The other ranks wait for torchrun to
+    stop them: one that exited first would have torchrun stop rank 0 before it spoke."""
+    if ok:
+        return
+    if not runlog.master:
+        time.sleep(60)
+        sys.exit(2)
+    if runlog.files:
+        runlog.files['train.log'].write(f"error: {message}\n")
+        runlog.files['train.log'].flush()
+    fail(message)
+
+
+def abort(step, message):
+    """Stop the run now, exit code 1, with an abort record, the message and the report. Every rank
+    calls it at the same point, having decided on the same reduced values."""
+    # torchrun sends SIGTERM to the ranks left once one has exited: this one is stopping already,
+    # and catch_stop_signals' handler would announce a save that never comes
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    record({'kind': 'abort', 'step': step, 'message': message})
+    log(f"error: {message}", sys.stderr)
+    tell_torchrun(f"error: {message}")
+    finish()
+    sys.exit(1)
+
+
+def non_finite(step, loss, grad_norm, lr, starts):
+    """The line a non-finite loss or gradient norm ends the run with: the values, and the batches'
+    windows (start positions in the train split) that produced them."""
+    what = 'loss' if not math.isfinite(loss) else 'gradient norm'
+    return (f"non-finite {what} at iteration {step}: loss {loss}, lr {lr:.3e}, grad norm "
+            f"{grad_norm}, batch windows (start positions in the train split) "
+            f"{starts[:16]}{' ...' if len(starts) > 16 else ''}; the last checkpoints are "
+            f"untouched: lower learning_rate or raise warmup_iters, then resume")
+
+
+def overflowed(skips, step, scale):
+    """The line a streak of float16 overflows (each a step the GradScaler skipped) ends the run
+    with."""
+    return (f"float16 gradients overflowed {skips} optimizer steps in a row (up to iteration "
+            f"{step}, loss scale now {scale:g}): the model diverged or float16's range is too "
+            f"small for it; use dtype=bfloat16 or float32, or lower learning_rate, then resume")
+
+
+def explain_out_of_memory(exc, step, batch_size, block_size, dtype, device):
+    """sys.excepthook: out of memory gets an abort record and one line that says what to change
+    instead of a traceback; the exit code stays 1. No report: plotting needs memory this process may
+    not get (python report.py OUT_DIR writes it later). Any other exception keeps its traceback."""
+    exc_type, value, tb = exc
+    if not out_of_memory(value):
+        return sys.__excepthook__(exc_type, value, tb)
+    record({'kind': 'abort', 'step': step, 'message': 'out of memory'})
+    log(f"error: out of memory at iteration {step} with batch_size={batch_size}, "
+        f"block_size={block_size} ({perf.peak_memory_mb(device):,.0f} MB at peak): lower "
+        f"batch_size and raise gradient_accumulation_steps by the same factor (the tokens per "
+        f"iteration stay){', or use dtype=bfloat16' if dtype == 'float32' else ''}; the "
+        f"checkpoints are intact", sys.stderr)
+
+
+def out_of_memory(error):
+    """Whether an exception is a failed allocation: CUDA's OutOfMemoryError, or a CPU's."""
+    return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error)
+
+
+def catch_stop_signals():
+    """From now on SIGINT and SIGTERM set stop_signal, and the loop saves last.pt after the step
+    under way and exits; a second Ctrl-C exits at once (every checkpoint on disk is whole, written
+    atomically)."""
+    def request_stop(signum, frame):
+        global stop_signal
+        if signum == signal.SIGINT and stop_signal == signal.SIGINT:
+            os._exit(130)
+        if stop_signal is None:
+            stop_signal = signum
+            # os.write: print() may be in the middle of a line, and a handler must not re-enter it
+            if runlog.master:
+                again = ' (Ctrl-C again to stop at once)' if signum == signal.SIGINT else ''
+                os.write(2, f"\n{signal.Signals(signum).name}: saving last.pt after the iteration "
+                            f"under way, then stopping{again}\n".encode())
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+
+
+def exit_on_signal(step, world_size):
+    """The run stops for a signal (on any rank) once last.pt holds step: a stop record, the line
+    that says how to resume, the report, and exit code 128 + the signal's number."""
+    signum = stop_signal or signal.SIGTERM  # a rank stopping for another's signal
+    name = signal.Signals(signum).name
+    record({'kind': 'stop', 'step': step, 'time': time.time(), 'signal': name})
+    if runlog.master:  # run_dir is rank 0's
+        resume = report.resume_command({'command': sys.argv, 'world_size': world_size}, True)
+        log(f"stopped by {name} at iteration {step}: {os.path.join(runlog.run_dir, 'last.pt')} "
+            f"holds it; resume with: {resume}")
+    finish()
+    sys.exit(128 + signum)
