@@ -9,6 +9,8 @@ names another folder), keyed by the processor, torch version and thread count: t
 reads as the same MFU in every run on a machine, and start-up pays for a measurement only once.
 """
 import collections
+import contextlib
+import fcntl
 import functools
 import json
 import os
@@ -115,25 +117,38 @@ def read_cache(path):
 
 def cached(key, measure, again=False):
     """measure()'s JSON-able result, stored under key in the cache file; 'cached' says which run
-    measured it. Processes that measure at once keep the first result written, so runs started
-    together agree (a resume needs the same dtype); again: measure anew and replace what is
-    stored."""
+    measured it (None: this one). Processes that get here at once take turns (a lock beside the
+    file): the first measures, the others read its result, so runs started together agree (a
+    resume needs the same dtype) and none is timed while another measures. again: measure anew and
+    replace what is stored."""
     folder = os.environ.get('HONESTGPT_CACHE',
                             os.path.join(os.path.expanduser('~'), '.cache', 'honestgpt'))
     path = os.path.join(folder, 'perf.json')
-    if key in read_cache(path) and not again:
-        return read_cache(path)[key] | {'cached': path}
-    entry = measure() | {'measured_at': time.strftime('%Y-%m-%dT%H:%M:%S%z')}
-    entries = read_cache(path)
-    if key in entries and not again:  # another process measured meanwhile: its figure stands
-        return entries[key] | {'cached': path}
-    entries[key] = entry
+    with locked(path + '.lock'):
+        entries = read_cache(path)
+        if key in entries and not again:
+            return entries[key] | {'cached': path}
+        entries[key] = measure() | {'measured_at': time.strftime('%Y-%m-%dT%H:%M:%S%z')}
+        try:
+            checkpoint.write_json(path, entries)  # atomic: a reader never sees half a file
+        except OSError:
+            pass  # a read-only home: measure again next time
+    return entries[key] | {'cached': None}
+
+
+@contextlib.contextmanager
+def locked(path):
+    """An exclusive lock on the file path (created, with its folder) for the with block; the
+    kernel releases it if the process dies. None where it cannot be created (a read-only home)."""
     try:
-        os.makedirs(folder, exist_ok=True)
-        checkpoint.write_json(path, entries)  # atomic: other processes read it
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        lock = open(path, 'a')
     except OSError:
-        pass  # a read-only home: measure again next time
-    return entry | {'cached': None}
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 # -----------------------------------------------------------------------------

@@ -5,10 +5,12 @@ import copy
 import functools
 import itertools
 import math
+import multiprocessing
 import os
 import re
 import subprocess
 import sys
+import time
 import tracemalloc
 
 import numpy as np
@@ -257,6 +259,30 @@ def test_auto_dtype_is_timed_once_per_model_py(tmp_path, monkeypatch):
     monkeypatch.setattr(precision.inspect, 'getsourcefile', lambda obj: str(edited))
     precision.auto_dtype('cpu', args, 4)
     assert len(timed) == 2  # an edited model is timed again
+
+
+def test_processes_that_measure_at_once_take_turns_and_agree(tmp_path, monkeypatch):
+    # four runs started together ask for one figure, each of which would measure another value:
+    # the first measures, the others wait for it and read its figure (dtype='auto' then agrees)
+    monkeypatch.setenv('HONESTGPT_CACHE', str(tmp_path))
+    measured = tmp_path / 'measured'
+
+    def ask(answers):
+        def measure():
+            with open(measured, 'a') as f:
+                f.write(f"{os.getpid()}\n")
+            time.sleep(0.3)  # long enough for the others to arrive meanwhile
+            return {'pid': os.getpid()}
+        answers.put(perf.cached('key', measure)['pid'])
+    context = multiprocessing.get_context('fork')
+    answers = context.Queue()
+    processes = [context.Process(target=ask, args=(answers,)) for _ in range(4)]
+    for process in processes:
+        process.start()
+    pids = [answers.get(timeout=60) for _ in processes]
+    for process in processes:
+        process.join()
+    assert len(set(pids)) == 1 and len(measured.read_text().split()) == 1
 
 
 def test_resolve_dtype_keeps_a_resumed_choice_and_refuses_a_forced_nonsense(monkeypatch):
