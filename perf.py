@@ -137,9 +137,11 @@ def cached(key, measure, again=False):
 
 
 @contextlib.contextmanager
-def locked(path):
+def locked(path, wait=60.0):
     """An exclusive lock on the file path (created, with its folder) for the with block; the
-    kernel releases it if the process dies. None where it cannot be created (a read-only home)."""
+    kernel releases it if the process dies. None where it cannot be created (a read-only home), or
+    after wait seconds: a process stopped while it held the lock (Ctrl-Z) must not hold up every
+    run on the machine."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         lock = open(path, 'a')
@@ -147,7 +149,15 @@ def locked(path):
         yield
         return
     with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        deadline = time.time() + wait
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.time() > deadline:
+                    break
+                time.sleep(0.05)
         yield
 
 

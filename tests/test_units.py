@@ -2,6 +2,7 @@
 older checkpoints migrated."""
 import contextlib
 import copy
+import fcntl
 import functools
 import itertools
 import math
@@ -283,6 +284,12 @@ def test_processes_that_measure_at_once_take_turns_and_agree(tmp_path, monkeypat
     for process in processes:
         process.join()
     assert len(set(pids)) == 1 and len(measured.read_text().split()) == 1
+    # a process stopped while it holds the lock holds up the others for a while, not for ever
+    with open(tmp_path / 'perf.json.lock', 'a') as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        start = time.time()
+        with perf.locked(held.name, wait=0.5):
+            assert 0.5 <= time.time() - start < 5
 
 
 def test_resolve_dtype_keeps_a_resumed_choice_and_refuses_a_forced_nonsense(monkeypatch):
