@@ -296,7 +296,6 @@ eval_model = model  # evaluation needs no gradient sync: the compiled model with
 ema_eval_model = (torch.compile(ema.module) if compile else ema.module) if ema else None
 if ddp and not sharded:  # buffers (rope's tables) are not broadcast in every forward: none changes
     model = distributed.data_parallel(model, [local_rank] if device_type == 'cuda' else None)
-# the run folder: created only now that the config, data and checkpoint are known to be good
 peak_flops, peak_how = float('nan'), ''
 if master:  # MFU's denominator: a known GPU's datasheet, else measured (seconds) once per machine
     peak_flops, peak_how = perf.peak_flops(device, precision.DTYPES[dtype], announce=lambda: log(
@@ -308,8 +307,7 @@ run_record = {'config': config, 'model_args': dataclasses.asdict(model_config),
 session = {
     'seed': seed, 'dtype': dtype, 'dtype_choice': init.dtype_how,
     'muon_dtype': {'dtype': muon_dtype, **init.muon_dtype_how} if init.muon_dtype_how else None,
-    'device': device, 'world_size': world_size,
-    'cpus': cpus,
+    'device': device, 'world_size': world_size, 'cpus': cpus,
     'backend': torch.distributed.get_backend() if ddp else None,
     'pretrained': pretrained, 'peak_flops': {'per_process': peak_flops, 'how': peak_how},
     'resumed_from': f"{ckpt_path} at iteration {progress.iter_num}" if resuming else None,
@@ -319,9 +317,10 @@ session = {
                           if k not in ('init_from', 'resume_from')} if resuming else None,
     'dataset': {**dataset_id, 'tokenizer': data_meta['tokenizer']['kind'], 'dir': data_dir,
                 'split_rule': data_meta.get('split_rule', '')}}
+# the run folder: created only now that the config, data and checkpoint are known to be good; an
+# out_dir that cannot be written stops every rank here
 unwritable = runlog.start(out_dir, (ckpt_path, ckpt) if resuming else None, config, config_sources,
                           session, raw_model.num_params())
-# every rank: an out_dir that cannot be written stops them all here
 check(not unwritable, unwritable)
 # out of memory anywhere: one line that says what to change instead of a traceback (the exit code
 # stays 1)
