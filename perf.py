@@ -139,9 +139,9 @@ def cached(key, measure, again=False):
 @contextlib.contextmanager
 def locked(path, wait=60.0):
     """An exclusive lock on the file path (created, with its folder) for the with block; the
-    kernel releases it if the process dies. None where it cannot be created (a read-only home), or
-    after wait seconds: a process stopped while it held the lock (Ctrl-Z) must not hold up every
-    run on the machine."""
+    kernel releases it if the process dies. None where it cannot be created (a read-only home) or
+    taken (a file system without locks), or after wait seconds: a process stopped while it held
+    the lock (Ctrl-Z) must not hold up every run on the machine."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         lock = open(path, 'a')
@@ -158,6 +158,8 @@ def locked(path, wait=60.0):
                 if time.time() > deadline:
                     break
                 time.sleep(0.05)
+            except OSError:  # a file system without locks (some NFS mounts): go on without one
+                break
         yield
 
 
