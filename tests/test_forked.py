@@ -102,12 +102,13 @@ def test_leftover_runs_are_stopped_and_import_time_settings_refused(tmp_path):
 @pytest.mark.slow
 def test_torchrun_workers_are_forks_that_torchrun_supervises(tmp_path):
     # rank 1 fails; rank 0, in the middle of a sleep, must be stopped by torchrun (SIGTERM to its
-    # process group), with its line already out: torchrun runs workers with python -u
+    # process group), with its line already out. One os.write a line: print() under python -u
+    # writes each argument apart, and the two ranks' pieces interleaved on the shared stdout
     path = script(tmp_path, "import os, sys, time\n"
-                            "print('rank', os.environ['RANK'], 'parent', os.getppid(), 'own "
-                            "session',\n"
-                            "      os.getsid(0) == os.getpid())\n"
-                            "if os.environ['RANK'] == '1':\n"
+                            "rank = os.environ['RANK']\n"
+                            "os.write(1, f\"rank {rank} parent {os.getppid()} own session \"\n"
+                            "            f\"{os.getsid(0) == os.getpid()}\\n\".encode())\n"
+                            "if rank == '1':\n"
                             "    time.sleep(1)\n"
                             "    sys.exit(3)\n"
                             "time.sleep(60)\n")
