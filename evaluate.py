@@ -36,7 +36,7 @@ import precision
 import sample
 import tokenizer as tokenizers  # 'tokenizer' is a config key below
 from configurator import ConfigError, configure
-from ending import check
+from exits import check
 from model import GPT, GPTConfig
 from runlog import progress
 

@@ -3,7 +3,7 @@ What a training run may refuse, and each 'auto' it resolves, settled before anyt
 or written, so that train.py's setup reads as the recipe. settings() checks the command's
 settings; start() finds the weights the run starts from (a checkpoint, GPT-2's or none), checks
 that a resume continues the run it names, and resolves the dtypes. A refusal is one line naming
-the problem and the fix, exit code 2 (ending.check); a run that stops here has written nothing.
+the problem and the fix, exit code 2 (exits.check); a run that stops here has written nothing.
 """
 import dataclasses
 import os
@@ -20,7 +20,7 @@ import runlog
 import tokenizer
 from configurator import ConfigError, configure
 from distributed import gather
-from ending import check
+from exits import check
 from model import GPT, OPTIMIZERS, GPTConfig
 from runlog import log
 

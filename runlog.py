@@ -5,7 +5,7 @@ config.json (each key, its value and where it came from), meta.json (command, gi
 versions, hardware, data), and TensorBoard event files and Weights & Biases when asked. log() prints
 a line and keeps it; record() keeps a metrics record everywhere it goes. Until start() nothing is
 kept: a run that stops at a mistake writes nothing. How a run ends before its last iteration:
-ending.py.
+exits.py.
 """
 import atexit
 import glob

@@ -14,7 +14,7 @@ from torch.utils.data import default_collate
 
 import checkpoint
 import distributed
-import ending
+import exits
 import runlog
 
 SMOKE_DROP = 0.1  # the rule: the last step's loss at most (1 - SMOKE_DROP) x the first's
@@ -48,8 +48,8 @@ def smoke_test(steps, step, batch, parts, device):
     why = "this model does not learn (a loss detached from the weights, a learning rate of 0?)"
     if not math.isfinite(last):
         why = "it is not finite at the full learning rate: lower learning_rate"
-    ending.check(False, f"{line}, not below {1 - SMOKE_DROP:.0%} of it: {why}; smoke_steps=0 skips "
-                        f"the test")
+    exits.check(False, f"{line}, not below {1 - SMOKE_DROP:.0%} of it: {why}; smoke_steps=0 skips "
+                       f"the test")
 
 
 def try_step(size, train_split, autocast, model, optimizer, device):
@@ -77,7 +77,7 @@ def fit_batch(batch_size, accum, train_split, autocast, parts, device):
             try_step(batch_size, train_split, autocast, parts['model'], parts['optimizer'],
                      device)
         except (torch.OutOfMemoryError, RuntimeError) as e:
-            if not ending.out_of_memory(e):
+            if not exits.out_of_memory(e):
                 raise
             failed = True
         parts['optimizer'].zero_grad(set_to_none=True)
@@ -87,9 +87,9 @@ def fit_batch(batch_size, accum, train_split, autocast, parts, device):
             torch.cuda.empty_cache()  # the failed try's blocks, for the next
         if not distributed.any_rank(failed, device):
             break
-        ending.check(batch_size % 2 == 0, f"fit_batch: batch_size={batch_size} runs out of memory "
-                     f"and cannot be halved: use a smaller block_size or model, dtype=bfloat16, or "
-                     f"activation_checkpointing=True")
+        exits.check(batch_size % 2 == 0, f"fit_batch: batch_size={batch_size} runs out of memory "
+                    f"and cannot be halved: use a smaller block_size or model, dtype=bfloat16, or "
+                    f"activation_checkpointing=True")
         batch_size, accum = batch_size // 2, accum * 2
     if batch_size < first:
         runlog.log(f"fit_batch: batch_size={first} runs out of memory, {batch_size} fits: "

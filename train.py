@@ -29,8 +29,8 @@ from torch.utils.data import default_collate
 import checkpoint
 import data
 import distributed
-import ending
 import evaluate
+import exits
 import perf
 import precision
 import preflight
@@ -40,7 +40,7 @@ import sample
 import smoke
 from configurator import fail
 from distributed import any_rank, gather, sum_over_ranks
-from ending import abort, check
+from exits import abort, check
 from model import GPT
 from runlog import log, record
 
@@ -324,9 +324,9 @@ unwritable = runlog.start(out_dir, (ckpt_path, ckpt) if resuming else None, conf
 check(not unwritable, unwritable)
 # out of memory anywhere: one line that says what to change instead of a traceback (the exit code
 # stays 1)
-sys.excepthook = lambda *exc: ending.explain_out_of_memory(exc, progress.iter_num + 1, batch_size,
-                                                           block_size, dtype, device)
-ending.catch_stop_signals()  # Ctrl-C or SIGTERM: save last.pt after the step under way, then exit
+sys.excepthook = lambda *exc: exits.explain_out_of_memory(exc, progress.iter_num + 1, batch_size,
+                                                          block_size, dtype, device)
+exits.catch_stop_signals()  # Ctrl-C or SIGTERM: save last.pt after the step under way, then exit
 
 # -----------------------------------------------------------------------------
 # the training loop, in named parts: the step, logging, evaluation and saving, stopping
@@ -383,7 +383,7 @@ def agree_or_abort(loss_sum, grad_norm, starts, lr):
     rank, one host sync, and the checks that end the run before the optimizer steps: changed data, a
     save that failed, a non-finite loss or gradient norm (float16's are the scaler's to skip).
     Returns the mean loss, the gradient norm and whether a stop was asked."""
-    flags = torch.tensor([ending.stop_signal is not None, batches.fault is not None,
+    flags = torch.tensor([exits.stop_signal is not None, batches.fault is not None,
                           writer.failed() is not None], device=device).float()
     loss_sum, stops, faults, unsaved = sum_over_ranks(torch.cat([loss_sum.view(1), flags]))
     synced = torch.stack([loss_sum / gradient_accumulation_steps, grad_norm.float(), stops, faults,
@@ -395,7 +395,7 @@ def agree_or_abort(loss_sum, grad_norm, starts, lr):
         data_fault(progress.iter_num + 1, next(m for m in gather(batches.fault) if m))
     if not math.isfinite(loss) or not (math.isfinite(grad_norm) or scaler.is_enabled()):
         step = progress.iter_num + 1
-        abort(step, ending.non_finite(step, loss, grad_norm, lr, starts))
+        abort(step, exits.non_finite(step, loss, grad_norm, lr, starts))
     return loss, grad_norm, stops
 
 def log_step(loss, grad_norm, lr, skipped, scale, profiler):
@@ -542,8 +542,8 @@ while progress.iter_num < max_iters:
     progress.skipped_steps += 1 if skipped else 0
     progress.consecutive_skips = progress.consecutive_skips + 1 if skipped else 0
     if progress.consecutive_skips >= max_consecutive_skips:  # the scaler can't back off more: stop
-        abort(progress.iter_num, ending.overflowed(progress.consecutive_skips, progress.iter_num,
-                                                   scaler.get_scale()))
+        abort(progress.iter_num, exits.overflowed(progress.consecutive_skips, progress.iter_num,
+                                                  scaler.get_scale()))
 
     evaluating = progress.iter_num % eval_interval == 0 or progress.iter_num == max_iters
     interval = checkpoint_interval and progress.iter_num % checkpoint_interval == 0
@@ -575,7 +575,7 @@ while progress.iter_num < max_iters:
     # stopping
     if stops:  # every rank saw the same count: all saved above and stop here
         end_if_unsaved(writer.wait(), progress.iter_num)
-        ending.exit_on_signal(progress.iter_num, world_size)
+        exits.exit_on_signal(progress.iter_num, world_size)
     if stopping_early:
         log(f"early stop: no better val loss in {patience} evaluations since iteration "
             f"{progress.best_iter}")

@@ -139,7 +139,7 @@ def test_two_ranks_stop_together_on_sigterm_and_resume_bitwise(tmp_path, data_di
     # torchrun reports the signal with a traceback of its own; the ranks end without one, rank 0
     # saying how to resume
     assert proc.returncode != 0, stderr
-    assert 'train.py", line' not in stderr and 'ending.py", line' not in stderr, stderr
+    assert 'train.py", line' not in stderr and 'exits.py", line' not in stderr, stderr
     assert 'stopped by SIGTERM at iteration' in stdout, stdout
     stop = read_metrics(stopped, 'stop')
     assert len(stop) == 1, stdout + stderr
