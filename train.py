@@ -138,7 +138,8 @@ min_lr = 6e-5  # AdamW's floor; Muon's is muon_lr * min_lr / learning_rate
 patience = 0  # stop after this many evaluations without a new best val loss; 0 never stops early
 # train on one fixed batch: the loss must approach zero if everything is wired
 overfit_one_batch = False
-smoke_steps = 30  # steps on one batch before a new run's first: they must lower its loss; 0: off
+# before a new run's first step: steps on one batch until its loss falls 10%, at most this many; 0: off
+smoke_steps = 30
 # system
 # 'auto' (cuda:LOCAL_RANK if there is a GPU, else cpu), 'cpu', 'cuda', 'cuda:1' (one process)
 device = 'auto'

@@ -346,12 +346,14 @@ def test_the_smoke_test_changes_nothing_after_it_and_stops_a_model_that_cannot_l
     ckpts = [torch.load(os.path.join(d, 'last.pt'), weights_only=True) for d in (off, on)]
     assert all(torch.equal(ckpts[0]['model'][k], v) for k, v in ckpts[1]['model'].items())
     [smoke] = read_metrics(on, 'smoke')
-    assert smoke['passed'] and smoke['steps'] == 30
+    # it passes at the first step whose loss has fallen 10%: here long before the 30 allowed
+    assert smoke['passed'] and 2 <= smoke['steps'] < 30 and smoke['max_steps'] == 30
     assert smoke['last_loss'] <= 0.9 * smoke['first_loss']
-    line = (f"smoke test: 30 steps on one batch took its loss from {smoke['first_loss']:.4f} to "
-            f"{smoke['last_loss']:.4f} in")
+    line = (f"smoke test: {smoke['steps']} steps on one batch took its loss from "
+            f"{smoke['first_loss']:.4f} to {smoke['last_loss']:.4f} in")
     assert line in result.stdout and line in open(os.path.join(on, 'train.log')).read()
-    assert 'Smoke test: passed, 30 steps on one batch' in open(os.path.join(on, 'report.md')).read()
+    assert (f"Smoke test: passed, {smoke['steps']} steps on one batch"
+            in open(os.path.join(on, 'report.md')).read())
     resumed = run_train(on, data_dir, *args, '--smoke_steps=10', '--init_from=resume',
                         '--max_iters=9')
     assert 'smoke test' not in resumed.stdout and len(read_metrics(on, 'smoke')) == 1
