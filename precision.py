@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
 
 from distributed import gather
-from model import GPT, GPTConfig, newton_schulz
+from model import GPT, GPTConfig
+from optim import newton_schulz
 from perf import cached, machine
 
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
@@ -128,7 +129,7 @@ def auto_dtype(device, model_args, batch_size):
         return 'float32', {'rule': 'CPU without bfloat16 matmul units: bfloat16 would be emulated, '
                                    'many times slower'}
     shape = {k: model_args[k] for k in sorted(model_args) if k != 'dropout'}
-    key = f"step {machine(device)} {model_code()} {json.dumps(shape)} batch {batch_size}"
+    key = f"step {machine(device)} {code_hash(GPT)} {json.dumps(shape)} batch {batch_size}"
     seconds = cached(key,
                      lambda: {'seconds': step_seconds(model_args, batch_size, device,
                                                       ('float32', 'bfloat16'))})
@@ -137,11 +138,12 @@ def auto_dtype(device, model_args, batch_size):
                            '(forward+backward seconds)', **seconds}
 
 
-def model_code():
-    """model.py's contents, hashed, for the keys of cached choices: an edit to the model (or to
-    newton_schulz) can change which dtype is faster."""
-    with open(inspect.getsourcefile(GPT), 'rb') as f:
-        return f"model.py {hashlib.sha256(f.read()).hexdigest()[:12]}"
+def code_hash(obj):
+    """The contents of the file that defines obj, hashed, for the keys of cached choices: an edit to
+    the model (model.py) or to newton_schulz (optim.py) can change which dtype is faster."""
+    path = inspect.getsourcefile(obj)
+    with open(path, 'rb') as f:
+        return f"{os.path.basename(path)} {hashlib.sha256(f.read()).hexdigest()[:12]}"
 
 
 def auto_muon_dtype(device, shapes):
@@ -164,7 +166,7 @@ def auto_muon_dtype(device, shapes):
         for matrix in matrices:
             newton_schulz(matrix, DTYPES[dtype], (DEFAULT_A, DEFAULT_B, DEFAULT_C),
                           DEFAULT_NS_STEPS, EPS)
-    seconds = cached(f"newton-schulz {machine(device)} {model_code()} {shapes}",
+    seconds = cached(f"newton-schulz {machine(device)} {code_hash(newton_schulz)} {shapes}",
                      lambda: {'seconds': fastest({name: functools.partial(step, name)
                                                   for name in ('float32', 'bfloat16')})})
     dtype = min(seconds['seconds'], key=seconds['seconds'].get)

@@ -21,7 +21,8 @@ import tokenizer
 from configurator import ConfigError, configure
 from distributed import gather
 from exits import check
-from model import GPT, OPTIMIZERS, GPTConfig
+from model import GPT, GPTConfig
+from optim import OPTIMIZERS
 from runlog import log
 
 CHOICES = {'dtype': ('auto', *precision.DTYPES), 'muon_dtype': ('auto', 'float32', 'bfloat16'),

@@ -138,8 +138,8 @@ min_lr = 6e-5  # AdamW's floor; Muon's is muon_lr * min_lr / learning_rate
 patience = 0  # stop after this many evaluations without a new best val loss; 0 never stops early
 # train on one fixed batch: the loss must approach zero if everything is wired
 overfit_one_batch = False
-# before a new run's first step: steps on one batch until its loss falls 10%, at most this many; 0: off
-smoke_steps = 30
+# before a new run's first step, steps on one batch until its loss falls 10%: at most this many
+smoke_steps = 30  # 0: off
 # system
 # 'auto' (cuda:LOCAL_RANK if there is a GPU, else cpu), 'cpu', 'cuda', 'cuda:1' (one process)
 device = 'auto'

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 import hf
 import precision
 from conftest import ok, read_metrics, run_train, run_trains, torchrun
-from model import ACTIVATIONS, GPT, GPTConfig, Muon, newton_schulz, rotate
+from model import ACTIVATIONS, GPT, GPTConfig, rotate
+from optim import Muon, newton_schulz
 
 # every switch on, Muon's rate and the wsd decay share set apart from their defaults
 RECIPE = ['--optimizer=muon', '--muon_lr=0.03', '--pos_emb=rope', '--qk_norm=True',
