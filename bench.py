@@ -260,6 +260,7 @@ def measure_loader():
     bench_iters batches after bench_warmup."""
     # torch: imported only in the modes that need it, so a mistake in the arguments fails at once
     import data
+    import datafiles
     from perf import cpu_name
     try:
         used = {k: v['value'] for k, v in read_json(os.path.join(loader, 'config.json')).items()
@@ -270,7 +271,7 @@ def measure_loader():
     block_size, batch_size, num_workers, seed = (used[k] for k in ('block_size', 'batch_size',
                                                                    'num_workers', 'seed'))
     try:
-        _, shards = data.open_dataset(used['data_dir'], used['dataset'])
+        _, shards = datafiles.open_dataset(used['data_dir'], used['dataset'])
         train = data.TokenWindows(shards['train'], block_size)
         sampler = data.TrainSampler(train.num_tokens, block_size, batch_size,
                                     batch_size * used['gradient_accumulation_steps'], seed)

@@ -12,7 +12,7 @@ import sys
 import torch
 
 import checkpoint
-import data
+import datafiles
 import evaluate
 import hf
 import precision
@@ -148,7 +148,7 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
             sources[key] = f"fit_batch, as the run in {ckpt_path} found it"
     if resuming:
         why = (checkpoint.why_not_resume(ckpt, config, defaults)
-               or data.data_change(ckpt['dataset'], dataset_id, splits))
+               or datafiles.data_change(ckpt['dataset'], dataset_id, splits))
         check(not why,
               f"{ckpt_path} {why}: use the checkpoint's settings and data, or a new out_dir")
         check(ckpt['iter_num'] < c['max_iters'] or c['init_from'] == 'auto',

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import data
+import datafiles
 import forked
 from conftest import ok, read_metrics, run_train, torchrun
 from model import GPT, GPTConfig
@@ -100,7 +101,7 @@ def test_exported_state_dict_gives_the_runs_own_val_loss(tmp_path, data_dir):
     model.load_state_dict(ckpt['model'])
     model.eval()
     cfg = ckpt['config']
-    val = data.TokenWindows(data.open_dataset(data_dir, 'toy')[1]['val'], cfg['block_size'])
+    val = data.TokenWindows(datafiles.open_dataset(data_dir, 'toy')[1]['val'], cfg['block_size'])
     sampler = data.EvalSampler(val.num_tokens, cfg['block_size'], cfg['batch_size'],
                                cfg['eval_iters'] * cfg['batch_size'])
     loss_sum, count = 0.0, 0

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import data
+import datafiles
 import report
 from conftest import REPO, RUN_CONFIG, read_metrics, run_train
 from model import GPT, GPTConfig
@@ -61,7 +62,7 @@ def test_eval_iters_0_evaluates_the_whole_split(tmp_path, data_dir):
     model.eval()
     # every token of val but the first, predicted once, from windows of block_size tokens (the last
     # one shorter)
-    val = data.TokenWindows(data.open_dataset(data_dir, 'toy')[1]['val'], 32)
+    val = data.TokenWindows(datafiles.open_dataset(data_dir, 'toy')[1]['val'], 32)
     tokens = torch.from_numpy(val.read(0, val.num_tokens).astype(np.int64))  # (N,)
     loss_sum = 0.0
     with torch.inference_mode():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import data
+import datafiles
 import forked
 import prepare
 import tokenizer
@@ -67,7 +68,7 @@ def test_llmc_shards_with_a_written_meta_are_a_dataset(tmp_path):
     llmc_shard(folder / 'fineweb_train_000001.bin', streams['train'][:600])
     (folder / 'meta.json').write_text(json.dumps({'vocab_size': 50257, 'tokenizer': 'gpt2'}))
     for dataset in ('fineweb10B', 'fineweb10B/fineweb_*.bin'):
-        meta, shards = data.open_dataset(str(tmp_path), dataset)
+        meta, shards = datafiles.open_dataset(str(tmp_path), dataset)
         assert meta == {'vocab_size': 50257, 'tokenizer': {'kind': 'tiktoken', 'encoding': 'gpt2'},
                         'name': 'fineweb10B'}
         assert {s: [os.path.basename(p) for p in paths] for s, paths in shards.items()} == {
@@ -76,7 +77,7 @@ def test_llmc_shards_with_a_written_meta_are_a_dataset(tmp_path):
         for split, tokens in streams.items():
             assert all_windows_match(data.TokenWindows(shards[split], 64), tokens, 64)
     with pytest.raises(data.DataError, match='has no val shards'):
-        data.open_dataset(str(tmp_path), 'fineweb10B/fineweb_train_*.bin')
+        datafiles.open_dataset(str(tmp_path), 'fineweb10B/fineweb_train_*.bin')
 
 
 def test_a_token_id_past_meta_json_s_vocab_size_is_refused_when_the_data_opens(tmp_path):
@@ -99,7 +100,7 @@ def test_a_token_id_past_meta_json_s_vocab_size_is_refused_when_the_data_opens(t
 def test_dataset_mistakes_are_one_line(tmp_path):
     def error(dataset):
         with pytest.raises(data.DataError) as e:
-            meta, shards = data.open_dataset(str(tmp_path), dataset)
+            meta, shards = datafiles.open_dataset(str(tmp_path), dataset)
             [data.TokenWindows(paths, 8) for paths in shards.values()]
         assert '\n' not in str(e.value)
         return str(e.value)
@@ -154,26 +155,26 @@ def test_dataset_mistakes_are_one_line(tmp_path):
         assert message in error('old')
     with pytest.raises(data.DataError,
                        match="data_dir '.*' cannot hold datasets .*: set data_dir to a"):
-        data.prepare_once(str(tmp_path / 'old' / 'meta.json'), 'pystdlib_char')
+        datafiles.prepare_once(str(tmp_path / 'old' / 'meta.json'), 'pystdlib_char')
 
 
 def test_data_change_names_the_shards():
     ident = {'name': 'd', 'source_sha256': 'abc', 'vocab_size': 9, 'tokenizer': {'kind': 'char'},
              'shards': [['d_train_000000.bin', 10, 'f0'], ['d_val_000000.bin', 5, 'f1']]}
-    assert data.data_change(ident, ident, {}) == ''
+    assert datafiles.data_change(ident, ident, {}) == ''
     grown = {**ident,
              'shards': [['d_train_000000.bin', 10, 'f0'], ['d_train_000001.bin', 3, 'f2'],
                         ['d_val_000000.bin', 5, 'f9']]}
     other = 'was trained on other data '
-    assert (data.data_change(ident, grown, {})
+    assert (datafiles.data_change(ident, grown, {})
             == other + '(shards added d_train_000001.bin; changed d_val_000000.bin)')
-    assert (data.data_change(grown, ident, {})
+    assert (datafiles.data_change(grown, ident, {})
             == other + '(shards removed d_train_000001.bin; changed d_val_000000.bin)')
-    assert (data.data_change(ident, {**ident, 'vocab_size': 10}, {})
+    assert (datafiles.data_change(ident, {**ident, 'vocab_size': 10}, {})
             == other + '(its vocab_size differ)')
     # a checkpoint of a dataset prepared before shards (the first of format 3): another split rule
     before_shards = {k: v for k, v in ident.items() if k != 'shards'}
-    assert 'prepared before shards' in data.data_change(before_shards, ident, {})
+    assert 'prepared before shards' in datafiles.data_change(before_shards, ident, {})
 
 
 def test_data_change_checks_the_head_fingerprint_older_checkpoints_recorded(tmp_path):
@@ -188,11 +189,11 @@ def test_data_change_checks_the_head_fingerprint_older_checkpoints_recorded(tmp_
     current, splits = dataset(tokens)
     head = hashlib.sha256(path.read_bytes()[:4096]).hexdigest()[:16]
     recorded = {'name': 'd', 'shards': [['d_train_000000.bin', 3000, head]]}
-    assert data.data_change(recorded, current, splits) == ''
+    assert datafiles.data_change(recorded, current, splits) == ''
     tokens[2000] = 7  # past the first 4096 bytes: unseen, as by the code that took the fingerprint
-    assert data.data_change(recorded, *dataset(tokens)) == ''
+    assert datafiles.data_change(recorded, *dataset(tokens)) == ''
     tokens[1000] = 7  # within them
-    assert (data.data_change(recorded, *dataset(tokens))
+    assert (datafiles.data_change(recorded, *dataset(tokens))
             == 'was trained on other data (shards changed d_train_000000.bin)')
 
 
@@ -216,7 +217,7 @@ def sharded_dir(tmp_path_factory):
 def test_resume_across_shard_boundaries_is_bitwise_and_refused_after_shards_changed(tmp_path,
                                                                                     sharded_dir):
     from test_resume import HARD, trajectory
-    meta, shards = data.open_dataset(sharded_dir, 'toy')
+    meta, shards = datafiles.open_dataset(sharded_dir, 'toy')
     train = data.TokenWindows(shards['train'], 32)
     assert len(shards['train']) >= 8 and 'test' not in shards
     # the resumed part, steps 15-30 of 2 micro-batches each, reads a window across two shards
@@ -299,7 +300,7 @@ def test_bench_loader_mode_reads_windows(tmp_path, sharded_dir):
     # the run's own loader: its batch size and shards
     report = json.loads(out.read_text())['loader']
     assert report['batches'] == 50 and report['windows_per_sec'] > 0 and report['batch_size'] == 4
-    assert report['train_shards'] == len(data.open_dataset(sharded_dir, 'toy')[1]['train']) > 1
+    assert report['train_shards'] == len(datafiles.open_dataset(sharded_dir, 'toy')[1]['train']) > 1
     assert 'windows/s' in result.stdout
 
 

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import checkpoint
 import data
+import datafiles
 import forked
 import prepare
 import tokenizer
@@ -105,7 +106,7 @@ def test_bpe_is_the_same_for_any_num_proc_and_run_and_samples_within_its_bound(t
 def test_a_changed_or_missing_ranks_file_is_refused_in_one_line(tmp_path):
     out_dir = prepare.prepare('b', data_dir=tmp_path, input_path=make_corpus(str(tmp_path / 'src')),
                               tokenizer='bpe:300')
-    meta, _ = data.open_dataset(str(tmp_path), 'b')
+    meta, _ = datafiles.open_dataset(str(tmp_path), 'b')
     path = os.path.join(out_dir, 'b.tiktoken')
     assert (meta['tokenizer']['encoding']
             == path), 'resolved inside the dataset folder, wherever it was prepared'
@@ -119,7 +120,7 @@ def test_a_changed_or_missing_ranks_file_is_refused_in_one_line(tmp_path):
 
 def assert_refused(data_dir, path, message):
     with pytest.raises(data.DataError, match=message) as e:
-        data.open_dataset(str(data_dir), 'b')
+        datafiles.open_dataset(str(data_dir), 'b')
     assert '\n' not in str(e.value) and path in str(e.value)
 
 

@@ -21,6 +21,7 @@ import torch
 
 import checkpoint
 import data
+import datafiles
 import distributed
 import evaluate
 import perf
@@ -410,10 +411,10 @@ def test_a_misspelt_dataset_names_the_closest_prepared_one(tmp_path):
     with pytest.raises(data.DataError, match=f"did you mean 'shakespeare_char'\\? {tmp_path} holds "
                                              f"shakespeare_char, toy; run python prepare.py "
                                              f"shakespear_char"):
-        data.open_dataset(str(tmp_path), 'shakespear_char')
+        datafiles.open_dataset(str(tmp_path), 'shakespear_char')
     with pytest.raises(data.DataError, match="did you mean 'pystdlib_char'\\? .* run python "
                                              "prepare.py pystdlib_chr"):  # one prepare.py makes
-        data.open_dataset(str(tmp_path), 'pystdlib_chr')
+        datafiles.open_dataset(str(tmp_path), 'pystdlib_chr')
 
 
 def test_times_left_read_in_one_set_of_units():
@@ -473,7 +474,7 @@ def test_an_older_checkpoint_migrates_to_this_code_s_layout_and_computes_what_it
     # the val loss the old code recorded at iteration 2 (its best), on the shards it recorded (as
     # its code fingerprinted them); to rounding, as the head's matmul has other shapes
     _, splits, identity = data.open_splits(data_dir, 'toy', model.config.block_size)
-    assert data.data_change(new['dataset'], identity, splits) == '' and old['best_iter'] == 2
+    assert datafiles.data_change(new['dataset'], identity, splits) == '' and old['best_iter'] == 2
     batch_size, eval_iters = new['config']['batch_size'], new['config']['eval_iters']
     windows = data.EvalSampler(splits['val'].num_tokens, model.config.block_size, batch_size,
                                eval_iters * batch_size)
