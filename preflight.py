@@ -89,15 +89,17 @@ class Start:
     pretrained_state: dict | None  # GPT-2's weights, for a start from them
     model_config: GPTConfig  # the vocabulary's size, and the shape GPT-2's weights set
     dtype: str
-    dtype_how: dict  # how 'auto' chose, for meta.json
     muon_dtype: str
-    muon_dtype_how: dict | None  # under optimizer='muon'
+    # what this session is, for meta.json and its first lines (train.py adds the peak FLOP/s)
+    session: dict
 
 
-def start(config, sources, defaults, model_config, data_meta, dataset_id, splits, device, sharded):
+def start(config, sources, defaults, model_config, data_meta, dataset_id, splits, device, sharded,
+          cpus):
     """The run's Start: the same data on every rank; eval_tasks read; its checkpoint or GPT-2's
     weights, loaded and checked against the settings and the data; GPT-2's shape written into config
-    and sources; dtype and muon_dtype resolved."""
+    and sources; dtype and muon_dtype resolved; the session's record for meta.json (cpus:
+    distributed.cpu_use's, taken before the run's own work)."""
     c = config
     dataset_ids = gather(dataset_id)  # every rank's
     check(dataset_ids.count(dataset_id) == len(dataset_ids),
@@ -157,8 +159,23 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
               f"does then)")
 
     resumed = (ckpt_path, ckpt) if resuming else None
+    dtype, dtype_how, muon_dtype, muon_dtype_how = dtypes(c, model_config, resumed, device, sharded)
+    ddp = torch.distributed.is_initialized()
+    session = {
+        'seed': c['seed'], 'dtype': dtype, 'dtype_choice': dtype_how,
+        'muon_dtype': {'dtype': muon_dtype, **muon_dtype_how} if muon_dtype_how else None,
+        'device': device, 'world_size': torch.distributed.get_world_size() if ddp else 1,
+        'cpus': cpus, 'backend': torch.distributed.get_backend() if ddp else None,
+        'pretrained': pretrained,
+        'resumed_from': f"{ckpt_path} at iteration {ckpt['iter_num']}" if resuming else None,
+        # a resume says what it changes: a key left out of the command can change the schedule
+        'changed_on_resume': {k: [old, new, sources[k]] for k, (old, new)
+                              in checkpoint.changed_settings(ckpt, config, defaults).items()
+                              if k not in ('init_from', 'resume_from')} if resuming else None,
+        'dataset': {**dataset_id, 'tokenizer': data_meta['tokenizer']['kind'],
+                    'dir': c['data_dir'], 'split_rule': data_meta.get('split_rule', '')}}
     return Start(tasks, resuming, ckpt_path, ckpt, pretrained, pretrained_state, model_config,
-                 *dtypes(c, model_config, resumed, device, sharded))
+                 dtype, muon_dtype, session)
 
 
 def dtypes(config, model_config, resumed, device, sharded):

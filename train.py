@@ -206,7 +206,7 @@ if 'test' not in splits and test_eval:
 # schedule
 # the same data on every rank; the tasks; the checkpoint or GPT-2's weights, checked; the dtypes
 init = preflight.start(config, config_sources, defaults, model_config, data_meta, dataset_id,
-                       splits, device, sharded)
+                       splits, device, sharded, cpus)
 tasks, resuming, ckpt, ckpt_path = init.tasks, init.resuming, init.ckpt, init.ckpt_path
 pretrained = init.pretrained
 model_config, dtype, muon_dtype = init.model_config, init.dtype, init.muon_dtype
@@ -305,19 +305,7 @@ run_record = {'config': config, 'model_args': dataclasses.asdict(model_config),
               'dataset': dataset_id, 'pretrained': pretrained, 'dtype': dtype,
               'muon_dtype': muon_dtype}  # in every checkpoint, beside the state
 # what this session is, for meta.json (beside the code, software and machine) and its first lines
-session = {
-    'seed': seed, 'dtype': dtype, 'dtype_choice': init.dtype_how,
-    'muon_dtype': {'dtype': muon_dtype, **init.muon_dtype_how} if init.muon_dtype_how else None,
-    'device': device, 'world_size': world_size, 'cpus': cpus,
-    'backend': torch.distributed.get_backend() if ddp else None,
-    'pretrained': pretrained, 'peak_flops': {'per_process': peak_flops, 'how': peak_how},
-    'resumed_from': f"{ckpt_path} at iteration {progress.iter_num}" if resuming else None,
-    # a resume says what it changes: a key left out of the command can change the schedule
-    'changed_on_resume': {k: [old, new, config_sources[k]] for k, (old, new)
-                          in checkpoint.changed_settings(ckpt, config, defaults).items()
-                          if k not in ('init_from', 'resume_from')} if resuming else None,
-    'dataset': {**dataset_id, 'tokenizer': data_meta['tokenizer']['kind'], 'dir': data_dir,
-                'split_rule': data_meta.get('split_rule', '')}}
+session = init.session | {'peak_flops': {'per_process': peak_flops, 'how': peak_how}}
 # the run folder: created only now that the config, data and checkpoint are known to be good; an
 # out_dir that cannot be written stops every rank here
 unwritable = runlog.start(out_dir, (ckpt_path, ckpt) if resuming else None, config, config_sources,
