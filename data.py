@@ -244,7 +244,7 @@ class Batches:
         try:
             return next(self.batches)
         except DataError as e:  # from a loader worker, the original message is the last line
-            message = str(e).strip().splitlines()[-1].removeprefix('data.DataError: ')
+            message = str(e).strip().splitlines()[-1].removeprefix('datafiles.DataError: ')
             self.fault = self.fault or message
             return self.empty
 

@@ -98,8 +98,8 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
           cpus):
     """The run's Start: the same data on every rank; eval_tasks read; its checkpoint or GPT-2's
     weights, loaded and checked against the settings and the data; GPT-2's shape written into config
-    and sources; dtype and muon_dtype resolved; the session's record for meta.json (cpus:
-    distributed.cpu_use's, taken before the run's own work)."""
+    and sources; dtype and muon_dtype resolved; the session's record (cpus: distributed.cpu_use's,
+    taken before the run's own work)."""
     c = config
     dataset_ids = gather(dataset_id)  # every rank's
     check(dataset_ids.count(dataset_id) == len(dataset_ids),
@@ -159,23 +159,34 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
               f"does then)")
 
     resumed = (ckpt_path, ckpt) if resuming else None
-    dtype, dtype_how, muon_dtype, muon_dtype_how = dtypes(c, model_config, resumed, device, sharded)
+    settled = dtypes(c, model_config, resumed, device, sharded)
+    session = session_record(c, sources, defaults, (data_meta, dataset_id), device, cpus, resumed,
+                             pretrained, settled)
+    return Start(tasks, resuming, ckpt_path, ckpt, pretrained, pretrained_state, model_config,
+                 settled[0], settled[2], session)
+
+
+def session_record(config, sources, defaults, data, device, cpus, resumed, pretrained, dtypes):
+    """What this session is, for meta.json and its first lines: its seed, dtypes (dtypes(): each
+    with how 'auto' chose it), device, processes and CPUs (cpus: distributed.cpu_use's), its start
+    (GPT-2's weights; the checkpoint resumed, resumed: (path, checkpoint), and the settings the
+    command changes) and its data (data: the dataset's meta and id)."""
+    c, (data_meta, dataset_id) = config, data
+    dtype, dtype_how, muon_dtype, muon_dtype_how = dtypes
     ddp = torch.distributed.is_initialized()
-    session = {
+    return {
         'seed': c['seed'], 'dtype': dtype, 'dtype_choice': dtype_how,
         'muon_dtype': {'dtype': muon_dtype, **muon_dtype_how} if muon_dtype_how else None,
         'device': device, 'world_size': torch.distributed.get_world_size() if ddp else 1,
         'cpus': cpus, 'backend': torch.distributed.get_backend() if ddp else None,
         'pretrained': pretrained,
-        'resumed_from': f"{ckpt_path} at iteration {ckpt['iter_num']}" if resuming else None,
+        'resumed_from': f"{resumed[0]} at iteration {resumed[1]['iter_num']}" if resumed else None,
         # a resume says what it changes: a key left out of the command can change the schedule
         'changed_on_resume': {k: [old, new, sources[k]] for k, (old, new)
-                              in checkpoint.changed_settings(ckpt, config, defaults).items()
-                              if k not in ('init_from', 'resume_from')} if resuming else None,
+                              in checkpoint.changed_settings(resumed[1], config, defaults).items()
+                              if k not in ('init_from', 'resume_from')} if resumed else None,
         'dataset': {**dataset_id, 'tokenizer': data_meta['tokenizer']['kind'],
                     'dir': c['data_dir'], 'split_rule': data_meta.get('split_rule', '')}}
-    return Start(tasks, resuming, ckpt_path, ckpt, pretrained, pretrained_state, model_config,
-                 dtype, muon_dtype, session)
 
 
 def dtypes(config, model_config, resumed, device, sharded):
