@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from prepare import SHARD
 from datafiles import DataError, fingerprints, open_dataset, prepare_once, read_shard_header
+from prepare import SHARD
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 # an eval window with no targets: pads a rank's batches without counting anything twice
@@ -244,7 +244,8 @@ class Batches:
         try:
             return next(self.batches)
         except DataError as e:  # from a loader worker, the original message is the last line
-            message = str(e).strip().splitlines()[-1].removeprefix('datafiles.DataError: ')
+            worker_prefix = f'{DataError.__module__}.DataError: '
+            message = str(e).strip().splitlines()[-1].removeprefix(worker_prefix)
             self.fault = self.fault or message
             return self.empty
 

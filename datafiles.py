@@ -24,7 +24,6 @@ SHARD_NAME = re.compile(r'_(train|val|test)_(\d+)\.bin$')  # fineweb_train_00000
 FINGERPRINTS = 'fingerprints.json'
 
 
-
 class DataError(Exception):
     pass
 

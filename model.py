@@ -321,8 +321,8 @@ class GPT(nn.Module):
         scales each matrix's rate by sqrt(max(1, rows / cols)): sqrt(3) x muon_lr for c_attn, 2x for
         c_fc, 1x for the projections. layer_lr_decay < 1 gives each depth its own groups, at
         lr_scale's multiple of both rates; the groups at 1x come first (train.py logs group 0's
-        rate). Another optimizer goes here: build it, add it to the list, add its keys to
-        train.py."""
+        rate). Another optimizer goes here: build it, add it to the list, its name to optim.py's
+        OPTIMIZERS and its keys to train.py."""
         def decays(name, p):
             return p.dim() >= 2 and not name.startswith(('wte.', 'wpe.'))
         muon = self.muon_params() if optimizer == 'muon' else []

@@ -4,8 +4,9 @@ has bfloat16 matmul units and, with them, by timing the model in float32 and bfl
 Muon's Newton-Schulz, the autocast context every forward runs in, and the warning for float16
 emulated on a CPU. Peak FLOP/s, MFU and the speedometer: perf.py.
 
-What is timed to choose is timed once per machine, shape and model.py and cached with perf.cached
-(in perf.json): every run on a machine then chooses alike, and start-up pays for a timing only once.
+What is timed to choose is timed once per machine, shape and model.py (optim.py for Muon) and cached
+with perf.cached (in perf.json): every run on a machine then chooses alike, and start-up pays for a
+timing only once.
 """
 import functools
 import hashlib
@@ -151,7 +152,7 @@ def auto_muon_dtype(device, shapes):
     matrices'. CUDA: bfloat16 (torch's Muon's) from compute capability 8.0, float32 below. CPU:
     float32 without bfloat16 matmul units, where bfloat16 is emulated; with them, whichever was
     faster for Muon's Newton-Schulz iteration on a matrix of each shape, measured once per machine,
-    shapes and model.py (small matrices can lose to the casts)."""
+    shapes and optim.py (small matrices can lose to the casts)."""
     if torch.device(device).type == 'cuda':
         capability = torch.cuda.get_device_capability(device)
         dtype = 'bfloat16' if capability >= (8, 0) else 'float32'

@@ -1,9 +1,10 @@
 """
-What a training run may refuse, and each 'auto' it resolves, settled before anything is built
-or written, so that train.py's setup reads as the recipe. settings() checks the command's
-settings; start() finds the weights the run starts from (a checkpoint, GPT-2's or none), checks
-that a resume continues the run it names, and resolves the dtypes. A refusal is one line naming
-the problem and the fix, exit code 2 (exits.check); a run that stops here has written nothing.
+What a training run may refuse, and each 'auto' it resolves, settled before anything is built or
+written, so that train.py's setup reads as the recipe. settings() checks the command's settings;
+start() finds the weights the run starts from (a checkpoint, GPT-2's or none), checks that a resume
+continues the run it names, resolves the dtypes and describes the session for meta.json. A refusal
+is one line naming the problem and the fix, exit code 2 (exits.check); a run that stops here has
+written nothing.
 """
 import dataclasses
 import os
@@ -166,13 +167,13 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
                  settled[0], settled[2], session)
 
 
-def session_record(config, sources, defaults, data, device, cpus, resumed, pretrained, dtypes):
-    """What this session is, for meta.json and its first lines: its seed, dtypes (dtypes(): each
-    with how 'auto' chose it), device, processes and CPUs (cpus: distributed.cpu_use's), its start
-    (GPT-2's weights; the checkpoint resumed, resumed: (path, checkpoint), and the settings the
-    command changes) and its data (data: the dataset's meta and id)."""
+def session_record(config, sources, defaults, data, device, cpus, resumed, pretrained, settled):
+    """What this session is, for meta.json and its first lines: its seed, dtypes (settled: dtypes()'
+    four, each with how 'auto' chose it), device, processes and CPUs (cpus: distributed.cpu_use's),
+    its start (GPT-2's weights; the checkpoint resumed, resumed: (path, checkpoint), and the
+    settings the command changes) and its data (data: the dataset's meta and id)."""
     c, (data_meta, dataset_id) = config, data
-    dtype, dtype_how, muon_dtype, muon_dtype_how = dtypes
+    dtype, dtype_how, muon_dtype, muon_dtype_how = settled
     ddp = torch.distributed.is_initialized()
     return {
         'seed': c['seed'], 'dtype': dtype, 'dtype_choice': dtype_how,

@@ -22,11 +22,11 @@ SMOKE_DROP = 0.1  # the rule: the last step's loss at most (1 - SMOKE_DROP) x th
 
 def smoke_test(steps, step, batch, parts, device):
     """Calls of step(batch) (one optimizer step; returns the loss the ranks agree on before it) at
-    each group's base rate, the schedule's peak (warmup's first rates would move nothing), until
-    the loss has fallen by SMOKE_DROP: at most steps of them. parts: what a checkpoint holds the
-    state of (train.py), restored afterwards with the RNGs. Passing, a line and a 'smoke' record;
-    failing, the same, then exit code 2 on every rank (they agree on the losses, so on when to
-    stop)."""
+    each group's base rate, the schedule's peak (warmup's first rates would move nothing), until the
+    loss has fallen by SMOKE_DROP or is not finite: at most steps of them. parts: what a checkpoint
+    holds the state of (train.py), restored afterwards with the RNGs. Passing, a line and a 'smoke'
+    record; failing, the same, then exit code 2 on every rank (they agree on the losses, so on when
+    to stop)."""
     runlog.log(f"smoke test: up to {steps} steps on one batch before the first, until its loss "
                f"falls {SMOKE_DROP:.0%} (smoke_steps=0 skips it)")
     start = time.time()
@@ -35,8 +35,10 @@ def smoke_test(steps, step, batch, parts, device):
     for group, base_lr in zip(optimizer.param_groups, scheduler.base_lrs):
         group['lr'] = base_lr
     losses = [step(batch)]
-    # passing early: a model that learns shows it in a few steps, and a large model's step is long
-    while len(losses) < steps and not losses[-1] <= (1 - SMOKE_DROP) * losses[0]:
+    # passing early: a model that learns shows it in a few steps, and a large model's step is long;
+    # failing early: a non-finite loss cannot come back
+    while (len(losses) < steps and math.isfinite(losses[-1])
+           and not losses[-1] <= (1 - SMOKE_DROP) * losses[0]):
         losses.append(step(batch))
     checkpoint.restore(parts, saved, device)
     first, last, seconds = losses[0], losses[-1], time.time() - start

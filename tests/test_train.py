@@ -340,14 +340,15 @@ def test_the_smoke_test_changes_nothing_after_it_and_stops_a_model_that_cannot_l
             f'--init_scale={2.0 ** 40}', f'--device={device}',
             f'--deterministic={device == "cuda"}']
     run_train(off, data_dir, *args)
-    result = run_train(on, data_dir, *args, '--smoke_steps=30', '--write_report=True')
+    result = run_train(on, data_dir, *args, '--smoke_steps=60', '--write_report=True')
     losses = [[r['loss'] for r in read_metrics(d, 'train')] for d in (off, on)]
     assert losses[0] == losses[1]
     ckpts = [torch.load(os.path.join(d, 'last.pt'), weights_only=True) for d in (off, on)]
     assert all(torch.equal(ckpts[0]['model'][k], v) for k, v in ckpts[1]['model'].items())
     [smoke] = read_metrics(on, 'smoke')
-    # it passes at the first step whose loss has fallen 10%: here long before the 30 allowed
-    assert smoke['passed'] and 2 <= smoke['steps'] < 30 and smoke['max_steps'] == 30
+    # it passes at the first step whose loss has fallen 10%: here after float16's skipped steps
+    # (about 24 from 2^40), long before the 60 allowed
+    assert smoke['passed'] and 2 <= smoke['steps'] < 60 and smoke['max_steps'] == 60
     assert smoke['last_loss'] <= 0.9 * smoke['first_loss']
     line = (f"smoke test: {smoke['steps']} steps on one batch took its loss from "
             f"{smoke['first_loss']:.4f} to {smoke['last_loss']:.4f} in")

@@ -5,7 +5,9 @@ import copy
 import errno
 import fcntl
 import functools
+import io
 import itertools
+import json
 import math
 import multiprocessing
 import os
@@ -604,6 +606,41 @@ def test_fit_batch_halves_until_a_step_fits_keeps_the_global_batch_and_undoes_ea
     monkeypatch.setattr(smoke, 'try_step', broken)
     with pytest.raises(RuntimeError, match='shapes'):
         fit(4, 1)
+
+
+def test_the_smoke_test_ends_at_the_first_step_that_decides_it(capsys, monkeypatch):
+    """It passes at the first loss 10% below the first, fails at once on a non-finite one, and
+    otherwise takes every step it may."""
+    import smoke
+    metrics = io.StringIO()
+    monkeypatch.setattr(runlog, 'files', {'metrics.jsonl': metrics, 'train.log': io.StringIO()})
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.01)
+    parts = dict(model=model, optimizer=optimizer, scheduler=scheduler)
+
+    def run(losses, steps):  # the losses the steps return, in turn: how many steps it took
+        taken = []
+        def step(batch):
+            taken.append(optimizer.param_groups[0]['lr'])
+            return losses[len(taken) - 1]
+        smoke.smoke_test(steps, step, None, parts, 'cpu')
+        return taken
+    # at the schedule's peak, the group's base rate; then the schedule's rate again
+    assert run([4.0, 3.9, 3.5, 3.0], 30) == [0.1] * 3
+    assert optimizer.param_groups[0]['lr'] == pytest.approx(0.001)
+    assert 'smoke test: 3 steps on one batch took its loss from 4.0000 to 3.5000' in \
+        capsys.readouterr().out
+    passed = json.loads(metrics.getvalue())
+    assert (passed['steps'], passed['max_steps'], passed['passed']) == (3, 30, True)
+    nan = float('nan')
+    for losses, steps, why in (([4.0, nan, 3.0], 2, 'not finite at the full learning rate'),
+                               ([4.0] * 5, 5, 'this model does not learn')):
+        with pytest.raises(SystemExit) as exit_code:
+            run(losses, 5)
+        error = capsys.readouterr().err
+        assert exit_code.value.code == 2 and f'smoke test: {steps} steps on one batch' in error
+        assert why in error
 
 
 def test_one_state_saved_under_two_names_is_written_once_and_each_name_replaced_alone(
