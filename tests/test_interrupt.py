@@ -17,7 +17,7 @@ from conftest import PROBE, RUN_CONFIG, read_metrics, torchrun, wait_for_stderr
 pytestmark = [pytest.mark.slow, pytest.mark.fresh]
 
 # dropout and loader workers on: the RNG streams and the loader position must both survive the stop
-ARGS = ['--max_iters=300', '--lr_decay_iters=300', '--eval_interval=100', '--dropout=0.1',
+ARGS = ['--max_iters=200', '--lr_decay_iters=200', '--eval_interval=100', '--dropout=0.1',
         '--num_workers=1']
 
 
