@@ -515,19 +515,6 @@ class Writer:
         return failure
 
 
-def save_failure(failed, out_dir, last_saved):
-    """The line a failed save ends every rank's run with: failed is what failed, (names,
-    iteration, why), why None where another rank failed; last_saved is the iteration
-    out_dir/last.pt holds, if it exists."""
-    names, iter_num, why = failed
-    has_last = os.path.exists(os.path.join(out_dir, 'last.pt'))
-    held = f" (last.pt holds iteration {last_saved})" if has_last else ''
-    why = why or 'on another rank'
-    return (f"saving {' and '.join(names)} at iteration {iter_num} failed ({why}): "
-            f"the files on disk are whole; free space in {out_dir}, then run again with "
-            f"init_from=auto{held}")
-
-
 # -----------------------------------------------------------------------------
 # random number generators
 

@@ -1,10 +1,11 @@
 """
-How a run ends before its last iteration, each way in one line and with its own exit code: a
-mistake in the settings (check(): exit 2, said by rank 0, in train.log too once the run folder is
-open); a fault the ranks agree on (abort(): exit 1, an abort record and the report); a stop signal,
-Ctrl-C or SIGTERM (exit 128 + its number, once last.pt holds the step under way); out of memory
-(sys.excepthook: one line instead of a traceback, exit 1). configurator.fail is the same refusal
-for scripts before a run exists. runlog.py keeps the run's records.
+How a run ends before its last iteration, each way in one line and with its own exit code: a mistake
+in the settings (check(): exit 2, said by rank 0, in train.log too once the run folder is open); a
+fault the ranks agree on (abort(): exit 1, an abort record and the report; a save that failed, data
+changed under the run, a non-finite loss, float16 overflows); a stop signal, Ctrl-C or SIGTERM (exit
+128 + its number, once last.pt holds the step under way); out of memory (sys.excepthook: one line
+instead of a traceback, exit 1). configurator.fail is the same refusal for scripts before a run
+exists. runlog.py keeps the run's records.
 """
 import math
 import os
@@ -18,6 +19,7 @@ import perf
 import report
 import runlog
 from configurator import fail, tell_torchrun
+from distributed import any_rank
 from runlog import finish, log, record
 
 # SIGINT (Ctrl-C) or SIGTERM (a cluster's notice), once catch_stop_signals() has run
@@ -68,6 +70,29 @@ def overflowed(skips, step, scale):
     return (f"float16 gradients overflowed {skips} optimizer steps in a row (up to iteration "
             f"{step}, loss scale now {scale:g}): the model diverged or float16's range is too "
             f"small for it; use dtype=bfloat16 or float32, or lower learning_rate, then resume")
+
+
+def unsaved(failed, step, writer, device):
+    """End the run on every rank at step if a save failed on any (failed: this rank's (names,
+    iteration, why), or None; writer: the run's checkpoint.Writer), with every file on disk
+    whole."""
+    if any_rank(failed, device):
+        names, iter_num, why = failed or (['last.pt'], step, None)  # (None: another rank's)
+        why = why or 'on another rank'
+        has_last = os.path.exists(os.path.join(writer.out_dir, 'last.pt'))
+        held = f" (last.pt holds iteration {writer.last_saved})" if has_last else ''
+        abort(step, f"saving {' and '.join(names)} at iteration {iter_num} failed ({why}): the "
+                    f"files on disk are whole; free space in {writer.out_dir}, then run again "
+                    f"with init_from=auto{held}")
+
+
+def data_fault(step, fault, writer):
+    """End the run on every rank, once they agree that one of them could not read a shard because
+    it changed under the run (in a training micro-batch or an evaluation): what happened, and what
+    to do."""
+    writer.wait()  # a write in flight ends first: last.pt then holds the iteration named
+    abort(step, f"{fault}: restore the data and resume from last.pt (iteration "
+                f"{writer.last_saved}), or start a new out_dir")
 
 
 def explain_out_of_memory(exc, step, batch_size, block_size, dtype, device):

@@ -39,7 +39,7 @@ import runlog
 import sample
 import smoke
 from configurator import fail
-from distributed import any_rank, gather, sum_over_ranks
+from distributed import gather, sum_over_ranks
 from exits import abort, check
 from model import GPT
 from runlog import log, record
@@ -359,14 +359,6 @@ def train_step(micro_batches, accum=accum_steps):
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float('inf'))
     return loss_sum, grad_norm.full_tensor() if sharded else grad_norm, starts
 
-def data_fault(step, fault):
-    """End the run on every rank, once they agree that one of them could not read a shard because
-    it changed under the run (in a training micro-batch or an evaluation): what happened, and what
-    to do."""
-    writer.wait()  # a write in flight ends first: last.pt then holds the iteration named
-    abort(step, f"{fault}: restore the data and resume from last.pt (iteration "
-                f"{writer.last_saved}), or start a new out_dir")
-
 def agree_or_abort(loss_sum, grad_norm, starts, lr):
     """One all-reduce for the loss, a stop signal, a data fault and a failed background save on any
     rank, one host sync, and the checks that end the run before the optimizer steps: changed data, a
@@ -379,9 +371,9 @@ def agree_or_abort(loss_sum, grad_norm, starts, lr):
                           unsaved])
     loss, grad_norm, stops, faults, unsaved = synced.tolist()
     if unsaved:
-        end_if_unsaved(writer.wait(), progress.iter_num + 1)
+        exits.unsaved(writer.wait(), progress.iter_num + 1, writer, device)
     if faults:
-        data_fault(progress.iter_num + 1, next(m for m in gather(batches.fault) if m))
+        exits.data_fault(progress.iter_num + 1, next(m for m in gather(batches.fault) if m), writer)
     if not math.isfinite(loss) or not (math.isfinite(grad_norm) or scaler.is_enabled()):
         step = progress.iter_num + 1
         abort(step, exits.non_finite(step, loss, grad_norm, lr, starts))
@@ -431,7 +423,7 @@ def split_loss(split, model):
     try:
         return evaluate.loss(model, eval_loaders[split], device, autocast, f"eval {split}")
     except data.DataError as e:  # every rank raises it, having met in evaluate.loss's all-reduce
-        data_fault(progress.iter_num, e)
+        exits.data_fault(progress.iter_num, e, writer)
 
 def evaluate_and_choose_saves():
     """Train and val loss (and the EMA's val loss), each task's accuracy, the best so far (by
@@ -477,22 +469,15 @@ def save(names, rng):
                              "the rng line")
     start = time.time()
     # the last background write, on every rank (and rank 0's removals) before new shards
-    end_if_unsaved(writer.wait(), progress.iter_num)
+    exits.unsaved(writer.wait(), progress.iter_num, writer, device)
     progress.train_seconds = seconds_before + time.time() - t_start
     run = run_record | {'log_bytes': runlog.log_bytes()}
     failed = checkpoint.save(names, out_dir, parts, rng, progress, run, sharded, writer)
-    end_if_unsaved(failed, progress.iter_num)
+    exits.unsaved(failed, progress.iter_num, writer, device)
     seconds = time.time() - start
     log(f"saved {' and '.join(names)} in {seconds:.2f} s"
         f"{' (a copy, written in the background)' if async_save else ''}")
     return seconds
-
-def end_if_unsaved(failed, step):
-    """End the run on every rank at step if a save failed on any (failed: this rank's (names,
-    iteration, why), or None), with every file on disk whole."""
-    if any_rank(failed, device):
-        failed = failed or (['last.pt'], step, None)  # (None: another rank's)
-        abort(step, checkpoint.save_failure(failed, out_dir, writer.last_saved))
 
 def smoke_step(batch):
     """The loop's step on one micro-batch per rank (accumulating it would only repeat it); the
@@ -563,7 +548,7 @@ while progress.iter_num < max_iters:
 
     # stopping
     if stops:  # every rank saw the same count: all saved above and stop here
-        end_if_unsaved(writer.wait(), progress.iter_num)
+        exits.unsaved(writer.wait(), progress.iter_num, writer, device)
         exits.exit_on_signal(progress.iter_num, world_size)
     if stopping_early:
         log(f"early stop: no better val loss in {patience} evaluations since iteration "
@@ -572,7 +557,7 @@ while progress.iter_num < max_iters:
 
 # -----------------------------------------------------------------------------
 # the end: the best weights on the test split, a sample, the report
-end_if_unsaved(writer.wait(), progress.iter_num)
+exits.unsaved(writer.wait(), progress.iter_num, writer, device)
 session_seconds = time.time() - t_start
 if overfit_one_batch and first_loss is not None:  # None: a finished run resumed, no step taken
     log(f"overfit one batch: loss {first_loss:.4f} -> {loss:.4f}")
