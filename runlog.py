@@ -213,6 +213,15 @@ def announce(session, config, resumed, num_params):
             f"bitwise the run that would have continued")
 
 
+def estimate(step, seconds_per_iter, accum_steps, left):
+    """Once, from the session's first micro-batches (perf.Speedometer.startup_estimate): the
+    'estimate' record and the line that says how long the left iterations will take."""
+    record({'kind': 'estimate', 'step': step, 'seconds_per_iter': seconds_per_iter})
+    log(f"a micro-batch after the first took {seconds_per_iter / accum_steps:.2f} s: about "
+        f"{seconds_per_iter:.2f} s per iteration, {duration(seconds_per_iter * left)} for the "
+        f"{left} left")
+
+
 def new_peak(step, flops, how):
     """A step ran faster than the peak FLOP/s measured at start, which other work on the machine had
     slowed: the 'peak' record, a line, and meta.json's peak_flops (what MFU is measured against from

@@ -391,12 +391,8 @@ def log_step(loss, grad_norm, lr, skipped, scale, profiler):
         record({'kind': 'memory', 'step': progress.iter_num,
                 'ranks': gather(perf.memory_held(raw_model, optimizer, device))})
     estimate = speed.startup_estimate()  # seconds per iteration, once
-    left = max_iters - progress.iter_num
     if estimate is not None:
-        record({'kind': 'estimate', 'step': progress.iter_num, 'seconds_per_iter': estimate})
-        log(f"a micro-batch after the first took {estimate / accum_steps:.2f} s: about "
-            f"{estimate:.2f} s per iteration, {runlog.duration(estimate * left)} for the "
-            f"{left} left")
+        runlog.estimate(progress.iter_num, estimate, accum_steps, max_iters - progress.iter_num)
     if progress.iter_num % log_interval and progress.iter_num != max_iters:
         return
     interval = speed.interval(progress.iter_num)
