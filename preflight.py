@@ -161,10 +161,11 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
 
     resumed = (ckpt_path, ckpt) if resuming else None
     settled = dtypes(c, model_config, resumed, device, sharded)
+    dtype, _, muon_dtype, _ = settled  # and how each was chosen, for the session's record
     session = session_record(c, sources, defaults, (data_meta, dataset_id), device, cpus, resumed,
                              pretrained, settled)
     return Start(tasks, resuming, ckpt_path, ckpt, pretrained, pretrained_state, model_config,
-                 settled[0], settled[2], session)
+                 dtype, muon_dtype, session)
 
 
 def session_record(config, sources, defaults, data, device, cpus, resumed, pretrained, settled):
