@@ -236,6 +236,16 @@ def test_muon_dtype_auto_is_bfloat16_where_native_float32_where_emulated_else_th
     monkeypatch.setattr(precision, 'fastest', lambda runs: {'float32': 1e-3, 'bfloat16': 2e-3})
     assert precision.auto_muon_dtype('cpu', shapes)[0] == 'bfloat16'
     assert precision.auto_muon_dtype('cpu', shapes[:1])[0] == 'float32'
+    # keyed by optim.py, where Newton-Schulz is: an edit there measures again, one to model.py not
+    real_source = precision.inspect.getsourcefile
+    for edited_file, dtype in ((real_source(GPT), 'bfloat16'),
+                               (real_source(precision.newton_schulz), 'float32')):
+        edited = tmp_path / os.path.basename(edited_file)
+        edited.write_text(open(edited_file).read() + '# an edit\n')
+        monkeypatch.setattr(precision.inspect, 'getsourcefile', lambda obj, f=edited_file, e=edited:
+                            str(e) if real_source(obj) == f else real_source(obj))
+        assert precision.auto_muon_dtype('cpu', shapes)[0] == dtype
+        monkeypatch.setattr(precision.inspect, 'getsourcefile', real_source)
     # without bfloat16 units it would be emulated: float32, nothing measured
     monkeypatch.setattr(precision, 'fastest', None)
     monkeypatch.setattr(precision, 'bfloat16_units', lambda: False)
