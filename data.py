@@ -182,8 +182,10 @@ class TrainSampler(Sampler):
 class EvalSampler(Sampler):
     """Batches of window starts covering the split once; max_windows > 0 keeps that many windows
     evenly spread over the split (the same ones at every evaluation). Rank r takes windows
-    r::world_size. equal_batches gives every rank the same batches count and sizes (sharded models
-    need it) by adding empty windows (start -1: no targets), never by repeating real ones."""
+    r::world_size. Every batch is full: the last is filled with empty windows (start -1: no
+    targets), never with real ones, so that a compiled model compiles one shape (a second, for a
+    short last batch, took 12 s at the first evaluation on an H200). equal_batches gives every rank
+    as many batches (sharded models need it), by more empty windows."""
 
     def __init__(self, num_tokens, block_size, batch_size, max_windows=0, rank=0, world_size=1,
                  equal_batches=False):
@@ -194,10 +196,9 @@ class EvalSampler(Sampler):
         if 0 < max_windows < len(starts):
             starts = starts[torch.linspace(0, len(starts) - 1, max_windows).round().long().unique()]
         shard = starts[rank::world_size]
-        if equal_batches:
-            per_rank = -(-len(starts) // world_size)
-            padded_len = -(-per_rank // batch_size) * batch_size
-            shard = torch.cat([shard, torch.full((padded_len - len(shard),), EMPTY_WINDOW)])
+        windows = -(-len(starts) // world_size) if equal_batches else len(shard)
+        padded_len = -(-windows // batch_size) * batch_size
+        shard = torch.cat([shard, torch.full((padded_len - len(shard),), EMPTY_WINDOW)])
         self.batches = shard.split(batch_size)
 
     def __iter__(self):

@@ -107,6 +107,7 @@ def test_eval_covers_every_token_once(token_file, world_size):
     seen = []  # (position of the predicted token, its value)
     for rank in range(world_size):
         for batch in data.EvalSampler(ds.num_tokens, 64, 4, 0, rank, world_size):
+            assert len(batch) == 4  # full: a compiled model compiles one batch shape
             for start in batch:
                 x, y, _ = ds[start]
                 for i, target in enumerate(y.tolist()):
