@@ -22,7 +22,7 @@ import signal
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from datafiles import DataError, fingerprints, open_dataset, prepare_once, read_shard_header
 from prepare import SHARD
@@ -223,8 +223,24 @@ def seed_worker(worker_id):
 def make_loader(dataset, batch_sampler, num_workers, seed, pin_memory):
     # the loader's own generator: creating an iterator must not draw from the global RNG (dropout's)
     return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, worker_init_fn=seed_worker,
+                      pin_memory=pin_memory, worker_init_fn=seed_worker, collate_fn=pack,
                       generator=torch.Generator().manual_seed(seed))
+
+
+def pack(windows):
+    """[(x, y, start)] of B windows -> one int64 tensor of x (B*T), y (B*T) and the starts (B). A
+    loader worker hands each tensor to the training process through a socket connection of its own
+    (torch's file_descriptor sharing): one tensor a batch, not three, halves what a batch costs the
+    training process (docs/benchmarks.md). Batches unpacks it."""
+    x, y, starts = default_collate(windows)  # (B, T), (B, T), (B,)
+    return torch.cat([x.flatten(), y.flatten(), starts])
+
+
+def unpack(batch, block_size):
+    """pack's tensor -> x (B, T), y (B, T), starts (B): views of it."""
+    size = (len(batch) // (2 * block_size + 1)) * block_size  # B * T
+    return (batch[:size].view(-1, block_size), batch[size:2 * size].view(-1, block_size),
+            batch[2 * size:])
 
 
 class Batches:
@@ -236,14 +252,15 @@ class Batches:
 
     def __init__(self, loader, batch_size):
         self.batches, self.fault = iter(loader), None
-        self.empty = torch.utils.data.default_collate([loader.dataset[EMPTY_WINDOW]] * batch_size)
+        self.block_size = loader.dataset.block_size
+        self.empty = unpack(pack([loader.dataset[EMPTY_WINDOW]] * batch_size), self.block_size)
 
     def __iter__(self):
         return self
 
     def __next__(self):
         try:
-            return next(self.batches)
+            return unpack(next(self.batches), self.block_size)
         except DataError as e:  # from a loader worker, the original message is the last line
             worker_prefix = f'{DataError.__module__}.DataError: '
             message = str(e).strip().splitlines()[-1].removeprefix(worker_prefix)

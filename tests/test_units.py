@@ -20,6 +20,7 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import default_collate
 
 import checkpoint
 import data
@@ -123,6 +124,18 @@ def test_eval_cap_is_fixed_and_spread(token_file):
     first = [s for b in data.EvalSampler(1000, 10, 4, max_windows=8) for s in b]
     again = [s for b in data.EvalSampler(1000, 10, 4, max_windows=8) for s in b]
     assert first == again and len(first) == 8 and first[0] == 0 and first[-1] == 990
+
+
+def test_a_loader_worker_hands_over_each_batch_as_one_tensor(token_file):
+    """Each tensor a worker returns costs the training process a socket connection: a batch comes
+    over as one tensor, and Batches gives back its windows' x, y and starts."""
+    windows = data.TokenWindows(token_file[0], 8)
+    sampler = data.EvalSampler(windows.num_tokens, 8, 4, 0)  # the last batch ends in empty windows
+    loader = data.make_loader(windows, sampler, 1, 0, False)
+    assert isinstance(next(iter(loader)), torch.Tensor)
+    for (x, y, starts), batch in zip(data.Batches(loader, 4), sampler, strict=True):
+        expected = default_collate([windows[start] for start in batch])
+        assert all(torch.equal(a, b) for a, b in zip((x, y, starts), expected, strict=True))
 
 
 def test_train_shards_union_equals_one_process():
