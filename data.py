@@ -12,7 +12,8 @@ Token windows over a split's shards, and the samplers that decide which windows 
   position can be reached in O(1) on resume. The loop, not the sampler's iterator, says what was
   consumed: loader workers prefetch ahead.
 - EvalSampler: non-overlapping windows 0, T, 2T, ... that predict every token of the split
-  exactly once; the last window is partial and its padding targets are ignored (-100).
+  exactly once; the last window is partial and its padding targets are ignored (-100), as are
+  those of the empty windows that fill the last batch.
 """
 import atexit
 import functools

@@ -1,8 +1,9 @@
 # config/shakespeare_char.py (nanoGPT's GPU recipe: 6 layers of 384, block 256, dropout 0.2)
 # with the recipe of config/shakespeare_char_fast.py, at the CPU recipe's rates and half the
 # iterations. On one H100 (compile=True) it reached val 1.5 at 60 s and its best, 1.428, at
-# iteration 1750, against nanoGPT's own recipe's 68 s and 1.463 (docs/benchmarks.md, GPU); it
-# overfits after that, as nanoGPT's does: best.pt keeps the best. Not tuned on a GPU.
+# iteration 1750, against nanoGPT's own recipe's 68 s and 1.463; on an H200, 81 s and 1.424 at
+# 2250 against 80 s (docs/benchmarks.md, GPU). It overfits near the end, as nanoGPT's does:
+# best.pt keeps the best. Not tuned on a GPU.
 # Prepare first: python prepare.py shakespeare_char [--input input.txt]
 out_dir = 'out-shakespeare-char-fast'
 dataset = 'shakespeare_char'
