@@ -200,7 +200,9 @@ class EvalSampler(Sampler):
         windows = -(-len(starts) // world_size) if equal_batches else len(shard)
         padded_len = -(-windows // batch_size) * batch_size
         shard = torch.cat([shard, torch.full((padded_len - len(shard),), EMPTY_WINDOW)])
-        self.batches = shard.split(batch_size)
+        self.batch_size = batch_size
+        # a rank left without windows (fewer than ranks, no equal_batches) has no batch
+        self.batches = shard.split(batch_size) if len(shard) else ()
 
     def __iter__(self):
         return (b.tolist() for b in self.batches)

@@ -217,7 +217,8 @@ def loss(model, loader, device, autocast, label='eval'):
     model.eval()
     with torch.inference_mode():
         sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, tokens, faults
-        batches = data.Batches(loader, 1)  # an empty batch of one window: it counts nothing anyway
+        # a batch that cannot be read becomes an empty one of the same shape: no second compile
+        batches = data.Batches(loader, loader.batch_sampler.batch_size)
         for x, y, _ in progress(batches, label, len(loader)):  # what it does when it takes long
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with autocast:

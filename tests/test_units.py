@@ -117,6 +117,8 @@ def test_eval_covers_every_token_once(token_file, world_size):
                         assert target == tokens[start + 1 + i] and x[i] == tokens[start + i]
     # every token but the first is a target exactly once
     assert sorted(seen) == list(range(1, 1000))
+    # a rank left without windows has no batch, not an empty one (a window, two ranks)
+    assert list(data.EvalSampler(65, 64, 4, 0, 1, 2)) == []
 
 
 def test_eval_cap_is_fixed_and_spread(token_file):
