@@ -6,7 +6,7 @@
 #
 #     bash tests/gpu_check.sh RESULTS_DIR      # RESULTS_DIR/gpu_check.md, and each step's log
 #
-# About 3.5 minutes on one H100 or H200 (the tests 65-90 s, the benchmark 95-115 s, Muon's step
+# About 4 minutes on one H100 or H200 (the tests 65-90 s, the benchmark 95-115 s, Muon's step
 # about 20 s; limits below: 4, 4.5 and 1.5 minutes). It needs only the machine's own python
 # (PYTHON=..., default python3) with torch 2.11 or newer, numpy, tiktoken, pytest, pytest-xdist,
 # safetensors, transformers, matplotlib, a C compiler for torch.compile, and nanoGPT's source in
