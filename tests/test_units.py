@@ -535,6 +535,27 @@ def test_a_step_faster_than_the_peak_has_it_measured_again_once_a_run_then_raise
         assert new_peak[1] == "a training step's, at iteration 2"
 
 
+def test_an_evaluation_feeds_the_model_one_batch_shape_also_past_an_unreadable_batch(token_file):
+    """A compiled model compiles a second graph for a second shape: every evaluation batch is full,
+    and a batch that cannot be read (a shard changed under the run) becomes an empty one of the same
+    shape, which counts nothing; the DataError comes after the batches."""
+    import evaluate
+
+    class Unreadable(data.TokenWindows):
+        def __getitem__(self, start):
+            if start == 8 * 4:  # the second batch's first window
+                raise data.DataError('shard changed')
+            return super().__getitem__(start)
+    unreadable = Unreadable(token_file[0], 8)  # 125 windows: a last batch of 1, then 3 empty
+    model, shapes = tiny_gpt(block_size=8), []
+    model.register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape)))
+    loader = data.make_loader(unreadable, data.EvalSampler(unreadable.num_tokens, 8, 4, 0), 0, 0,
+                              False)
+    with pytest.raises(data.DataError, match='shard changed'):
+        evaluate.loss(model, loader, 'cpu', contextlib.nullcontext())
+    assert len(shapes) == 32 and set(shapes) == {(4, 8)}
+
+
 def test_evaluations_and_task_scores_say_how_far_they_have_got(token_file, capsys, monkeypatch):
     """evaluate.loss and evaluate.score go through runlog.progress (a line every 10 s; here, at
     once)."""
