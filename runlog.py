@@ -213,6 +213,29 @@ def announce(session, config, resumed, num_params):
             f"bitwise the run that would have continued")
 
 
+def train(entry, max_iters):
+    """Every log_interval iterations: the 'train' record (train.py's log_step builds it) and its
+    line."""
+    record(entry)
+    utilization, eta = entry['utilization'], entry['eta_seconds']
+    log(f"iter {entry['step']}/{max_iters}: loss {entry['loss']:.4f}, lr {entry['lr']:.3e}, "
+        f"grad norm {entry['grad_norm']:.3f}, {entry['tokens_per_sec']:,.0f} tok/s, "
+        f"MFU {entry['mfu']:.1%}, {'' if utilization is None else f'util {utilization:.0%}, '}"
+        f"mem {entry['peak_mem_mb']:,.0f} MB, ETA {'?' if eta is None else duration(eta)}"
+        f"{', step skipped (float16 overflow)' if entry['skipped'] else ''}")
+
+
+def evaluation(entry, tasks_line, best, best_iter, improved):
+    """At each evaluation: the 'eval' record and its line. tasks_line: evaluate.tasks_line's;
+    best: the best so far by best_by, reached at best_iter; improved: this evaluation set it."""
+    record(entry)
+    train_loss, val_loss, ema_val = entry['train_loss'], entry['val_loss'], entry['ema_val_loss']
+    log(f"eval {entry['step']}: train {train_loss:.4f}, val {val_loss:.4f} "
+        f"(gap {val_loss - train_loss:+.4f})"
+        f"{'' if ema_val is None else f', EMA val {ema_val:.4f}'}"
+        f"{tasks_line}, best {best:.4f} at {best_iter}{' *saved best.pt' if improved else ''}")
+
+
 def estimate(step, seconds_per_iter, accum_steps, left):
     """Once, from the session's first micro-batches (perf.Speedometer.startup_estimate): the
     'estimate' record and the line that says how long the left iterations will take."""

@@ -398,18 +398,13 @@ def log_step(loss, grad_norm, lr, skipped, scale, profiler):
     interval = speed.interval(progress.iter_num)
     if interval['new_peak']:  # a step beat the peak measured at start: MFU is against it now
         runlog.new_peak(progress.iter_num, *interval['new_peak'])
-    memory = perf.peak_memory_mb(device)
-    record({'kind': 'train', 'step': progress.iter_num, 'time': time.time(), 'loss': loss, 'lr': lr,
-            'grad_norm': grad_norm, 'tokens_per_sec': interval['tokens_per_sec'],
-            'mfu': interval['mfu'], 'utilization': interval['utilization'], 'peak_mem_mb': memory,
-            'eta_seconds': interval['eta_seconds'], 'skipped': skipped,
-            'skipped_total': progress.skipped_steps, 'scale': scale, 'epoch': train_sampler.epoch})
-    utilization, eta = interval['utilization'], interval['eta_seconds']
-    log(f"iter {progress.iter_num}/{max_iters}: loss {loss:.4f}, lr {lr:.3e}, "
-        f"grad norm {grad_norm:.3f}, {interval['tokens_per_sec']:,.0f} tok/s, "
-        f"MFU {interval['mfu']:.1%}, {'' if utilization is None else f'util {utilization:.0%}, '}"
-        f"mem {memory:,.0f} MB, ETA {'?' if eta is None else runlog.duration(eta)}"
-        f"{', step skipped (float16 overflow)' if skipped else ''}")
+    runlog.train({'kind': 'train', 'step': progress.iter_num, 'time': time.time(), 'loss': loss,
+                  'lr': lr, 'grad_norm': grad_norm, 'tokens_per_sec': interval['tokens_per_sec'],
+                  'mfu': interval['mfu'], 'utilization': interval['utilization'],
+                  'peak_mem_mb': perf.peak_memory_mb(device),
+                  'eta_seconds': interval['eta_seconds'], 'skipped': skipped,
+                  'skipped_total': progress.skipped_steps, 'scale': scale,
+                  'epoch': train_sampler.epoch}, max_iters)
     if interval['idle_warning']:  # a log line: advice, not a fault of the run
         log(interval['idle_warning'])
 
@@ -442,16 +437,13 @@ def evaluate_and_choose_saves():
         progress.best_val_loss, progress.best_acc_norm = chosen_val_loss, acc_norm
         progress.best_iter = progress.iter_num
     progress.evals_since_best = 0 if improved else progress.evals_since_best + 1
-    record({'kind': 'eval', 'step': progress.iter_num, 'train_loss': train_loss,
-            'val_loss': val_loss, 'ema_val_loss': ema_val_loss,
-            'best_val_loss': progress.best_val_loss, 'val_bits_per_token': val_loss / math.log(2),
-            **evaluate.task_fields(accuracy)})
     best = progress.best_val_loss if best_by == 'val_loss' else progress.best_acc_norm
-    log(f"eval {progress.iter_num}: train {train_loss:.4f}, val {val_loss:.4f} "
-        f"(gap {val_loss - train_loss:+.4f})"
-        f"{'' if ema is None else f', EMA val {ema_val_loss:.4f}'}"
-        f"{evaluate.tasks_line(accuracy)}, best {best:.4f} at "
-        f"{progress.best_iter}{' *saved best.pt' if improved else ''}")
+    runlog.evaluation({'kind': 'eval', 'step': progress.iter_num, 'train_loss': train_loss,
+                       'val_loss': val_loss, 'ema_val_loss': ema_val_loss,
+                       'best_val_loss': progress.best_val_loss,
+                       'val_bits_per_token': val_loss / math.log(2),
+                       **evaluate.task_fields(accuracy)},
+                      evaluate.tasks_line(accuracy), best, progress.best_iter, improved)
     if improved:
         return ['best.pt', 'last.pt']
     return ['last.pt'] if always_save_checkpoint else []
