@@ -214,8 +214,8 @@ def announce(session, config, resumed, num_params):
 
 
 def train(entry, max_iters):
-    """Every log_interval iterations: the 'train' record (train.py's log_step builds it) and its
-    line."""
+    """Every log_interval iterations and at the last: the 'train' record (train.py's log_step
+    builds it) and its line."""
     record(entry)
     utilization, eta = entry['utilization'], entry['eta_seconds']
     log(f"iter {entry['step']}/{max_iters}: loss {entry['loss']:.4f}, lr {entry['lr']:.3e}, "
