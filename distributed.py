@@ -143,7 +143,7 @@ def cpus_busy(seconds=0.2, stat='/proc/stat'):
 
 def busy_warning(threads, cpus):
     """A line when torch's threads outnumber the CPUs that other work leaves free (cpus: cpu_use()),
-    or ''. Threads that wait for a CPU spin: runs were seen 6-13x slower."""
+    or ''. Threads that wait for a CPU spin: a run can be many times slower."""
     free = max(1, math.floor(cpus['usable'] - (cpus['busy'] or 0) + 0.5))
     if threads <= free:
         return ''

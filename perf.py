@@ -184,8 +184,8 @@ def measure_flops(device, dtype, budget=0.02, last_budget=0.15):
     backward dY W and dY^T X: an emulated dtype's speed differs tenfold between them) and over
     repeats, each layout timed for budget seconds. Sizes double from 128 until the fastest layout
     takes 10 ms per product, or up to 8192; that last size, where the peak usually is (AMX reaches
-    it after tens of ms), is timed for last_budget seconds. About 1-3 s on a 2-core CPU: a first
-    run waits for it (docs/benchmarks.md)."""
+    it after tens of ms), is timed for last_budget seconds. 0.8-1.0 s on a 2-core Xeon: a first run
+    waits for it (docs/benchmarks.md)."""
     best, n = (0.0, 0), 128
     while True:
         # no torch.randn: the values do not change the speed, and the global RNG (dropout's) must

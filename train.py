@@ -58,7 +58,7 @@ checkpoint_interval = 0  # also write last.pt every this many iterations, withou
 # iteration (ckpt-ITER.pt; a link to last.pt's file where they hold one state); 0: none
 keep_checkpoints = 0
 # True: a save copies the state to host memory and writes it in a background thread while training
-# goes on; the next save, a stop and the end wait for it (not with parallel='fsdp')
+# goes on (parallel='fsdp': DCP's async_save); the next save, a stop and the end wait for it
 async_save = False
 # 'scratch', 'resume' (out_dir/last.pt or resume_from), 'auto' (resume if last.pt exists, else
 # scratch), or GPT-2's weights: 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', a Hugging Face
