@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 import forked
 import hf
@@ -42,6 +41,9 @@ def bpe_data(root):
 def tiny_gpt2(root):
     """A random GPT2LMHeadModel folder as save_pretrained writes it. Every tensor is random,
     LayerNorms and biases too, so a swapped or untransposed tensor shows in the logits."""
+    # transformers is imported where it is used: its import takes about 4 s, which every
+    # pytest-xdist worker would pay when it collects this file
+    from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=N_VOCAB, n_positions=64, n_embd=64, n_layer=2,
                                        n_head=4))
@@ -66,6 +68,7 @@ def logits(model, idx):
 
 
 def test_loads_folder_file_and_openai_layout_with_transformers_logits(tiny_gpt2, tmp_path):
+    from transformers import GPT2LMHeadModel
     theirs = GPT2LMHeadModel.from_pretrained(tiny_gpt2).eval()
     idx = torch.randint(0, N_VOCAB, (2, 64), generator=torch.Generator().manual_seed(1))
     expected = logits(theirs, idx)
@@ -97,6 +100,7 @@ def test_loads_folder_file_and_openai_layout_with_transformers_logits(tiny_gpt2,
 
 
 def test_export_loads_in_transformers_as_gpt2_with_our_logits(tiny_gpt2, tmp_path):
+    from transformers import AutoModelForCausalLM, GPT2LMHeadModel
     torch.manual_seed(0)
     without_bias = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50,
                                  bias=False)).eval()
@@ -248,6 +252,7 @@ def test_nanogpt_finetune_config_runs_unchanged(bpe_data, tiny_gpt2, tmp_path):
 
 @pytest.mark.slow
 def test_export_of_a_trained_run_generates_greedily_like_sample_py(data_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     out = str(tmp_path / 'run')
     run_train(out, data_dir, '--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10')
     export = str(tmp_path / 'hf')

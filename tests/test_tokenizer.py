@@ -10,7 +10,6 @@ import random
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import checkpoint
 import data
@@ -188,6 +187,7 @@ def test_export_of_a_gpt2_tokenized_run_needs_no_tokenizer_files(tmp_path):
 
 @pytest.mark.slow
 def test_a_run_on_a_learned_bpe_trains_samples_and_exports(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # 4 s to import: only here
     data_dir = str(tmp_path / 'data')
     prepare.prepare('toy', data_dir=data_dir, input_path=make_corpus(str(tmp_path / 'src')),
                     tokenizer='bpe:400')
