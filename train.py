@@ -160,8 +160,9 @@ config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 defaults = {k: globals()[k] for k in config_keys}
 ddp = 'RANK' in os.environ  # torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
-rank, local_rank, world_size = (int(os.environ.get(k, default)) for k, default in
-                                (('RANK', 0), ('LOCAL_RANK', 0), ('WORLD_SIZE', 1)))
+rank = int(os.environ.get('RANK', 0))
+local_rank = int(os.environ.get('LOCAL_RANK', 0))
+world_size = int(os.environ.get('WORLD_SIZE', 1))
 master = rank == 0  # as runlog's: rank 0 alone writes files and logs
 config, config_sources, model_config = preflight.settings(defaults, sys.argv[1:], world_size, ddp)
 globals().update(config)
