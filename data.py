@@ -233,8 +233,8 @@ def make_loader(dataset, batch_sampler, num_workers, seed, pin_memory):
 def pack(windows):
     """[(x, y, start)] of B windows -> one int64 tensor of x (B*T), y (B*T) and the starts (B). A
     loader worker hands each tensor to the training process through a socket connection of its own
-    (torch's file_descriptor sharing): one tensor a batch, not three, halves what a batch costs the
-    training process (docs/benchmarks.md). Batches unpacks it."""
+    (torch's file_descriptor sharing): one tensor a batch, not three, loads 1.4x the windows per
+    second (docs/benchmarks.md). Batches unpacks it."""
     x, y, starts = default_collate(windows)  # (B, T), (B, T), (B,)
     return torch.cat([x.flatten(), y.flatten(), starts])
 
