@@ -291,16 +291,18 @@ def test_muon_on_two_ranks_tracks_one_process(tmp_path, data_dir):
     """Not test_ddp's equality over 30 steps: Muon orthogonalizing in bfloat16 (torch's dtype, set
     here whatever 'auto' picks on this CPU), where the float32 rounding by which two ranks' gradient
     sums differ from one process's flips last bits, and training amplifies the flips (measured on
-    this run: loss 1e-6 apart at step 5, 1e-3 by step 15; with AdamW the same run stays at 1e-7). So
-    the first steps within test_ddp's RTOL, where gradients not all-reduced or a lost micro-batch
-    show at 1e-2, and the evaluations within 1%."""
+    this run: on a Xeon with AMX the loss 1e-6 apart at step 5 and 1e-3 by step 15; on an
+    AVX512-BF16 EPYC the gradient norm 3e-6 apart at step 3, 7e-5 at step 4 and 1e-2 by step 13;
+    with AdamW the same run stays at 1e-7). So the first three steps within test_ddp's RTOL, where
+    gradients not all-reduced or a lost micro-batch already show at 1e-2, and the evaluations within
+    1%."""
     from test_ddp import SAME, close
     one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
     run_train(one, data_dir, *SAME, *RECIPE, '--muon_dtype=bfloat16')
     ok(torchrun(two, data_dir, *SAME, *RECIPE, '--muon_dtype=bfloat16'))
     steps1, steps2 = read_metrics(one, 'train'), read_metrics(two, 'train')
     assert [s['lr'] for s in steps1] == [s['lr'] for s in steps2] and len(steps1) == 30
-    for s1, s2 in zip(steps1[:5], steps2[:5]):
+    for s1, s2 in zip(steps1[:3], steps2[:3]):
         assert close(s1['loss'], s2['loss']) and close(s1['grad_norm'], s2['grad_norm']), (s1, s2)
     for e1, e2 in zip(read_metrics(one, 'eval'), read_metrics(two, 'eval'), strict=True):
         assert abs(e1['val_loss'] - e2['val_loss']) < 0.01 * e1['val_loss']
