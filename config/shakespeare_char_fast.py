@@ -1,6 +1,6 @@
 # shakespeare_char on a CPU, fast: nanoGPT's val loss 1.886 in a quarter of the time of nanoGPT's
-# own CPU recipe beside it, or less (docs/benchmarks.md: 4.2-5.1x on a 2-core Xeon with AMX and
-# capped at AVX512-BF16 or AVX2).
+# own CPU recipe beside it, or less (docs/benchmarks.md: 4.6-5.3x on a 2-core Xeon with AMX and
+# capped at AVX2, and on an AVX512-BF16 EPYC).
 # config/shakespeare_char_cpu.py's shape, with the modern recipe: Muon for the blocks' matrices,
 # rotary positions, QK-norm, an untied zero-initialized head, soft-capped logits,
 # warmup-stable-decay.
