@@ -13,8 +13,9 @@ forked too, and its workers are forks of the same server (tests/forked_torchrun.
 for them over its socket).
 
 What the server fixed at its start stays: environment variables read at import (IMPORT_TIME_ENV: a
-run that sets them differently is refused; torch's thread count is the exception, set in the child
-from the run's OMP_NUM_THREADS, a number), warnings printed while importing, the string hash seed.
+run that sets them differently runs in a fresh interpreter; torch's thread count is the exception,
+set in the child from the run's OMP_NUM_THREADS, a number), warnings printed while importing, the
+string hash seed.
 So the tests of exact stderr and of signals start fresh interpreters in every session (pytest's
 `fresh` marker sets FRESH for a test, see conftest.py), and HONESTGPT_TEST_FRESH=1 starts every run
 fresh, to check the whole suite either way (docs/benchmarks.md has both times).
@@ -103,17 +104,16 @@ class Process:
 
     def __init__(self, *args, cwd=REPO, env=None, new_session=False, output=None):
         global _server_env
-        self.fresh = FRESH  # this run's way, also when a test changes FRESH later
         # the server starts with the first run, from this process's environment
         if _server_env is None:
             _server_env = import_time_env(os.environ)
         env = dict(os.environ if env is None else env)
-        import_time = import_time_env(env)
-        if ((import_time != _server_env or not env.get('OMP_NUM_THREADS', '').isdigit())
-                and not self.fresh):
-            raise ValueError(f"the fork server imported torch with {_server_env}, this run asks "
-                             f"for {import_time} and OMP_NUM_THREADS={env.get('OMP_NUM_THREADS')}: "
-                             f"start it with subprocess")
+        # a run that asks for other import-time settings than the server's gets a fresh interpreter:
+        # a test's env, or a library the test imported that set some in os.environ (scikit-learn,
+        # which transformers imports where it is installed, sets KMP_DUPLICATE_LIB_OK and
+        # KMP_INIT_AT_FORK). FRESH is this run's way, also when a test changes it later
+        self.fresh = (FRESH or import_time_env(env) != _server_env
+                      or not env.get('OMP_NUM_THREADS', '').isdigit())
         self.args, self.new_session = [sys.executable, *args], new_session
         self.stdout, self.stderr, self._returncode = None, None, None
         self.folder, self.captured = tempfile.mkdtemp(prefix='forked-'), output is None

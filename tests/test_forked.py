@@ -73,16 +73,27 @@ def test_a_run_starts_as_a_fresh_interpreter(tmp_path):
     assert f" {tmp_path.parent} __main__ {path} {path}\n" in forked_run.stdout
 
 
-def test_leftover_runs_are_stopped_and_import_time_settings_refused(tmp_path):
+def test_leftover_runs_are_stopped_and_other_import_time_settings_run_fresh(tmp_path):
     proc = forked.Process(script(tmp_path, "import time\ntime.sleep(60)\n"), new_session=True)
     forked.stop_all()  # what the session does at its end for runs a failed test left going
     assert proc.returncode == -signal.SIGKILL and not os.path.exists(proc.folder)
-    if not forked.FRESH:  # a fresh interpreter reads them itself
-        for env in ({**os.environ, 'MKL_NUM_THREADS': '7'},
+    if not forked.FRESH:  # else every run is fresh
+        # settings read at the interpreter's start or torch's import, which the server has done: a
+        # fresh interpreter reads them (the hash seed shows it), also where a library of the test's
+        # process set them in os.environ (scikit-learn sets KMP_INIT_AT_FORK)
+        path = script(tmp_path, "import os, torch\n"
+                                "seeded = 'PYTHONHASHSEED' in os.environ\n"
+                                "print(seeded and hash('honestgpt'), torch.get_num_threads())\n")
+        seed = '124' if os.environ.get('PYTHONHASHSEED') == '123' else '123'
+        for env in ({**os.environ, 'PYTHONHASHSEED': seed},
                     {**os.environ, 'OMP_NUM_THREADS': '2,1'},
                     {k: v for k, v in os.environ.items() if k != 'OMP_NUM_THREADS'}):
-            with pytest.raises(ValueError, match='start it with subprocess'):
-                forked.Process('x.py', env=env)
+            result = forked.run(path, env=env)
+            fresh = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True)
+            assert result.returncode == 0 and result.stdout == fresh.stdout, (result, fresh)
+        for env, fresh in (({**os.environ, 'KMP_INIT_AT_FORK': 'FALSE'}, True), (None, False)):
+            proc = forked.Process(path, env=env)
+            assert proc.fresh == fresh and proc.wait() == 0, proc
         # what is read after the imports may differ: inductor's cache folder, torchrun's worker
         # settings, and the thread count, which the run gets as a fresh interpreter does:
         # test_compile's 2, and more than this machine's cores (a fresh interpreter takes at most
