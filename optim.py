@@ -59,9 +59,10 @@ def newton_schulz(G, dtype, coefficients, steps, eps):
 class Muon(torch.optim.Muon):
     """torch.optim.Muon (its settings, momentum, Nesterov, decoupled weight decay, learning-rate
     adjustment and state_dict) with the Newton-Schulz iteration in ns_dtype, on the matrices of each
-    shape at once. torch's runs it in bfloat16, one matrix at a time: a CPU without bfloat16 units
-    emulates that, many times slower than float32 (docs/benchmarks.md), so train.py's
-    muon_dtype='auto' picks float32 there."""
+    shape at once, and its other ops on all the matrices at once (torch._foreach_*). torch's runs
+    Newton-Schulz in bfloat16, one matrix at a time: a CPU without bfloat16 units emulates that,
+    many times slower than float32 (docs/benchmarks.md), so train.py's muon_dtype='auto' picks
+    float32 there."""
 
     def __init__(self, params, ns_dtype, **kwargs):
         super().__init__(params, **kwargs)
@@ -72,19 +73,24 @@ class Muon(torch.optim.Muon):
         for group in self.param_groups:
             params, grads, buffers = [], [], []
             self._init_group(group, params, grads, buffers)  # torch's: momentum buffers made here
+            if not params:  # no gradients yet (the foreach ops take no empty lists)
+                continue
             lr, momentum = group['lr'], group['momentum']
-            updates = []  # torch's momentum, with Nesterov's look-ahead
-            for grad, buffer in zip(grads, buffers):
-                buffer.lerp_(grad, 1 - momentum)
-                updates.append(grad.lerp(buffer, momentum) if group['nesterov'] else buffer)
+            # torch's momentum with Nesterov's look-ahead, and its decoupled weight decay: each op
+            # on all the matrices at once (on a GPU one launch, not one per matrix: at small shapes
+            # the step's time is mostly the host's launching, docs/benchmarks.md)
+            torch._foreach_lerp_(buffers, grads, 1 - momentum)
+            nesterov = group['nesterov']
+            updates = torch._foreach_lerp(grads, buffers, momentum) if nesterov else buffers
+            torch._foreach_mul_(params, 1 - lr * group['weight_decay'])
             by_shape = {}  # {shape: indices of the updates of that shape}
             for i, update in enumerate(updates):
                 by_shape.setdefault(update.shape, []).append(i)
-            for indices in by_shape.values():
+            for shape, indices in by_shape.items():
                 stacked = torch.stack([updates[i] for i in indices])  # (n, rows, cols)
                 orthogonal = newton_schulz(stacked, self.ns_dtype, group['ns_coefficients'],
                                            group['ns_steps'], group['eps'])
-                for i, update in zip(indices, orthogonal):
-                    param = params[i]
-                    param.mul_(1 - lr * group['weight_decay'])
-                    param.add_(update, alpha=-_adjust_lr(lr, group['adjust_lr_fn'], param.shape))
+                # in the parameters' dtype, as torch's add_ computes it: one launch for all n
+                torch._foreach_add_([params[i] for i in indices],
+                                    orthogonal.to(params[indices[0]].dtype).unbind(),
+                                    alpha=-_adjust_lr(lr, group['adjust_lr_fn'], shape))
