@@ -62,7 +62,9 @@ class Muon(torch.optim.Muon):
     shape at once, and its other ops on all the matrices at once (torch._foreach_*). torch's runs
     Newton-Schulz in bfloat16, one matrix at a time: a CPU without bfloat16 units emulates that,
     many times slower than float32 (docs/benchmarks.md), so train.py's muon_dtype='auto' picks
-    float32 there."""
+    float32 there. Its parameters are float32 (train.py's weights, under autocast or not): foreach
+    ops round a scalar to a lower-precision parameter's dtype, where torch's per-matrix ones do
+    not."""
 
     def __init__(self, params, ns_dtype, **kwargs):
         super().__init__(params, **kwargs)

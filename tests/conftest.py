@@ -109,6 +109,17 @@ def fresh_interpreters(request, monkeypatch):
         monkeypatch.setattr(forked, 'FRESH', True)
 
 
+@pytest.fixture(autouse=True)
+def import_time_env_undone():
+    """Import-time variables a library sets while a test imports it (scikit-learn sets KMP_ ones)
+    are undone after the test, so that later tests' runs still fork (tests/forked.py)."""
+    before = forked.import_time_env(os.environ)
+    yield
+    for key in forked.import_time_env(os.environ).keys() - before.keys():
+        del os.environ[key]
+    os.environ.update(before)
+
+
 @pytest.fixture(scope='session')
 def data_dir(tmp_path_factory):
     import prepare
@@ -169,8 +180,9 @@ def torchrun_script(*args, nproc=2, env_extra=None, torchrun_args=(), timeout=30
     """torchrun SCRIPT ARGS (args) on nproc processes, CPU and gloo unless ARGS say
     --device=cuda."""
     env = {**os.environ, **(env_extra or {})}
-    launcher = ['-m', 'torch.distributed.run'] if forked.FRESH else [FORKED_TORCHRUN]
-    if not forked.FRESH:  # its workers are forks too
+    # its workers are forks too, where the launcher would be one (their settings are the server's)
+    launcher = [FORKED_TORCHRUN] if forked.forks(env) else ['-m', 'torch.distributed.run']
+    if launcher == [FORKED_TORCHRUN]:
         env[forked.SOCKET_ENV] = forked.server_socket()
     proc = forked.Process(*launcher, *(torchrun_args or ['--standalone']),
                           f'--nproc_per_node={nproc}', *args, env=env, new_session=True)

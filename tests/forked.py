@@ -13,9 +13,9 @@ forked too, and its workers are forks of the same server (tests/forked_torchrun.
 for them over its socket).
 
 What the server fixed at its start stays: environment variables read at import (IMPORT_TIME_ENV: a
-run that sets them differently runs in a fresh interpreter; torch's thread count is the exception,
-set in the child from the run's OMP_NUM_THREADS, a number), warnings printed while importing, the
-string hash seed.
+run, or a torchrun, that sets them differently runs in a fresh interpreter, as one without a number
+in OMP_NUM_THREADS does; torch's thread count is set in the child from that number), warnings
+printed while importing, the string hash seed.
 So the tests of exact stderr and of signals start fresh interpreters in every session (pytest's
 `fresh` marker sets FRESH for a test, see conftest.py), and HONESTGPT_TEST_FRESH=1 starts every run
 fresh, to check the whole suite either way (docs/benchmarks.md has both times).
@@ -54,8 +54,9 @@ def server_socket():
     """The path of the fork server's socket (a run that has it in SOCKET_ENV asks the server from
     there); starts the server from this process's environment, as _server_env holds, if it is not
     running."""
-    global _server, _socket
+    global _server, _server_env, _socket
     if _server is None:
+        _server_env = import_time_env(os.environ)
         folder = tempfile.mkdtemp(prefix='fork-server-')
         _socket = os.path.join(folder, 'socket')
         _server = subprocess.Popen([sys.executable, SERVER, _socket], stdin=subprocess.PIPE,
@@ -70,6 +71,18 @@ def import_time_env(env):
     """The variables of env that a process reads as it imports torch."""
     return {k: v for k, v in env.items()
             if k.startswith(IMPORT_TIME_ENV) and not k.startswith(READ_LATER_ENV)}
+
+
+def forks(env):
+    """Whether a run with the environment env is a fork of the server, not a fresh interpreter: the
+    import-time variables the server has (before it starts: this process's, which it will have)
+    and a thread count that is a number, unless FRESH. A test's env may differ, or a library the
+    test process imported may have set some in os.environ (scikit-learn, which transformers imports
+    where it is installed, sets KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK; conftest.py undoes
+    that after each test)."""
+    server_env = import_time_env(os.environ) if _server_env is None else _server_env
+    return (not FRESH and import_time_env(env) == server_env
+            and env.get('OMP_NUM_THREADS', '').isdigit())
 
 
 def _fork(request):
@@ -103,17 +116,8 @@ class Process:
     captured, or appended to the files output names."""
 
     def __init__(self, *args, cwd=REPO, env=None, new_session=False, output=None):
-        global _server_env
-        # the server starts with the first run, from this process's environment
-        if _server_env is None:
-            _server_env = import_time_env(os.environ)
         env = dict(os.environ if env is None else env)
-        # a run that asks for other import-time settings than the server's gets a fresh interpreter:
-        # a test's env, or a library the test imported that set some in os.environ (scikit-learn,
-        # which transformers imports where it is installed, sets KMP_DUPLICATE_LIB_OK and
-        # KMP_INIT_AT_FORK). FRESH is this run's way, also when a test changes it later
-        self.fresh = (FRESH or import_time_env(env) != _server_env
-                      or not env.get('OMP_NUM_THREADS', '').isdigit())
+        self.fresh = not forks(env)  # this run's way, also when a test changes FRESH later
         self.args, self.new_session = [sys.executable, *args], new_session
         self.stdout, self.stderr, self._returncode = None, None, None
         self.folder, self.captured = tempfile.mkdtemp(prefix='forked-'), output is None

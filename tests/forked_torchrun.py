@@ -17,8 +17,8 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_han
 
 import forked
 
-# the variables the server imported torch with: this process's now, as forked.Process checked them
-# at its start, and before torchrun adds its own
+# the variables the server imported torch with: this process's now, as conftest.torchrun_script
+# checked them (forked.forks), before torchrun adds its own
 forked._server_env = forked.import_time_env(os.environ)
 
 

@@ -73,14 +73,13 @@ def test_a_run_starts_as_a_fresh_interpreter(tmp_path):
     assert f" {tmp_path.parent} __main__ {path} {path}\n" in forked_run.stdout
 
 
-def test_leftover_runs_are_stopped_and_other_import_time_settings_run_fresh(tmp_path):
+def test_leftover_runs_are_stopped_and_other_import_time_settings_run_fresh(tmp_path, monkeypatch):
     proc = forked.Process(script(tmp_path, "import time\ntime.sleep(60)\n"), new_session=True)
     forked.stop_all()  # what the session does at its end for runs a failed test left going
     assert proc.returncode == -signal.SIGKILL and not os.path.exists(proc.folder)
     if not forked.FRESH:  # else every run is fresh
         # settings read at the interpreter's start or torch's import, which the server has done: a
-        # fresh interpreter reads them (the hash seed shows it), also where a library of the test's
-        # process set them in os.environ (scikit-learn sets KMP_INIT_AT_FORK)
+        # fresh interpreter reads them (the hash seed shows it)
         path = script(tmp_path, "import os, torch\n"
                                 "seeded = 'PYTHONHASHSEED' in os.environ\n"
                                 "print(seeded and hash('honestgpt'), torch.get_num_threads())\n")
@@ -91,9 +90,12 @@ def test_leftover_runs_are_stopped_and_other_import_time_settings_run_fresh(tmp_
             result = forked.run(path, env=env)
             fresh = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True)
             assert result.returncode == 0 and result.stdout == fresh.stdout, (result, fresh)
-        for env, fresh in (({**os.environ, 'KMP_INIT_AT_FORK': 'FALSE'}, True), (None, False)):
-            proc = forked.Process(path, env=env)
-            assert proc.fresh == fresh and proc.wait() == 0, proc
+        proc = forked.Process(path)  # the server's own settings: a fork
+        assert not proc.fresh and proc.wait() == 0, proc
+        # as a library the test process imports may do (scikit-learn: KMP_INIT_AT_FORK=FALSE)
+        monkeypatch.setenv('KMP_INIT_AT_FORK', os.environ.get('KMP_INIT_AT_FORK', '') + 'x')
+        proc = forked.Process(path)
+        assert proc.fresh and proc.wait() == 0, proc
         # what is read after the imports may differ: inductor's cache folder, torchrun's worker
         # settings, and the thread count, which the run gets as a fresh interpreter does:
         # test_compile's 2, and more than this machine's cores (a fresh interpreter takes at most
@@ -132,6 +134,16 @@ def test_torchrun_workers_are_forks_that_torchrun_supervises(tmp_path):
     # forks of the server, which every other run of this test process comes from too
     if not forked.FRESH:
         assert {line.split()[3] for line in lines} == {str(forked._server.pid)}, lines
+
+
+@pytest.mark.slow
+def test_torchrun_with_other_import_time_settings_runs_fresh_workers(tmp_path):
+    path = script(tmp_path, "import os\nos.write(1, f\"{hash('honestgpt')}\\n\".encode())\n")
+    seed = '124' if os.environ.get('PYTHONHASHSEED') == '123' else '123'
+    result = torchrun_script(path, nproc=1, env_extra={'PYTHONHASHSEED': seed}, timeout=120)
+    fresh = subprocess.run([sys.executable, path], env={**os.environ, 'PYTHONHASHSEED': seed},
+                           capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout == fresh.stdout, (result, fresh)
 
 
 def test_a_client_that_dies_before_its_request_leaves_the_server_serving(tmp_path):

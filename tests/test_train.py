@@ -154,6 +154,7 @@ def test_a_forked_run_is_the_run_of_a_fresh_interpreter(tmp_path, data_dir):
     # `python train.py`, with dropout and a loader worker, so that the RNG streams and the worker
     # process are compared too
     args = ['--max_iters=20', '--lr_decay_iters=20', '--dropout=0.1', '--num_workers=1']
+    assert forked.FRESH or forked.forks(os.environ), "run_train would start a fresh interpreter"
     forked_run, fresh = str(tmp_path / 'forked'), str(tmp_path / 'fresh')
     run_train(forked_run, data_dir, *args)
     # warnings on, as a developer runs it: a log file left to the garbage collector would say so
