@@ -5,6 +5,7 @@
 #
 #     bash tests/gpu_bench.sh RESULTS_DIR        # GPT-2 124M, compiled, bfloat16 (H100: ~3 min)
 #     bash tests/gpu_bench.sh RESULTS_DIR small  # a tiny shape on the CPU, eager, float32: ~40 s
+#     bash tests/gpu_bench.sh RESULTS_DIR recipe # each's tiny Shakespeare GPU recipe: ~1.5 min
 #
 # RESULTS_DIR gets bench.txt (bench.py's output), bench.json (every figure) and both runs' logs.
 # The small mode keeps the script working where there is no GPU. PYTHON=... picks the
@@ -14,25 +15,47 @@
 #     git clone https://github.com/karpathy/nanoGPT /tmp/nanoGPT && mkdir .nanogpt
 #     git -C /tmp/nanoGPT archive HEAD | tar -x -C .nanogpt
 #     git -C /tmp/nanoGPT rev-parse HEAD > .nanogpt/COMMIT
+#     (cd .nanogpt && python data/shakespeare_char/prepare.py)  # the recipe mode's text
 # Written against 3adf61e154c3fe3fca428ad6bc3818b27a3b8291 (Nov 2025, the newest one then). On a
 # machine without network (the device tool's), the folder travels with the tree: carry .nanogpt.
 # Without .nanogpt/ the GPU mode fails (exit 1: there is nothing to compare with) and the small
-# mode prints a SKIP line and exits 0; without CUDA the GPU mode prints a SKIP line. nanoGPT runs
+# mode prints a SKIP line and exits 0; without CUDA (or, recipe, the text) a SKIP line. nanoGPT runs
 # as it is on torch 2.11: torch.cuda.amp.GradScaler only warns (deprecated), allow_tf32 sets the
 # new TF32 flag too (no mixed-API error in torch.compile), AdamW still takes fused.
 #
 # Every setting that still differs between the two runs: docs/benchmarks.md, GPU.
 set -euo pipefail
-RESULTS=$(mkdir -p "${1:?usage: bash tests/gpu_bench.sh RESULTS_DIR [small]}" && cd "$1" && pwd)
+USAGE="usage: bash tests/gpu_bench.sh RESULTS_DIR [small|recipe]"
+RESULTS=$(mkdir -p "${1:?$USAGE}" && cd "$1" && pwd)
 MODE=${2:-gpu}
 PYTHON=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
 skip() { echo "SKIP gpu_bench: $1" | tee "$RESULTS/bench.txt"; exit 0; }
 if [ ! -f .nanogpt/train.py ]; then  # the small mode only keeps the script working
     [ "$MODE" = small ] && skip "no nanoGPT source in .nanogpt/ (see tests/gpu_bench.sh's top)"
-    echo "FAILED gpu_bench: no nanoGPT source in .nanogpt/ to compare with (see tests/gpu_bench.sh's" \
-        "top)" | tee "$RESULTS/bench.txt"
+    echo "FAILED gpu_bench: no nanoGPT source in .nanogpt/ to compare with (see" \
+        "tests/gpu_bench.sh's top)" | tee "$RESULTS/bench.txt"
     exit 1
+fi
+
+if [ "$MODE" = recipe ]; then
+    # config/shakespeare_char_fast_gpu.py against nanoGPT's own recipe, each with its own settings
+    # at their one shape (6 x 384, block 256, batch 64), compiled, on the text nanoGPT's prepare.py
+    # fetched: a small model, whose iteration is the host's (docs/benchmarks.md, GPU)
+    "$PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' \
+        || skip "no CUDA device"
+    CHARS=.nanogpt/data/shakespeare_char
+    [ -f $CHARS/train.bin ] || skip "no tiny Shakespeare in $CHARS: run its prepare.py once"
+    TMP=$(mktemp -d)
+    trap 'cp "$TMP"/bench-*/*.log "$RESULTS"/ 2>/dev/null || true; rm -rf "$TMP"' EXIT
+    "$PYTHON" prepare.py shakespeare_char --input $CHARS/input.txt --data_dir "$TMP" >/dev/null
+    REFERENCE="cd $(printf %q "$PWD/.nanogpt") && $(printf %q "$PYTHON") train.py \
+        config/train_shakespeare_char.py --compile=True --max_iters=119 --log_interval=1 \
+        --eval_interval=1000000 --eval_iters=0 --out_dir=$TMP/nanogpt-out"
+    TMPDIR=$TMP "$PYTHON" bench.py config/shakespeare_char_fast_gpu.py --compile=True \
+        --data_dir="$TMP" --rounds=1 --bench_warmup=20 --bench_iters=100 \
+        --reference="$REFERENCE" --json="$RESULTS/bench.json" 2>&1 | tee "$RESULTS/bench.txt"
+    exit
 fi
 
 if [ "$MODE" = small ]; then  # seconds on a CPU: the same flow at a tiny shape
@@ -47,7 +70,7 @@ elif [ "$MODE" = gpu ]; then
     L=12 H=12 C=768 T=1024 B=32 WARMUP=10 ITERS=50 TOKENS=$((1 << 25))
     SYSTEM="--device=cuda --compile=True --dtype=bfloat16"
 else
-    echo "usage: bash tests/gpu_bench.sh RESULTS_DIR [small]" >&2
+    echo "$USAGE" >&2
     exit 2
 fi
 # keys both train.py files take, with the same meaning; the optimizer's at the defaults they share

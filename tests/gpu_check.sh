@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # The GPU check, in one command and one results file: the machine and its software, the GPU half of
 # the tests (pytest -m cuda: every test that runs on each device present, its cuda half), the
-# benchmark beside nanoGPT (tests/gpu_bench.sh) and Muon's step (tests/muon_step.py). Exits 1 if
-# a check failed.
+# benchmarks beside nanoGPT (tests/gpu_bench.sh: GPT-2 124M, and each's tiny Shakespeare recipe)
+# and Muon's step (tests/muon_step.py). Exits 1 if a check failed.
 #
 #     bash tests/gpu_check.sh RESULTS_DIR      # RESULTS_DIR/gpu_check.md, and each step's log
 #
-# About 4 minutes on one H100 or H200 (the tests 65-90 s, the benchmark 95-115 s, Muon's step
-# about 20 s; limits below: 4, 4.5 and 1.5 minutes). It needs only the machine's own python
+# About 5.5 minutes on one H100 or H200 (the tests 65-90 s, the benchmarks 95-120 s and about 90 s,
+# Muon's step about 20 s; limits below). It needs only the machine's own python
 # (PYTHON=..., default python3) with torch 2.11 or newer, numpy, tiktoken, pytest, pytest-xdist,
 # safetensors, transformers, matplotlib, a C compiler for torch.compile, and nanoGPT's source in
-# .nanogpt/ (tests/gpu_bench.sh); no network, no rustbpe. Without CUDA it still runs: the GPU
-# tests are skipped, so that CI keeps the script working (and with .nanogpt/ there, the benchmark
-# runs a tiny shape on the CPU; Muon's step, seconds a step there, is left out).
+# .nanogpt/ with its tiny Shakespeare prepared (tests/gpu_bench.sh); no network, no rustbpe.
+# Without CUDA it still runs: the GPU tests are skipped, so that CI keeps the script working (and
+# with .nanogpt/ there, the benchmark runs a tiny shape on the CPU; the recipe's benchmark and
+# Muon's step, minutes and seconds a step there, are left out).
 set -uo pipefail
 RESULTS=$(mkdir -p "${1:?usage: bash tests/gpu_check.sh RESULTS_DIR}" && cd "$1" && pwd) || exit 2
 export PYTHON=${PYTHON:-python3}
@@ -57,6 +58,7 @@ if "$PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; th
     # 8 workers: the tests' runs are small; more at once would only queue on the one GPU
     TAIL=40 step tests 240 "$PYTHON" -m pytest -m cuda -n 8 -rfEs --durations=15 -p no:cacheprovider
     step benchmark 270 bash tests/gpu_bench.sh "$RESULTS"
+    step recipe 180 bash tests/gpu_bench.sh "$RESULTS/recipe" recipe
     step muon_step 90 "$PYTHON" tests/muon_step.py cuda  # torch's Muon against ours, at 124M
 else
     step tests 240 "$PYTHON" -m pytest -m cuda -rfEs -p no:cacheprovider
