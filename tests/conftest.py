@@ -181,8 +181,9 @@ def torchrun_script(*args, nproc=2, env_extra=None, torchrun_args=(), timeout=30
     --device=cuda."""
     env = {**os.environ, **(env_extra or {})}
     # its workers are forks too, where the launcher would be one (their settings are the server's)
-    launcher = [FORKED_TORCHRUN] if forked.forks(env) else ['-m', 'torch.distributed.run']
-    if launcher == [FORKED_TORCHRUN]:
+    forks = forked.forks(env)
+    launcher = [FORKED_TORCHRUN] if forks else ['-m', 'torch.distributed.run']
+    if forks:
         env[forked.SOCKET_ENV] = forked.server_socket()
     proc = forked.Process(*launcher, *(torchrun_args or ['--standalone']),
                           f'--nproc_per_node={nproc}', *args, env=env, new_session=True)
