@@ -15,6 +15,8 @@ from conftest import torchrun_script
 
 
 WAYS = pytest.mark.parametrize('way', ['forked', pytest.param('fresh', marks=pytest.mark.fresh)])
+# a hash seed other than the server's: a fresh interpreter's hashes show it, a fork's do not
+OTHER_HASH_SEED = '124' if os.environ.get('PYTHONHASHSEED') == '123' else '123'
 
 
 def script(tmp_path, text):
@@ -81,17 +83,17 @@ def test_leftover_runs_are_stopped_and_other_import_time_settings_run_fresh(tmp_
         # settings read at the interpreter's start or torch's import, which the server has done: a
         # fresh interpreter reads them (the hash seed shows it)
         path = script(tmp_path, "print(hash('honestgpt'))\n")
-        seed = '124' if os.environ.get('PYTHONHASHSEED') == '123' else '123'
-        env = {**os.environ, 'PYTHONHASHSEED': seed}
+        env = {**os.environ, 'PYTHONHASHSEED': OTHER_HASH_SEED}
         result = forked.run(path, env=env)
         fresh = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True)
         assert result.returncode == 0 and result.stdout == fresh.stdout, (result, fresh)
         # fresh too: no thread count to give torch; a fork with the server's own settings
-        for env, fresh in (({**os.environ, 'OMP_NUM_THREADS': '2,1'}, True),
-                           ({k: v for k, v in os.environ.items() if k != 'OMP_NUM_THREADS'}, True),
-                           (None, False)):
+        for env, runs_fresh in (({**os.environ, 'OMP_NUM_THREADS': '2,1'}, True),
+                                ({k: v for k, v in os.environ.items() if k != 'OMP_NUM_THREADS'},
+                                 True),
+                                (None, False)):
             proc = forked.Process(path, env=env)
-            assert proc.fresh == fresh and proc.wait() == 0, proc
+            assert proc.fresh == runs_fresh and proc.wait() == 0, proc
         # as a library the test process imports may do (scikit-learn: KMP_INIT_AT_FORK=FALSE)
         monkeypatch.setenv('KMP_INIT_AT_FORK', os.environ.get('KMP_INIT_AT_FORK', '') + 'x')
         proc = forked.Process(path)
@@ -139,9 +141,9 @@ def test_torchrun_workers_are_forks_that_torchrun_supervises(tmp_path):
 @pytest.mark.slow
 def test_torchrun_with_other_import_time_settings_runs_fresh_workers(tmp_path):
     path = script(tmp_path, "import os\nos.write(1, f\"{hash('honestgpt')}\\n\".encode())\n")
-    seed = '124' if os.environ.get('PYTHONHASHSEED') == '123' else '123'
-    result = torchrun_script(path, nproc=1, env_extra={'PYTHONHASHSEED': seed}, timeout=120)
-    fresh = subprocess.run([sys.executable, path], env={**os.environ, 'PYTHONHASHSEED': seed},
+    env_extra = {'PYTHONHASHSEED': OTHER_HASH_SEED}
+    result = torchrun_script(path, nproc=1, env_extra=env_extra, timeout=120)
+    fresh = subprocess.run([sys.executable, path], env={**os.environ, **env_extra},
                            capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout == fresh.stdout, (result, fresh)
 
