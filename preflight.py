@@ -2,7 +2,8 @@
 What a training run may refuse, and each 'auto' it resolves, settled before anything is built or
 written, so that train.py's setup reads as the recipe. settings() checks the command's settings;
 start() finds the weights the run starts from (a checkpoint, GPT-2's or none), checks that a resume
-continues the run it names, resolves the dtypes and describes the session for meta.json. A refusal
+continues the run it names, resolves the dtypes, measures the peak FLOP/s MFU is measured against
+and describes the session for meta.json. A refusal
 is one line naming the problem and the fix, exit code 2 (exits.check); a run that stops here has
 written nothing.
 """
@@ -16,6 +17,7 @@ import checkpoint
 import datafiles
 import evaluate
 import hf
+import perf
 import precision
 import runlog
 import tokenizer
@@ -91,8 +93,8 @@ class Start:
     model_config: GPTConfig  # the vocabulary's size, and the shape GPT-2's weights set
     dtype: str
     muon_dtype: str
-    # what this session is, for meta.json and its first lines (train.py adds the peak FLOP/s)
-    session: dict
+    peak_flops: float  # per process, for MFU (NaN on ranks other than 0, which log nothing)
+    session: dict  # what this session is, for meta.json and its first lines
 
 
 def start(config, sources, defaults, model_config, data_meta, dataset_id, splits, device, sharded,
@@ -162,10 +164,17 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
     resumed = (ckpt_path, ckpt) if resuming else None
     settled = dtypes(c, model_config, resumed, device, sharded)
     dtype, _, muon_dtype, _ = settled  # and how each was chosen, for the session's record
+    peak_flops, peak_how = float('nan'), ''
+    if runlog.master:  # MFU's denominator: a known GPU's datasheet, else measured (once a machine)
+        peak_flops, peak_how = perf.peak_flops(
+            device, precision.DTYPES[dtype],
+            announce=lambda: log("measuring this machine's peak FLOP/s for MFU (once per machine "
+                                 "and dtype: cached)"))
     session = session_record(c, sources, defaults, (data_meta, dataset_id), device, cpus, resumed,
                              pretrained, settled)
+    session['peak_flops'] = {'per_process': peak_flops, 'how': peak_how}
     return Start(tasks, resuming, ckpt_path, ckpt, pretrained, pretrained_state, model_config,
-                 dtype, muon_dtype, session)
+                 dtype, muon_dtype, peak_flops, session)
 
 
 def session_record(config, sources, defaults, data, device, cpus, resumed, pretrained, settled):

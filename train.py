@@ -298,19 +298,13 @@ eval_model = model  # evaluation needs no gradient sync: the compiled model with
 ema_eval_model = (torch.compile(ema.module) if compile else ema.module) if ema else None
 if ddp and not sharded:  # buffers (rope's tables) are not broadcast in every forward: none changes
     model = distributed.data_parallel(model, [local_rank] if device_type == 'cuda' else None)
-peak_flops, peak_how = float('nan'), ''
-if master:  # MFU's denominator: a known GPU's datasheet, else measured (seconds) once per machine
-    peak_flops, peak_how = perf.peak_flops(device, precision.DTYPES[dtype], announce=lambda: log(
-        "measuring this machine's peak FLOP/s for MFU (once per machine and dtype: cached)"))
 run_record = {'config': config, 'model_args': dataclasses.asdict(model_config),
               'dataset': dataset_id, 'pretrained': pretrained, 'dtype': dtype,
               'muon_dtype': muon_dtype}  # in every checkpoint, beside the state
-# what this session is, for meta.json (beside the code, software and machine) and its first lines
-session = init.session | {'peak_flops': {'per_process': peak_flops, 'how': peak_how}}
 # the run folder: created only now that the config, data and checkpoint are known to be good; an
 # out_dir that cannot be written stops every rank here
 unwritable = runlog.start(out_dir, (ckpt_path, ckpt) if resuming else None, config, config_sources,
-                          session, raw_model.num_params())
+                          init.session, raw_model.num_params())
 check(not unwritable, unwritable)
 # out of memory anywhere: one line that says what to change instead of a traceback (the exit code
 # stays 1)
@@ -325,7 +319,7 @@ batches = data.TrainBatches(splits['train'], train_sampler, num_workers, seed + 
 micro_batches = itertools.repeat(next(batches)) if overfit_one_batch else batches
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 speed = perf.Speedometer(progress.iter_num, max_iters, accum_steps, tokens_per_iter,
-                         raw_model.flops_per_token(), peak_flops, world_size, device,
+                         raw_model.flops_per_token(), init.peak_flops, world_size, device,
                          precision.DTYPES[dtype])
 
 def train_step(micro_batches, accum=accum_steps):
