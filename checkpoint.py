@@ -65,6 +65,19 @@ class Progress:
     consecutive_skips: int = 0
     train_seconds: float = 0.0  # wall time trained in all sessions, as of the last save
 
+    def new_best(self, val_loss, acc_norm, best_by):
+        """Whether an evaluation's val loss (lowest wins) or acc_norm (highest), as best_by says,
+        is a new best; the best, its iteration and evals_since_best follow."""
+        if best_by == 'val_loss':
+            improved = val_loss < self.best_val_loss
+        else:
+            improved = acc_norm > self.best_acc_norm
+        if improved:
+            self.best_val_loss, self.best_acc_norm = val_loss, acc_norm
+            self.best_iter = self.iter_num
+        self.evals_since_best = 0 if improved else self.evals_since_best + 1
+        return improved
+
 
 class CheckpointError(Exception):
     pass

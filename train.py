@@ -423,15 +423,8 @@ def evaluate_and_choose_saves():
     # the weights best.pt is chosen by: the EMA's when there is one
     accuracy, acc_norm = evaluate.score_tasks(ema_eval_model if ema else eval_model, tasks,
                                               batch_size, device, autocast, rank, world_size)
-    chosen_val_loss = val_loss if ema_val_loss is None else ema_val_loss
-    if best_by == 'val_loss':
-        improved = chosen_val_loss < progress.best_val_loss
-    else:
-        improved = acc_norm > progress.best_acc_norm
-    if improved:
-        progress.best_val_loss, progress.best_acc_norm = chosen_val_loss, acc_norm
-        progress.best_iter = progress.iter_num
-    progress.evals_since_best = 0 if improved else progress.evals_since_best + 1
+    improved = progress.new_best(val_loss if ema_val_loss is None else ema_val_loss, acc_norm,
+                                 best_by)
     best = progress.best_val_loss if best_by == 'val_loss' else progress.best_acc_norm
     runlog.evaluation({'kind': 'eval', 'step': progress.iter_num, 'train_loss': train_loss,
                        'val_loss': val_loss, 'ema_val_loss': ema_val_loss,
