@@ -20,26 +20,38 @@ import runlog
 SMOKE_DROP = 0.1  # the rule: the last step's loss at most (1 - SMOKE_DROP) x the first's
 
 
-def smoke_test(steps, step, batch, parts, device):
-    """Calls of step(batch) (one optimizer step; returns the loss the ranks agree on before it) at
-    each group's base rate, the schedule's peak (warmup's first rates would move nothing), until the
-    loss has fallen by SMOKE_DROP or is not finite: at most steps of them. parts: what a checkpoint
-    holds the state of (train.py), restored afterwards with the RNGs. Passing, a line and a 'smoke'
-    record; failing, the same, then exit code 2 on every rank (they agree on the losses, so on when
-    to stop)."""
+def smoke_test(steps, train_step, train_split, parts, device):
+    """Optimizer steps on this rank's next train batch (read without moving the sampler) through
+    the loop's train_step (train.py's: a micro-batch's loss, gradient norm and windows), at each
+    group's base rate, the schedule's peak (warmup's first rates would move nothing), until the
+    loss the ranks agree on has fallen by SMOKE_DROP or is not finite: at most steps of them.
+    parts: what a checkpoint holds the state of (train.py), restored afterwards with the RNGs; the
+    EMA is left out, as no step touches it. Passing, a line and a 'smoke' record; failing, the
+    same, then exit code 2 on every rank (they agree on the losses, so on when to stop)."""
+    optimizer, scaler = parts['optimizer'], parts['scaler']
+    windows = [train_split[start] for start in next(iter(parts['sampler']))]
+    batch = default_collate(windows)
+    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+    def step():  # one micro-batch per rank: accumulating it would only repeat it
+        loss, _, _ = train_step(iter([batch]), accum=1)
+        scaler.step(optimizer)
+        scaler.update()
+        return distributed.sum_over_ranks(loss.view(1)).item() / world_size
+
     runlog.log(f"smoke test: up to {steps} steps on one batch before the first, until its loss "
                f"falls {SMOKE_DROP:.0%} (smoke_steps=0 skips it)")
     start = time.time()
+    parts = {name: part for name, part in parts.items() if name != 'ema'}  # no copy of it
     saved = checkpoint.snapshot(parts, device)
-    optimizer, scheduler = parts['optimizer'], parts['scheduler']
-    for group, base_lr in zip(optimizer.param_groups, scheduler.base_lrs):
+    for group, base_lr in zip(optimizer.param_groups, parts['scheduler'].base_lrs):
         group['lr'] = base_lr
-    losses = [step(batch)]
+    losses = [step()]
     # passing early: a model that learns shows it in a few steps, and a large model's step is long;
     # failing early: a non-finite loss cannot come back
     while (len(losses) < steps and math.isfinite(losses[-1])
            and not losses[-1] <= (1 - SMOKE_DROP) * losses[0]):
-        losses.append(step(batch))
+        losses.append(step())
     checkpoint.restore(parts, saved, device)
     first, last, seconds = losses[0], losses[-1], time.time() - start
     passed = last <= (1 - SMOKE_DROP) * first  # a NaN fails too

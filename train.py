@@ -24,7 +24,6 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.profiler import record_function
-from torch.utils.data import default_collate
 
 import checkpoint
 import data
@@ -455,21 +454,11 @@ def save(names, rng):
         f"{' (a copy, written in the background)' if async_save else ''}")
     return seconds
 
-def smoke_step(batch):
-    """The loop's step on one micro-batch per rank (accumulating it would only repeat it); the
-    loss the ranks agree on before it."""
-    loss, _, _ = train_step(iter([batch]), accum=1)
-    scaler.step(optimizer)
-    scaler.update()
-    return sum_over_ranks(loss.view(1)).item() / world_size
-
-if smoke_steps and not resuming:  # this rank's next train batch, read without moving the sampler
-    windows = [splits['train'][start] for start in next(iter(train_sampler))]
-    untouched = {name: part for name, part in parts.items() if name != 'ema'}  # no copy of it
-    smoke.smoke_test(smoke_steps, smoke_step, default_collate(windows), untouched, device)
+if smoke_steps and not resuming:  # a few steps on one batch must lower its loss; then all undone
+    smoke.smoke_test(smoke_steps, train_step, splits['train'], parts, device)
     speed.clock.clear()  # its micro-batches and time are not the run's
     speed.restart(progress.iter_num)
-perf.reset_peak_memory(device)  # the loop's peak, not the FLOP/s measurement's
+perf.reset_peak_memory(device)  # the loop's peak, not the smoke test's or the FLOP/s measurement's
 t_start, save_seconds, first_loss = time.time(), 0.0, None
 while progress.iter_num < max_iters:
     # the step

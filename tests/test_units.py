@@ -654,14 +654,18 @@ def test_the_smoke_test_ends_at_the_first_step_that_decides_it(capsys, monkeypat
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.01)
-    parts = dict(model=model, optimizer=optimizer, scheduler=scheduler)
+    parts = dict(model=model, optimizer=optimizer, scheduler=scheduler,
+                 scaler=torch.amp.GradScaler('cpu', enabled=False),
+                 sampler=data.TrainSampler(10_000, 8, 2, 2, seed=0))
+    windows = {start: (torch.zeros(8), torch.zeros(8), start) for start in range(10_000)}
 
     def run(losses, steps):  # the losses the steps return, in turn: how many steps it took
         taken = []
-        def step(batch):
+        def train_step(micro_batches, accum):
+            assert accum == 1 and len(next(micro_batches)[0]) == 2  # the sampler's first batch
             taken.append(optimizer.param_groups[0]['lr'])
-            return losses[len(taken) - 1]
-        smoke.smoke_test(steps, step, None, parts, 'cpu')
+            return torch.tensor(losses[len(taken) - 1]), None, []
+        smoke.smoke_test(steps, train_step, windows, parts, 'cpu')
         return taken
     # at the schedule's peak, the group's base rate; then the schedule's rate again
     assert run([4.0, 3.9, 3.5, 3.0], 30) == [0.1] * 3
