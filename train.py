@@ -48,27 +48,23 @@ from runlog import log, record
 out_dir = 'out'
 eval_interval = 2000
 log_interval = 1
-# eval batches per split and evaluation (evenly spread windows); 0 = the whole split
-eval_iters = 200
-# last.pt at every evaluation; False: only with a new best.pt and at the end
-always_save_checkpoint = True
+eval_iters = 200  # eval batches per split and evaluation, evenly spread; 0: the whole split
+always_save_checkpoint = True  # last.pt at every evaluation; False: only at a new best and the end
 checkpoint_interval = 0  # also write last.pt every this many iterations, without evaluating; 0: off
 # > 0: also keep the latest this many checkpoints of evaluations and checkpoint_interval, named by
 # iteration (ckpt-ITER.pt; a link to last.pt's file where they hold one state); 0: none
 keep_checkpoints = 0
-# True: a save copies the state to host memory and writes it in a background thread while training
+# True: a save copies the state to host memory and a background thread writes it while training
 # goes on (parallel='fsdp': DCP's async_save); the next save, a stop and the end wait for it
 async_save = False
 # 'scratch', 'resume' (out_dir/last.pt or resume_from), 'auto' (resume if last.pt exists, else
 # scratch), or GPT-2's weights: 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', a Hugging Face
 # folder or .safetensors file
 init_from = 'scratch'
-# a checkpoint to resume from instead of out_dir/last.pt: out/best.pt, out/stable.pt, ...
-resume_from = ''
+resume_from = ''  # a checkpoint to resume from instead of out_dir/last.pt: out/best.pt, ...
 test_eval = True  # at the end, evaluate the best weights on the test split
 sample_tokens = 200  # at the end, print a sample of this many tokens from the best weights; 0: none
-# out_dir/report.md and curves.png (also when a run aborts or is stopped by a signal)
-write_report = True
+write_report = True  # out_dir/report.md and curves.png (also when a run aborts or is stopped)
 wandb_log = False  # Weights & Biases (imported only when on)
 wandb_project = 'honestgpt'
 wandb_run_name = 'run'
@@ -79,8 +75,7 @@ profile_iter = 0  # > 0: profile that iteration: out_dir/trace.json, and its pha
 # {"context", "choices", "answer"}, comma-separated; '' for none
 eval_tasks = ''
 eval_tasks_examples = 500  # the first this many examples of each task file; 0: all of them
-# best.pt by 'val_loss' (lowest), or 'acc_norm' (highest, the mean over eval_tasks)
-best_by = 'val_loss'
+best_by = 'val_loss'  # best.pt by 'val_loss' (lowest) or 'acc_norm' (highest, eval_tasks' mean)
 # data
 dataset = 'pystdlib_char'  # a folder of shards under data_dir (prepare.py's, or llm.c's), or a glob
 data_dir = 'data'
@@ -98,62 +93,49 @@ n_embd = 768
 dropout = 0.0
 bias = False
 activation = 'gelu'  # the MLP's: 'gelu', 'gelu_tanh' (GPT-2's) or 'relu2' (ReLU squared)
-# positions: 'learned' (an embedding, GPT-2's) or 'rope' (rotary: relative, no weights)
-pos_emb = 'learned'
+pos_emb = 'learned'  # positions: 'learned' (an embedding, GPT-2's) or 'rope' (rotary, no weights)
 qk_norm = False  # RMS-normalize each head's queries and keys before attention
-# the output head shares the token embedding's matrix (GPT-2's); False: the head has its own
-tie_head = True
+tie_head = True  # the output head shares the token embedding's matrix (GPT-2's); False: its own
 logit_softcap = 0.0  # > 0: logits become logit_softcap * tanh(logits / logit_softcap); 0: off
 zero_init = False  # output projections (and an untied head) start at zero instead of small noise
-# optimizer: 'adamw' for every parameter, or 'muon': Muon for the blocks' matrices and AdamW for
-# the rest
-optimizer = 'adamw'
+# optimizer
+optimizer = 'adamw'  # 'adamw', or 'muon': Muon for the blocks' matrices and AdamW for the rest
 learning_rate = 6e-4  # AdamW's
-# Muon's base learning rate; the schedule scales it by the same factor as learning_rate
-muon_lr = 0.02
+muon_lr = 0.02  # Muon's base rate; the schedule scales it by the same factor as learning_rate
 muon_momentum = 0.95
-# Muon's Newton-Schulz's dtype: 'auto', 'float32' or 'bfloat16' (precision.auto_muon_dtype)
-muon_dtype = 'auto'
+muon_dtype = 'auto'  # Newton-Schulz's: 'auto', 'float32' or 'bfloat16' (precision.auto_muon_dtype)
 # > 0: also keep an exponential moving average of the weights, ema = decay * ema + (1 - decay) * w
 # after each optimizer step that ran; it is evaluated beside them and picks best.pt; 0: off
 ema_decay = 0.0
 layer_lr_decay = 1.0  # < 1, for fine-tuning: block i's rates x decay^(n_layer - i) (GPT.lr_scale)
-# iterations: optimizer steps attempted, of gradient_accumulation_steps micro-batches each
-max_iters = 600000
+max_iters = 600000  # optimizer steps attempted, of gradient_accumulation_steps micro-batches each
 weight_decay = 1e-1
 beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0  # 0 disables clipping (the norm is still measured and logged)
 # learning rate schedule: linear warmup, decay to min_lr at lr_decay_iters, then flat
 decay_lr = True
-# 'cosine' (nanoGPT's) or 'wsd': warmup, stable (stable.pt saved at its end), decay
-lr_schedule = 'cosine'
-# wsd: the decay's share of the iterations between warmup_iters and lr_decay_iters
-wsd_decay_frac = 0.2
+lr_schedule = 'cosine'  # 'cosine' (nanoGPT's) or 'wsd': warmup, stable (then stable.pt), decay
+wsd_decay_frac = 0.2  # wsd: the decay's share of the iterations between warmup and lr_decay_iters
 warmup_iters = 2000
 lr_decay_iters = 600000
 min_lr = 6e-5  # AdamW's floor; Muon's is muon_lr * min_lr / learning_rate
 # early stopping and checks
 patience = 0  # stop after this many evaluations without a new best val loss; 0 never stops early
-# train on one fixed batch: the loss must approach zero if everything is wired
-overfit_one_batch = False
-# before a new run's first step, steps on one batch until its loss falls 10%: at most this many
-smoke_steps = 30  # 0: off
+overfit_one_batch = False  # train on one fixed batch: its loss must approach zero if all is wired
+smoke_steps = 30  # steps on one batch before a new run, at most, to lower its loss 10%; 0: off
 # system
-# 'auto' (cuda:LOCAL_RANK if there is a GPU, else cpu), 'cpu', 'cuda', 'cuda:1' (one process)
-device = 'auto'
+device = 'auto'  # 'auto' (cuda:LOCAL_RANK if there is a GPU, else cpu), 'cpu', 'cuda', 'cuda:1'
 dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 uses a GradScaler)
 compile = False  # torch.compile the model
 backend = 'auto'  # distributed backend: 'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'
-# several processes: 'ddp' (replicas) or 'fsdp' (weights, grads and optimizer sharded)
-parallel = 'ddp'
+parallel = 'ddp'  # processes: 'ddp' (replicas) or 'fsdp' (weights, grads, optimizer sharded)
 activation_checkpointing = False  # recompute activations in backward, block by block: less memory
 init_scale = 65536.0  # float16 GradScaler's first loss scale
 max_consecutive_skips = 20  # abort when float16 overflow skips this many optimizer steps in a row
 seed = 1337
 threads = 0  # torch's CPU threads per process; 0: its own count, capped by a container's CPU quota
-# torch.use_deterministic_algorithms: bitwise repeatable runs where kernels allow
-deterministic = False
+deterministic = False  # torch.use_deterministic_algorithms: bitwise repeatable where kernels allow
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
@@ -266,8 +248,7 @@ if fit_batch:  # micro-batches that fit: found now, or by the run a resume conti
                                             f"fit_batch, from batch_size={batch_size}"))
     batch_size = config['batch_size']
     gradient_accumulation_steps = config['gradient_accumulation_steps']
-    accum_steps = gradient_accumulation_steps // world_size
-    global_batch = batch_size * gradient_accumulation_steps
+    accum_steps = gradient_accumulation_steps // world_size  # global_batch is kept
     train_sampler, eval_loaders = samplers(batch_size)
 # python, numpy, torch on every device: dropout masks differ per rank
 checkpoint.seed_rngs(seed + rank)
