@@ -3,9 +3,8 @@ What a training run may refuse, and each 'auto' it resolves, settled before anyt
 written, so that train.py's setup reads as the recipe. settings() checks the command's settings;
 start() finds the weights the run starts from (a checkpoint, GPT-2's or none), checks that a resume
 continues the run it names, resolves the dtypes, measures the peak FLOP/s MFU is measured against
-and describes the session for meta.json. A refusal
-is one line naming the problem and the fix, exit code 2 (exits.check); a run that stops here has
-written nothing.
+and describes the session for meta.json. A refusal is one line naming the problem and the fix, exit
+code 2 (exits.check); a run that stops here has written nothing.
 """
 import dataclasses
 import os
@@ -101,8 +100,8 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
           cpus):
     """The run's Start: the same data on every rank; eval_tasks read; its checkpoint or GPT-2's
     weights, loaded and checked against the settings and the data; GPT-2's shape written into config
-    and sources; dtype and muon_dtype resolved; the session's record (cpus: distributed.cpu_use's,
-    taken before the run's own work)."""
+    and sources; dtype and muon_dtype resolved; rank 0's peak FLOP/s; the session's record (cpus:
+    distributed.cpu_use's, taken before the run's own work)."""
     c = config
     dataset_ids = gather(dataset_id)  # every rank's
     check(dataset_ids.count(dataset_id) == len(dataset_ids),

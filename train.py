@@ -61,10 +61,10 @@ async_save = False
 # scratch), or GPT-2's weights: 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', a Hugging Face
 # folder or .safetensors file
 init_from = 'scratch'
-resume_from = ''  # a checkpoint to resume from instead of out_dir/last.pt: out/best.pt, ...
+resume_from = ''  # a checkpoint to resume instead of out_dir/last.pt: out/best.pt, out/stable.pt
 test_eval = True  # at the end, evaluate the best weights on the test split
 sample_tokens = 200  # at the end, print a sample of this many tokens from the best weights; 0: none
-write_report = True  # out_dir/report.md and curves.png (also when a run aborts or is stopped)
+write_report = True  # out_dir/report.md and curves.png, also when a run aborts or a signal stops it
 wandb_log = False  # Weights & Biases (imported only when on)
 wandb_project = 'honestgpt'
 wandb_run_name = 'run'
@@ -93,7 +93,7 @@ n_embd = 768
 dropout = 0.0
 bias = False
 activation = 'gelu'  # the MLP's: 'gelu', 'gelu_tanh' (GPT-2's) or 'relu2' (ReLU squared)
-pos_emb = 'learned'  # positions: 'learned' (an embedding, GPT-2's) or 'rope' (rotary, no weights)
+pos_emb = 'learned'  # 'learned' (an embedding, GPT-2's) or 'rope' (rotary: relative, no weights)
 qk_norm = False  # RMS-normalize each head's queries and keys before attention
 tie_head = True  # the output head shares the token embedding's matrix (GPT-2's); False: its own
 logit_softcap = 0.0  # > 0: logits become logit_softcap * tanh(logits / logit_softcap); 0: off
@@ -103,7 +103,7 @@ optimizer = 'adamw'  # 'adamw', or 'muon': Muon for the blocks' matrices and Ada
 learning_rate = 6e-4  # AdamW's
 muon_lr = 0.02  # Muon's base rate; the schedule scales it by the same factor as learning_rate
 muon_momentum = 0.95
-muon_dtype = 'auto'  # Newton-Schulz's: 'auto', 'float32' or 'bfloat16' (precision.auto_muon_dtype)
+muon_dtype = 'auto'  # Newton-Schulz's dtype: 'auto', 'float32', 'bfloat16' (precision.py)
 # > 0: also keep an exponential moving average of the weights, ema = decay * ema + (1 - decay) * w
 # after each optimizer step that ran; it is evaluated beside them and picks best.pt; 0: off
 ema_decay = 0.0
@@ -125,11 +125,12 @@ patience = 0  # stop after this many evaluations without a new best val loss; 0 
 overfit_one_batch = False  # train on one fixed batch: its loss must approach zero if all is wired
 smoke_steps = 30  # steps on one batch before a new run, at most, to lower its loss 10%; 0: off
 # system
-device = 'auto'  # 'auto' (cuda:LOCAL_RANK if there is a GPU, else cpu), 'cpu', 'cuda', 'cuda:1'
+# 'auto' (cuda:LOCAL_RANK if there is a GPU, else cpu), 'cpu', 'cuda', 'cuda:N' (one process)
+device = 'auto'
 dtype = 'auto'  # 'auto', 'float32', 'bfloat16' or 'float16' (float16 uses a GradScaler)
 compile = False  # torch.compile the model
 backend = 'auto'  # distributed backend: 'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'
-parallel = 'ddp'  # processes: 'ddp' (replicas) or 'fsdp' (weights, grads, optimizer sharded)
+parallel = 'ddp'  # several processes: 'ddp' (replicas), 'fsdp' (weights, grads, optimizer sharded)
 activation_checkpointing = False  # recompute activations in backward, block by block: less memory
 init_scale = 65536.0  # float16 GradScaler's first loss scale
 max_consecutive_skips = 20  # abort when float16 overflow skips this many optimizer steps in a row
@@ -186,7 +187,8 @@ if 'test' not in splits and test_eval:
 # -----------------------------------------------------------------------------
 # the model and optimizer: weights from a checkpoint, GPT-2's or a random init; precision; the
 # schedule
-# the same data on every rank; the tasks; the checkpoint or GPT-2's weights, checked; the dtypes
+# the same data on every rank; the tasks; the checkpoint or GPT-2's weights, checked; the dtypes;
+# the peak FLOP/s
 init = preflight.start(config, config_sources, defaults, model_config, data_meta, dataset_id,
                        splits, device, sharded, cpus)
 tasks, resuming, ckpt, ckpt_path = init.tasks, init.resuming, init.ckpt, init.ckpt_path

@@ -272,7 +272,7 @@ def test_bench_under_torchrun_shows_fsdp_holding_a_shard_per_rank(tmp_path, data
 
 def test_peak_flops_is_measured_once_per_machine(tmp_path, monkeypatch):
     monkeypatch.setenv('HONESTGPT_CACHE', str(tmp_path))
-    announced = []  # train.py says why it pauses, only when it does
+    announced = []  # preflight says why the run pauses, only when it does
     flops, how = perf.peak_flops('cpu', torch.float32, announce=lambda: announced.append(1))
     assert announced == [1] and flops > 1e7
     assert re.fullmatch(r'measured: (\d+)x\1 float32 matmul, the fastest of 3 layouts and sizes '
