@@ -351,6 +351,7 @@ def test_the_smoke_test_changes_nothing_after_it_and_stops_a_model_that_cannot_l
     # (about 24 from 2^40), long before the 60 allowed
     assert smoke['passed'] and 2 <= smoke['steps'] < 60 and smoke['max_steps'] == 60
     assert smoke['last_loss'] <= 0.9 * smoke['first_loss']
+    assert smoke['first_loss'] == losses[1][0]  # its batch is the first step's, its state too
     line = (f"smoke test: {smoke['steps']} steps on one batch took its loss from "
             f"{smoke['first_loss']:.4f} to {smoke['last_loss']:.4f} in")
     assert line in result.stdout and line in open(os.path.join(on, 'train.log')).read()

@@ -645,6 +645,22 @@ def test_fit_batch_halves_until_a_step_fits_keeps_the_global_batch_and_undoes_ea
         fit(4, 1)
 
 
+def test_best_is_the_lowest_val_loss_or_the_highest_acc_norm_and_never_a_nan():
+    progress = checkpoint.Progress()
+    for step, val_loss, acc_norm, improved in ((10, 2.0, 0.3, True), (20, 2.5, 0.9, False),
+                                               (30, float('nan'), 0.9, False),
+                                               (40, 1.5, 0.1, True)):
+        progress.iter_num = step
+        assert progress.new_best(val_loss, acc_norm, 'val_loss') == improved
+    assert (progress.best_val_loss, progress.best_iter, progress.evals_since_best) == (1.5, 40, 0)
+    progress = checkpoint.Progress()
+    for step, acc_norm, improved in ((10, 0.3, True), (20, 0.2, False), (30, float('nan'), False)):
+        progress.iter_num = step
+        assert progress.new_best(1.0 / step, acc_norm, 'acc_norm') == improved
+    assert (progress.best_acc_norm, progress.best_iter, progress.evals_since_best) == (0.3, 10, 2)
+    assert progress.best_val_loss == 0.1  # the val loss of the best by acc_norm, for the logs
+
+
 def test_the_smoke_test_ends_at_the_first_step_that_decides_it(capsys, monkeypatch):
     """It passes at the first loss 10% below the first, fails at once on a non-finite one, and
     otherwise takes every step it may."""
@@ -662,7 +678,8 @@ def test_the_smoke_test_ends_at_the_first_step_that_decides_it(capsys, monkeypat
     def run(losses, steps):  # the losses the steps return, in turn: how many steps it took
         taken = []
         def train_step(micro_batches, accum):
-            assert accum == 1 and len(next(micro_batches)[0]) == 2  # the sampler's first batch
+            # the sampler's next batch, which it still yields: reading it moved nothing
+            assert accum == 1 and next(micro_batches)[2].tolist() == next(iter(parts['sampler']))
             taken.append(optimizer.param_groups[0]['lr'])
             return torch.tensor(losses[len(taken) - 1]), None, []
         smoke.smoke_test(steps, train_step, windows, parts, 'cpu')

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import forked
-from conftest import DEVICES, ok, run_train, torchrun
+from conftest import DEVICES, ok, read_metrics, run_train, torchrun
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
 
@@ -78,7 +78,11 @@ def test_a_gpu_run_without_deterministic_drifts_and_says_by_how_much(tmp_path, d
 
 def test_a_two_rank_run_verifies_under_torchrun(tmp_path, data_dir):
     run = str(tmp_path / 'run')
-    ok(torchrun(run, data_dir, *ARGS, '--gradient_accumulation_steps=2'))
+    ok(torchrun(run, data_dir, *ARGS, '--gradient_accumulation_steps=2', '--smoke_steps=30'))
+    # the smoke test stepped on each rank's next micro-batch from the state it then restored: its
+    # first loss, the ranks' mean, is the first iteration's (one micro-batch per rank)
+    [smoke] = read_metrics(run, 'smoke')
+    assert smoke['first_loss'] == read_metrics(run, 'train')[0]['loss']
     result = verify(run)
     assert result.returncode == 0, result.stderr
     assert 'on 2 process(es)' in result.stderr, result.stderr
