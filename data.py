@@ -230,6 +230,12 @@ def make_loader(dataset, batch_sampler, num_workers, seed, pin_memory):
                       generator=torch.Generator().manual_seed(seed))
 
 
+def next_batch(windows, sampler):
+    """This rank's next train batch, read without moving sampler: x (B, T), y (B, T), starts (B).
+    The smoke test steps on it; overfit_one_batch trains on it alone (a resume reads it again)."""
+    return default_collate([windows[start] for start in next(iter(sampler))])
+
+
 def pack(windows):
     """[(x, y, start)] of B windows -> one int64 tensor of x (B*T), y (B*T) and the starts (B). A
     loader worker hands each tensor to the training process through a socket connection of its own

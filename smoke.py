@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import default_collate
 
 import checkpoint
+import data
 import distributed
 import exits
 import runlog
@@ -29,8 +30,7 @@ def smoke_test(steps, train_step, train_split, parts, device):
     EMA is left out, as no step touches it. Passing, a line and a 'smoke' record; failing, the
     same, then exit code 2 on every rank (they agree on the losses, so on when to stop)."""
     optimizer, scaler = parts['optimizer'], parts['scaler']
-    windows = [train_split[start] for start in next(iter(parts['sampler']))]
-    batch = default_collate(windows)
+    batch = data.next_batch(train_split, parts['sampler'])
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
     def step():  # one micro-batch per rank: accumulating it would only repeat it

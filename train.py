@@ -298,7 +298,9 @@ exits.catch_stop_signals()  # Ctrl-C or SIGTERM: save last.pt after the step und
 # the training loop, in named parts: the step, logging, evaluation and saving, stopping
 batches = data.TrainBatches(splits['train'], train_sampler, num_workers, seed + rank,
                             device_type == 'cuda')
-micro_batches = itertools.repeat(next(batches)) if overfit_one_batch else batches
+micro_batches = batches
+if overfit_one_batch:  # one batch, taken without moving the sampler: a resume takes it again
+    micro_batches = itertools.repeat(data.next_batch(splits['train'], train_sampler))
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 speed = perf.Speedometer(progress.iter_num, max_iters, accum_steps, tokens_per_iter,
                          raw_model.flops_per_token(), init.peak_flops, world_size, device,

@@ -95,15 +95,20 @@ def test_overfit_one_batch(tmp_path, data_dir):
 
 
 @pytest.mark.slow
-def test_a_finished_overfit_run_started_again_ends_cleanly(tmp_path, data_dir):
+def test_an_overfit_run_resumes_on_its_batch_and_a_finished_one_started_again_ends_cleanly(
+        tmp_path, data_dir):
     # init_from=auto on a finished run takes no step: no losses for the overfit line, which is left
     # out
-    out = str(tmp_path / 'again')
-    args = ('--overfit_one_batch=True', '--max_iters=3', '--decay_lr=False', '--eval_interval=3',
-            '--init_from=auto')
-    assert 'overfit one batch: loss' in run_train(out, data_dir, *args).stdout
-    again = run_train(out, data_dir, *args)
+    out, straight = str(tmp_path / 'again'), str(tmp_path / 'straight')
+    args = ('--overfit_one_batch=True', '--decay_lr=False', '--eval_interval=3', '--init_from=auto')
+    assert 'overfit one batch: loss' in run_train(out, data_dir, *args, '--max_iters=3').stdout
+    again = run_train(out, data_dir, *args, '--max_iters=3')
     assert 'overfit one batch' not in again.stdout and 'done: ' in again.stdout
+    # its batch is read without moving the sampler: resumed, it trains on the same one
+    run_train(out, data_dir, *args, '--max_iters=6')
+    run_train(straight, data_dir, *args, '--max_iters=6')
+    losses = [[r['loss'] for r in read_metrics(d, 'train')] for d in (out, straight)]
+    assert len(losses[0]) == 6 and losses[0] == losses[1]
 
 
 def sha(path):
