@@ -27,8 +27,11 @@ from optim import newton_schulz
 from perf import cached, machine
 
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
-# tokens per timed forward+backward when choosing a dtype: enough for the model's real matmul shapes
+# a timed forward+backward when choosing a dtype: enough tokens (rows) for the model's real matmul
+# shapes, and at most MEASURE_FLOPS of work, so that a large model on a small CPU is timed in
+# seconds, not minutes (GPT-2 124M's 12 x 1024 windows: 30 s a call on 2 cores)
 MEASURE_TOKENS = 8192
+MEASURE_FLOPS = 2e11
 
 
 def bfloat16_units():
@@ -74,12 +77,15 @@ def fastest(runs, rounds=3, budget=0.0):
 
 def step_seconds(model_args, batch_size, device, dtypes):
     """{dtype name: seconds of one forward+backward} of a fresh GPT of this shape on a micro-batch
-    capped at MEASURE_TOKENS. The global RNG (dropout's, the weights') is left as it was."""
+    capped at MEASURE_TOKENS and MEASURE_FLOPS (in windows shorter than block_size if need be: a
+    token's matmuls are the same, and attention runs in float32 either way on a CPU). The global
+    RNG (dropout's, the weights') is left as it was."""
     with torch.random.fork_rng(devices=[]):
         model = GPT(GPTConfig(**model_args)).to(device)
-        T = model_args['block_size']
-        idx = (torch.arange(max(1, min(batch_size, MEASURE_TOKENS // T)) * T, device=device)
-               .view(-1, T) % model_args['vocab_size'])
+        tokens = min(batch_size * model_args['block_size'], MEASURE_TOKENS,
+                     max(64, int(MEASURE_FLOPS / model.flops_per_token())))
+        T = min(model_args['block_size'], tokens)
+        idx = torch.arange(tokens // T * T, device=device).view(-1, T) % model_args['vocab_size']
 
         def step(name):
             with autocast(torch.device(device).type, name):

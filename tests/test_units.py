@@ -282,6 +282,31 @@ def test_auto_dtype_is_timed_once_per_model_py(tmp_path, monkeypatch):
     assert len(timed) == 2  # an edited model is timed again
 
 
+def test_auto_dtype_times_a_large_model_on_a_bounded_batch(monkeypatch):
+    # GPT-2 124M's 12 x 1024 windows took 30 s a call on 2 cores, 8 calls: minutes before a run's
+    # first line. The timed batch stays within MEASURE_FLOPS (and windows within MEASURE_TOKENS)
+    import precision
+    shapes = []
+
+    def forward(self, idx, targets=None):  # records the batch instead of computing it
+        shapes.append(tuple(idx.shape))
+        return self.lm_head.weight.sum()
+    monkeypatch.setattr(precision.GPT, 'forward', forward)
+
+    def timed_batch(batch_size, **shape):
+        args = dict(dict(n_layer=2, n_head=4, vocab_size=65, dropout=0.0, bias=False), **shape)
+        shapes.clear()
+        precision.step_seconds(args, batch_size, 'cpu', ('float32',))
+        (B, T), = set(shapes)
+        assert B * T * GPT(GPTConfig(**args)).flops_per_token() <= precision.MEASURE_FLOPS
+        return B, T
+    B, T = timed_batch(12, n_embd=768, block_size=1024)  # 12 x 1024 would be 40 times the work
+    assert T == 1024 and B * T >= 1000
+    # a long block: a shorter window (a token's matmuls are the same), not 100,000 tokens
+    assert timed_batch(1, n_embd=64, block_size=100_000) == (1, 1296)
+    assert timed_batch(12, n_embd=64, block_size=64) == (12, 64)  # a small model: its micro-batch
+
+
 def test_processes_that_measure_at_once_take_turns_and_agree(tmp_path, monkeypatch):
     # four runs started together ask for one figure, each of which would measure another value:
     # the first measures, the others wait for it and read its figure (dtype='auto' then agrees)
