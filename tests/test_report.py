@@ -1,6 +1,7 @@
 """report.py on real runs (finished, aborted, killed) and on made-up metrics for its diagnoses."""
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -32,6 +33,15 @@ def train_further(text):
                 for line in text.splitlines() if line.startswith('    python train.py'))
 
 
+def seconds_said(out_dir):
+    """(report.md's wall time, train.log's last done line's time for every session), in s."""
+    text = read_report(out_dir)
+    with open(os.path.join(out_dir, 'train.log')) as f:
+        done = [line for line in f if line.startswith('done:')][-1]
+    return (re.search(r'- wall time [0-9.]+ h \(([0-9,]+) s\)', text)[1].replace(',', ''),
+            re.findall(r' in ([0-9]+) s', done)[-1])
+
+
 def test_finished_run(finished):
     result = subprocess.run([sys.executable, 'report.py', finished], cwd=REPO, capture_output=True,
                             text=True, timeout=120)
@@ -42,6 +52,8 @@ def test_finished_run(finished):
     assert (f"best val loss {test['best_val_loss']:.4f}" in text
             and f"at iteration {test['best_iter']}" in text)
     assert f"test loss {test['test_loss']:.4f}" in text
+    report_seconds, done_seconds = seconds_said(finished)
+    assert report_seconds == done_seconds
     assert '| max_iters | **20** | command line |' in text and '| beta1 | 0.9 | default |' in text
     # a finished run has nothing left at its max_iters: the command raises it, and says what
     # lr_decay_iters does
@@ -138,8 +150,9 @@ def test_diagnoses_from_made_up_metrics(tmp_path):
     records += [{'kind': 'eval', 'step': s, 'train_loss': t, 'val_loss': v, 'ema_val_loss': v - 0.1,
                  'best_val_loss': 0, 'val_bits_per_token': 0}
                 for s, t, v in ((10, 2.0, 2.05), (20, 1.4, 1.5), (30, 1.2, 1.6), (40, 1.0, 1.7))]
+    # the loop's time includes the last evaluation, after the last timed record: 41 s
     records += [{'kind': 'test', 'step': 40, 'best_iter': 20, 'best_val_loss': 1.5,
-                 'test_loss': 1.2}]
+                 'test_loss': 1.2, 'wall_seconds': 11.0, 'total_seconds': 41.0}]
     for name, content in (('config.json', json.dumps(config)), ('meta.json', json.dumps(meta)),
                           ('metrics.jsonl', ''.join(json.dumps(r) + '\n' for r in records))):
         with open(os.path.join(out, name), 'w') as f:
@@ -156,12 +169,31 @@ def test_diagnoses_from_made_up_metrics(tmp_path):
             and "peak memory 123 MB by the last training log line: rank 0's peak resident set"
             in text)
     assert 'test loss sits well below val loss: with a single text, test is its first 5%' in text
-    assert '(40 s), 0.02 compute hours (2 process(es))' in text and 'estimated cost 0.08' in text
+    assert ("(41 s), the training loop's in every session" in text
+            and '0.02 compute hours (2 process(es))' in text and 'estimated cost 0.08' in text)
     assert ('float16 steps skipped: 1' in text
             and 'spikes (> 5x the running median): 1, at iterations 25' in text)
     # no last.pt: init_from=auto redoes the run from what it started from
     assert ('torchrun --standalone --nproc_per_node=2 train.py config/tiny.py --resume_from=x.pt '
             '--init_from=auto' in text)
+
+
+def test_wall_time_is_the_done_line_s_once_a_run_completes():
+    """Eval and test records carry no time: the last evaluation, its save and the test evaluation
+    come after the last timestamp, so a completed run's time is its test record's total_seconds
+    (train.log's done line), and only a run without one falls back to timestamps."""
+    timed = ([{'kind': 'start', 'step': 0, 'time': 100.0}]
+             + [{'kind': 'train', 'step': s, 'time': 100.0 + s} for s in (1, 2)]
+             + [{'kind': 'start', 'step': 2, 'time': 900.0}]
+             + [{'kind': 'train', 'step': s, 'time': 898.0 + s} for s in (3, 4)])
+    ends = [{'kind': 'eval', 'step': 4}, {'kind': 'test', 'step': 4, 'total_seconds': 7.4}]
+    assert report.wall_seconds(timed + ends)[0] == 7.4
+    assert report.wall_seconds(timed + ends[:1])[0] == 2.0 + 2.0  # killed in its last evaluation
+    # completed, then resumed and killed: the test record no longer ends the run
+    resumed = [{'kind': 'start', 'step': 4, 'time': 2000.0}, {'kind': 'train', 'step': 5,
+                                                               'time': 2001.0}]
+    assert report.wall_seconds(timed + ends + resumed)[0] == 2.0 + 2.0 + 1.0
+    assert report.wall_seconds([{'kind': 'eval', 'step': 4}]) is None
 
 
 def test_fit_and_leakage_reads():
