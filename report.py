@@ -144,6 +144,34 @@ def resume_command(meta, has_last, settings=None):
                                   *(f'--{k}={v}' for k, v in settings.items())])
 
 
+def train_further(config, out_dir):
+    """A finished run's (settings for resume_command, the sentence before it), as README's Resume
+    says: a schedule not yet at min_lr goes on along it; one that has decayed stays at min_lr,
+    since raising lr_decay_iters would put the rate back up; a wsd run cools down anew from
+    stable.pt."""
+    max_iters, decay_iters = config['max_iters']['value'], config['lr_decay_iters']['value']
+    how = "Train further (from the directory it was started in)"
+    if not config['decay_lr']['value']:
+        return {'max_iters': 2 * max_iters}, f"{how}:"
+    if decay_iters > max_iters:
+        return ({'max_iters': min(2 * max_iters, decay_iters)},
+                f"{how}; the learning rate goes on along its schedule, which reaches min_lr at "
+                f"lr_decay_iters={decay_iters}:")
+    if config['lr_schedule']['value'] == 'wsd' and os.path.exists(os.path.join(out_dir,
+                                                                               'stable.pt')):
+        # the command's own out_dir: it runs where the run was started, not where report.py is
+        stable = os.path.join(config['out_dir']['value'], 'stable.pt')
+        return ({'resume_from': stable, 'max_iters': 2 * max_iters,
+                 'lr_decay_iters': 2 * max_iters},
+                f"{how} from stable.pt, written where the decay began (the iterations since are "
+                f"redone): a longer schedule stays at the peak rate, then cools down anew; from "
+                f"last.pt the rate would stay at min_lr:")
+    return ({'max_iters': 2 * max_iters},
+            f"{how}; the learning rate reached min_lr at lr_decay_iters={decay_iters} and stays "
+            f"there (raising lr_decay_iters too would put it back up, a second warm-up: val loss "
+            f"rises before it falls again):")
+
+
 def task_names(evals):
     """The multiple-choice tasks an evaluation scored (train.py's eval_tasks): eval records hold
     TASK/acc_norm."""
@@ -307,14 +335,9 @@ def write_report(out_dir):
     lines += ["", "## Files", ""]
     lines += [f"- {name}: {os.path.join(out_dir, name)}" for name in ('best.pt', 'last.pt')
               if os.path.exists(os.path.join(out_dir, name))]
-    max_iters, lr_decay_iters = config['max_iters']['value'], config['lr_decay_iters']['value']
     if word == 'finished':  # nothing left to do at this max_iters: the command must raise it
-        command = resume_command(meta, has_last,
-                                 {'max_iters': 2 * max_iters, 'lr_decay_iters': lr_decay_iters})
-        how = (f"Train further (from the directory it was started in); past "
-               f"lr_decay_iters={lr_decay_iters} the learning rate stays at min_lr: change the "
-               f"command's --lr_decay_iters={lr_decay_iters} to --lr_decay_iters={2 * max_iters} "
-               f"to decay over the longer run instead:")
+        settings, how = train_further(config, out_dir)
+        command = resume_command(meta, has_last, settings)
     else:
         command = resume_command(meta, has_last)
         how = (f"{'Resume' if has_last else 'No last.pt yet: redo'} the run (from the directory it "
