@@ -38,11 +38,16 @@ def loss_text(loss):
     return f"{loss:.4f} ({loss / math.log(2):.3f} bits/token)"
 
 
+def last_event(records):
+    """The last train, eval, test, abort or stop record, or None: a test or abort record ends the
+    run only if no training record follows it (a later resume)."""
+    return next((r for r in reversed(records)
+                 if r['kind'] in ('train', 'eval', 'test', 'abort', 'stop')), None)
+
+
 def status(records, max_iters):
     """(one word, the rest of the sentence)."""
-    # a test or abort record ends the run only if no training record follows it (a later resume)
-    end = next((r for r in reversed(records)
-                if r['kind'] in ('train', 'eval', 'test', 'abort', 'stop')), None)
+    end = last_event(records)
     if end is None or end['kind'] in ('train', 'eval'):
         last_step = max((r['step'] for r in records if 'step' in r), default=0)
         return 'incomplete', (f"the run did not finish (killed or still running?) at iteration "
@@ -86,15 +91,25 @@ def leakage(evals):
 
 
 def wall_seconds(records):
-    """Sum over (re)starts of the time from each start record to the last timed record before the
-    next start: the time between a kill and its resume is not counted. None without timestamps."""
+    """(seconds, what they are), or None without timestamps. A run that completed: its last 'test'
+    record's total_seconds, the figure of train.log's done line (eval and test records carry no
+    time, so timestamps would miss the last evaluation and save). Otherwise the sum over (re)starts
+    of the time from each start record to the last timed record before the next start: the time
+    between a kill and its resume is not counted."""
+    end = last_event(records)
+    if end and end['kind'] == 'test':
+        return (end['total_seconds'], "the training loop's in every session, evaluations and "
+                                      "saves included, as train.log's done line says")
     segments = [[]]
     for r in records:
         if r['kind'] == 'start':
             segments.append([])
         if r.get('time') is not None:
             segments[-1].append(r['time'])
-    return sum(max(s) - min(s) for s in segments if s) if any(segments) else None
+    if not any(segments):
+        return None
+    return (sum(max(s) - min(s) for s in segments if s),
+            "from each session's start to its last timed record")
 
 
 def grad_spikes(train):
@@ -127,6 +142,34 @@ def resume_command(meta, has_last, settings=None):
     return shlex.join(launcher + [meta['command'][0], *args,
                                   f"--init_from={'resume' if has_last else 'auto'}",
                                   *(f'--{k}={v}' for k, v in settings.items())])
+
+
+def train_further(config, out_dir):
+    """A finished run's (settings for resume_command, the sentence before it), as README's Resume
+    says: a schedule not yet at min_lr goes on along it; one that has decayed stays at min_lr,
+    since raising lr_decay_iters would put the rate back up; a wsd run cools down anew from
+    stable.pt."""
+    max_iters, decay_iters = config['max_iters']['value'], config['lr_decay_iters']['value']
+    how = "Train further (from the directory it was started in)"
+    if not config['decay_lr']['value']:
+        return {'max_iters': 2 * max_iters}, f"{how}:"
+    if decay_iters > max_iters:
+        return ({'max_iters': min(2 * max_iters, decay_iters)},
+                f"{how}; the learning rate goes on along its schedule, which reaches min_lr at "
+                f"lr_decay_iters={decay_iters}:")
+    if config['lr_schedule']['value'] == 'wsd' and os.path.exists(os.path.join(out_dir,
+                                                                               'stable.pt')):
+        # the command's own out_dir: it runs where the run was started, not where report.py is
+        stable = os.path.join(config['out_dir']['value'], 'stable.pt')
+        return ({'resume_from': stable, 'max_iters': 2 * max_iters,
+                 'lr_decay_iters': 2 * max_iters},
+                f"{how} from stable.pt, written where the decay began (the iterations since are "
+                f"redone): a longer schedule stays at the peak rate, then cools down anew; from "
+                f"last.pt the rate would stay at min_lr:")
+    return ({'max_iters': 2 * max_iters},
+            f"{how}; the learning rate reached min_lr at lr_decay_iters={decay_iters} and stays "
+            f"there (raising lr_decay_iters too would put it back up, a second warm-up: val loss "
+            f"rises before it falls again):")
 
 
 def task_names(evals):
@@ -245,13 +288,14 @@ def throughput_lines(records, train, config, meta):
                 "rank 0's peak resident set (the whole process: Python, torch, data; loader "
                 "workers not included)")
         lines.append(f"- peak memory {max(mems):,.0f} MB by the last training log line: {what}")
-    seconds = wall_seconds(records)
-    if seconds is None:
+    wall = wall_seconds(records)
+    if wall is None:
         return lines + ["- wall time unknown: metrics.jsonl has no timestamps"]
+    seconds, what = wall
     world_size = meta.get('world_size', 1)
     compute_hours = seconds / 3600 * world_size
-    lines.append(f"- wall time {seconds / 3600:.2f} h ({seconds:,.0f} s), {compute_hours:.2f} "
-                 f"compute hours ({world_size} process(es))")
+    lines.append(f"- wall time {seconds / 3600:.2f} h ({seconds:,.0f} s), {what}; "
+                 f"{compute_hours:.2f} compute hours ({world_size} process(es))")
     cost_per_hour = config.get('cost_per_hour', {}).get('value')
     if cost_per_hour:
         lines.append(f"- estimated cost {compute_hours * cost_per_hour:,.2f} ({cost_per_hour} per "
@@ -291,14 +335,9 @@ def write_report(out_dir):
     lines += ["", "## Files", ""]
     lines += [f"- {name}: {os.path.join(out_dir, name)}" for name in ('best.pt', 'last.pt')
               if os.path.exists(os.path.join(out_dir, name))]
-    max_iters, lr_decay_iters = config['max_iters']['value'], config['lr_decay_iters']['value']
     if word == 'finished':  # nothing left to do at this max_iters: the command must raise it
-        command = resume_command(meta, has_last,
-                                 {'max_iters': 2 * max_iters, 'lr_decay_iters': lr_decay_iters})
-        how = (f"Train further (from the directory it was started in); past "
-               f"lr_decay_iters={lr_decay_iters} the learning rate stays at min_lr: change the "
-               f"command's --lr_decay_iters={lr_decay_iters} to --lr_decay_iters={2 * max_iters} "
-               f"to decay over the longer run instead:")
+        settings, how = train_further(config, out_dir)
+        command = resume_command(meta, has_last, settings)
     else:
         command = resume_command(meta, has_last)
         how = (f"{'Resume' if has_last else 'No last.pt yet: redo'} the run (from the directory it "

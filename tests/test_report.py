@@ -1,6 +1,7 @@
 """report.py on real runs (finished, aborted, killed) and on made-up metrics for its diagnoses."""
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -32,6 +33,15 @@ def train_further(text):
                 for line in text.splitlines() if line.startswith('    python train.py'))
 
 
+def seconds_said(out_dir):
+    """(report.md's wall time, train.log's last done line's time for every session), in s."""
+    text = read_report(out_dir)
+    with open(os.path.join(out_dir, 'train.log')) as f:
+        done = [line for line in f if line.startswith('done:')][-1]
+    return (re.search(r'- wall time [0-9.]+ h \(([0-9,]+) s\)', text)[1].replace(',', ''),
+            re.findall(r' in ([0-9]+) s', done)[-1])
+
+
 def test_finished_run(finished):
     result = subprocess.run([sys.executable, 'report.py', finished], cwd=REPO, capture_output=True,
                             text=True, timeout=120)
@@ -42,11 +52,13 @@ def test_finished_run(finished):
     assert (f"best val loss {test['best_val_loss']:.4f}" in text
             and f"at iteration {test['best_iter']}" in text)
     assert f"test loss {test['test_loss']:.4f}" in text
+    report_seconds, done_seconds = seconds_said(finished)
+    assert report_seconds == done_seconds
     assert '| max_iters | **20** | command line |' in text and '| beta1 | 0.9 | default |' in text
-    # a finished run has nothing left at its max_iters: the command raises it, and says what
-    # lr_decay_iters does
-    assert train_further(text).endswith('--init_from=resume --max_iters=40 --lr_decay_iters=20')
-    assert "change the command's --lr_decay_iters=20 to --lr_decay_iters=40" in text
+    # a finished run has nothing left at its max_iters: the command raises it alone, and says that
+    # the rate stays at min_lr (README's Resume)
+    assert train_further(text).endswith('--init_from=resume --max_iters=40')
+    assert 'reached min_lr at lr_decay_iters=20 and stays there' in text
     png = os.path.join(finished, 'curves.png')
     with open(png, 'rb') as f:
         assert f.read(8) == b'\x89PNG\r\n\x1a\n'
@@ -58,19 +70,21 @@ def test_train_further_as_the_report_says_then_again(tmp_path, data_dir):
     out = str(tmp_path / 'run')
     run_train(out, data_dir, '--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10',
               '--write_report=True')
-    # what the report tells the user to do: its command, with lr_decay_iters raised as its sentence
-    # says
-    command = train_further(read_report(out)).replace('--lr_decay_iters=20', '--lr_decay_iters=40')
-    result = forked.run(*shlex.split(command)[1:])
+    # what the report tells the user to do: its command, as it stands
+    result = forked.run(*shlex.split(train_further(read_report(out)))[1:])
     assert result.returncode == 0, result.stderr
-    assert [r['step'] for r in read_metrics(out, 'train')] == list(range(1, 41))
-    # the resumed run's own command holds --max_iters and --lr_decay_iters: the next one names each
-    # once, raised
+    train = read_metrics(out, 'train')
+    assert [r['step'] for r in train] == list(range(1, 41))
+    # on at min_lr, as the report said: no second warm-up
+    assert [r['lr'] for r in train[20:]] == [pytest.approx(3e-4)] * 20
+    # the resumed run's own command holds --max_iters: the next one names it once, raised
     text = read_report(out)
     args = shlex.split(train_further(text))
     assert ([a for a in args if a.startswith(('--max_iters=', '--lr_decay_iters='))]
-            == ['--max_iters=80', '--lr_decay_iters=40'])
-    assert "change the command's --lr_decay_iters=40 to --lr_decay_iters=80" in text
+            == ['--lr_decay_iters=20', '--max_iters=80'])
+    # the total over both sessions, as train.log's done line says it
+    report_seconds, done_seconds = seconds_said(out)
+    assert report_seconds == done_seconds
 
 
 def test_aborted_run(finished, tmp_path, data_dir):
@@ -118,6 +132,16 @@ def train_record(step, time):
             'time': time, 'mfu': 0.25, 'utilization': 0.5 + 0.2 * (step % 2), 'peak_mem_mb': 123.0}
 
 
+def made_up_report(out, config, meta, records):
+    """report.md of a run folder written from these."""
+    for name, content in (('config.json', json.dumps(config)), ('meta.json', json.dumps(meta)),
+                          ('metrics.jsonl', ''.join(json.dumps(r) + '\n' for r in records))):
+        with open(os.path.join(out, name), 'w') as f:
+            f.write(content)
+    report.write_report(out)
+    return read_report(out)
+
+
 def test_diagnoses_from_made_up_metrics(tmp_path):
     out = str(tmp_path / 'run')
     os.makedirs(out)
@@ -138,14 +162,10 @@ def test_diagnoses_from_made_up_metrics(tmp_path):
     records += [{'kind': 'eval', 'step': s, 'train_loss': t, 'val_loss': v, 'ema_val_loss': v - 0.1,
                  'best_val_loss': 0, 'val_bits_per_token': 0}
                 for s, t, v in ((10, 2.0, 2.05), (20, 1.4, 1.5), (30, 1.2, 1.6), (40, 1.0, 1.7))]
+    # the loop's time includes the last evaluation, after the last timed record: 41 s
     records += [{'kind': 'test', 'step': 40, 'best_iter': 20, 'best_val_loss': 1.5,
-                 'test_loss': 1.2}]
-    for name, content in (('config.json', json.dumps(config)), ('meta.json', json.dumps(meta)),
-                          ('metrics.jsonl', ''.join(json.dumps(r) + '\n' for r in records))):
-        with open(os.path.join(out, name), 'w') as f:
-            f.write(content)
-    report.write_report(out)
-    text = read_report(out)
+                 'test_loss': 1.2, 'wall_seconds': 11.0, 'total_seconds': 41.0}]
+    text = made_up_report(out, config, meta, records)
     assert 'Status: **early-stopped**: at iteration 40 of 100' in text
     assert 'overfitting from iteration 20' in text and 'leakage' not in text
     # ema_decay's val loss, beside the raw weights'
@@ -156,12 +176,73 @@ def test_diagnoses_from_made_up_metrics(tmp_path):
             and "peak memory 123 MB by the last training log line: rank 0's peak resident set"
             in text)
     assert 'test loss sits well below val loss: with a single text, test is its first 5%' in text
-    assert '(40 s), 0.02 compute hours (2 process(es))' in text and 'estimated cost 0.08' in text
+    assert ("(41 s), the training loop's in every session" in text
+            and '0.02 compute hours (2 process(es))' in text and 'estimated cost 0.08' in text)
     assert ('float16 steps skipped: 1' in text
             and 'spikes (> 5x the running median): 1, at iterations 25' in text)
     # no last.pt: init_from=auto redoes the run from what it started from
     assert ('torchrun --standalone --nproc_per_node=2 train.py config/tiny.py --resume_from=x.pt '
             '--init_from=auto' in text)
+
+
+# (max_iters, lr_decay_iters, lr_schedule, decay_lr, the sentence's words, the command's end)
+FURTHER = [
+    # resumed to 80 of config/tiny.py's 1500-iteration schedule: far from min_lr, so max_iters alone
+    (80, 1500, 'cosine', True, 'goes on along its schedule, which reaches min_lr at '
+     'lr_decay_iters=1500', '--init_from=resume --max_iters=160'),
+    (80, 100, 'wsd', True, 'goes on along its schedule', '--init_from=resume --max_iters=100'),
+    # decayed: on at min_lr, since a longer cosine would be a second warm-up
+    (80, 80, 'cosine', True, 'reached min_lr at lr_decay_iters=80 and stays there (raising '
+     'lr_decay_iters too would put it back up', '--init_from=resume --max_iters=160'),
+    # README's way for wsd: from stable.pt, with a longer schedule
+    (80, 60, 'wsd', True, 'from stable.pt, written where the decay began',
+     '--init_from=resume --resume_from=OUT/stable.pt --max_iters=160 --lr_decay_iters=160'),
+    (80, 80, 'cosine', False, 'Train further (from the directory it was started in):',
+     '--init_from=resume --max_iters=160'),
+]
+
+
+@pytest.mark.parametrize('max_iters, decay_iters, schedule, decay_lr, says, command', FURTHER,
+                         ids=['resumed-to-80-of-1500', 'decaying-to-100', 'decayed-cosine',
+                              'decayed-wsd', 'constant'])
+def test_train_further_follows_the_schedule(tmp_path, max_iters, decay_iters, schedule, decay_lr,
+                                            says, command):
+    out = str(tmp_path / 'run')
+    os.makedirs(out)
+    for name in ('last.pt', 'stable.pt'):  # as a wsd run leaves them (only their presence counts)
+        open(os.path.join(out, name), 'w').close()
+    settings = {'max_iters': max_iters, 'lr_decay_iters': decay_iters, 'lr_schedule': schedule,
+                'decay_lr': decay_lr, 'out_dir': out, 'log_interval': 1}
+    config = ({k: {'value': v, 'source': 'command line'} for k, v in settings.items()}
+              | {'resolved': {'device': 'cpu', 'dtype': 'float32'}})
+    meta = {'command': ['train.py', 'config/tiny.py', f'--out_dir={out}', '--init_from=resume',
+                        f'--max_iters={max_iters}']}
+    records = ([{'kind': 'start', 'step': 0, 'time': 0.0}, train_record(max_iters, 1.0),
+                {'kind': 'eval', 'step': max_iters, 'train_loss': 2.0, 'val_loss': 2.1},
+                {'kind': 'test', 'step': max_iters, 'best_iter': max_iters, 'test_loss': None,
+                 'total_seconds': 2.0}])
+    text = made_up_report(out, config, meta, records)
+    assert says in text
+    assert train_further(text).endswith(command.replace('OUT', out))
+    assert train_further(text).count('--max_iters=') == 1
+
+
+def test_wall_time_is_the_done_line_s_once_a_run_completes():
+    """Eval and test records carry no time: the last evaluation, its save and the test evaluation
+    come after the last timestamp, so a completed run's time is its test record's total_seconds
+    (train.log's done line), and only a run without one falls back to timestamps."""
+    timed = ([{'kind': 'start', 'step': 0, 'time': 100.0}]
+             + [{'kind': 'train', 'step': s, 'time': 100.0 + s} for s in (1, 2)]
+             + [{'kind': 'start', 'step': 2, 'time': 900.0}]
+             + [{'kind': 'train', 'step': s, 'time': 898.0 + s} for s in (3, 4)])
+    ends = [{'kind': 'eval', 'step': 4}, {'kind': 'test', 'step': 4, 'total_seconds': 7.4}]
+    assert report.wall_seconds(timed + ends)[0] == 7.4
+    assert report.wall_seconds(timed + ends[:1])[0] == 2.0 + 2.0  # killed in its last evaluation
+    # completed, then resumed and killed: the test record no longer ends the run
+    resumed = [{'kind': 'start', 'step': 4, 'time': 2000.0}, {'kind': 'train', 'step': 5,
+                                                               'time': 2001.0}]
+    assert report.wall_seconds(timed + ends + resumed)[0] == 2.0 + 2.0 + 1.0
+    assert report.wall_seconds([{'kind': 'eval', 'step': 4}]) is None
 
 
 def test_fit_and_leakage_reads():
