@@ -383,7 +383,13 @@ def given_tokenizer(spec):
                                f'(uint32 ids), e.g. bpe:8192')
         return None, int(spec[4:])
     if spec == 'gpt2':
-        return tokenizer.gpt2(), 0
+        try:
+            return tokenizer.gpt2(), 0
+        except tokenizer.TokenizerError:  # a dataset, unlike a run, can take README's offline route
+            raise PrepareError("could not load the gpt2 tokenizer (tiktoken needs a one-time "
+                               "download; offline?): use --tokenizer gpt2.tiktoken, GPT-2's "
+                               "ranks written once where tiktoken can download (README.md, "
+                               "Finetune GPT-2), or --tokenizer char") from None
     if not spec.endswith('.tiktoken'):
         raise PrepareError(f'tokenizer {spec!r} not understood: use char, gpt2, bpe:VOCAB_SIZE '
                            f'(e.g. bpe:8192) or a path to a .tiktoken ranks file')

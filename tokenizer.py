@@ -120,8 +120,8 @@ def gpt2():
         enc = tiktoken.get_encoding('gpt2')
     except Exception:
         raise TokenizerError('could not load the gpt2 tokenizer (tiktoken needs a one-time '
-                             'download; offline?): put the cached file in TIKTOKEN_CACHE_DIR, or '
-                             'use --tokenizer char') from None
+                             'download; offline?): put the cached file in '
+                             'TIKTOKEN_CACHE_DIR') from None
     return Tokenizer({'kind': 'tiktoken', 'encoding': 'gpt2', 'pat_str': GPT2_PAT_STR,
                       'eot_id': enc.eot_token}, enc=enc)
 

@@ -200,7 +200,9 @@ def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
     result = run_cli('x', '--input', 'f.txt', '--tokenizer', 'gpt2', cwd=tmp_path, env=env)
     assert result.returncode == 2
     assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith('error: ')
-    assert 'TIKTOKEN_CACHE_DIR' in result.stderr and '--tokenizer char' in result.stderr
+    # README's offline route: a gpt2.tiktoken ranks file written once online
+    assert ('use --tokenizer gpt2.tiktoken' in result.stderr and 'README.md' in result.stderr
+            and '--tokenizer char' in result.stderr)
     assert not (tmp_path / 'data').exists()
 
 
