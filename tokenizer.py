@@ -130,9 +130,9 @@ def read_ranks(path, folder=None, expected_sha256=None):
     """(absolute path, contents, sha256) of the .tiktoken ranks file at path (relative: inside
     folder); refuses a missing file, or one that changed since expected_sha256 was taken."""
     full_path = os.path.abspath(os.path.join(folder or '', path))
-    if not os.path.isfile(full_path):
-        raise TokenizerError(f'tokenizer file {full_path} not found: check the path, or prepare '
-                             f'the dataset again')
+    if not os.path.isfile(full_path):  # a dataset's, whose sha256 prepare.py recorded, or given
+        fix = 'restore it, or prepare the dataset again' if expected_sha256 else 'check the path'
+        raise TokenizerError(f'tokenizer file {full_path} not found: {fix}')
     with open(full_path, 'rb') as f:
         contents = f.read()
     sha256 = hashlib.sha256(contents).hexdigest()
