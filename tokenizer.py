@@ -58,6 +58,13 @@ class Tokenizer:
             return self.ids(text, np.int64).tolist()
         return self.enc.encode(text, allowed_special={EOT})
 
+    def unknown(self, text):
+        """The characters of text this vocabulary lacks, each once, in order: a char tokenizer's
+        unknown id 0. A BPE's bytes spell any text."""
+        if self.enc is not None:
+            return []
+        return list(dict.fromkeys(c for c in text if not self.table[ord(c)]))
+
     def decode(self, ids):
         if self.enc is None:
             return ''.join(self.itos[i] for i in ids)
