@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 
 import numpy as np
 
@@ -96,6 +97,13 @@ def prepare_once(data_dir, name):
             prepare.prepare(name, data_dir=data_dir)
 
 
+def prepare_command(name, data_dir, args=''):
+    """The prepare.py command line that writes dataset name where a run with data_dir looks."""
+    if os.path.normpath(data_dir) != prepare.DATA_DIR:
+        args += f' --data_dir {shlex.quote(data_dir)}'
+    return f"python prepare.py {name}{args}"
+
+
 def open_dataset(data_dir, dataset):
     """(meta, {split: [shard paths]}) of a dataset: a folder under data_dir, or a glob of shard
     files under data_dir whose folder holds meta.json. The splits come from the file names; test may
@@ -115,14 +123,16 @@ def open_dataset(data_dir, dataset):
     if not os.path.exists(meta_path):
         prepared = sorted(os.path.basename(os.path.dirname(p))
                           for p in glob.glob(os.path.join(glob.escape(data_dir), '*', 'meta.json')))
-        # a prepared one, or one prepare.py makes (train.py prepares pystdlib_char itself)
-        close = difflib.get_close_matches(dataset, prepared + list(prepare.KNOWN_DATASETS), n=1,
-                                          cutoff=0.6)
+        # a prepared one, or one prepare.py makes (train.py prepares pystdlib_char itself); none
+        # for a name prepare.py makes: the name is right, its files are missing
+        close = [] if dataset in prepare.KNOWN_DATASETS else difflib.get_close_matches(
+            dataset, prepared + list(prepare.KNOWN_DATASETS), n=1, cutoff=0.6)
         hint = (f"did you mean '{close[0]}'? " if close else '') + \
             (f"{data_dir} holds {', '.join(prepared)}; " if prepared else '')
-        raise DataError(f"dataset '{dataset}' has no {meta_path}: {hint}run python prepare.py "
-                        f"{dataset} --input PATH (or set data_dir); for downloaded shards write "
-                        f"it, e.g. {{\"vocab_size\": 50257, \"tokenizer\": \"gpt2\"}}")
+        raise DataError(f"dataset '{dataset}' has no {meta_path}: {hint}run "
+                        f"{prepare_command(dataset, data_dir, ' --input PATH')} (or set data_dir); "
+                        f"for downloaded shards write it, e.g. "
+                        f"{{\"vocab_size\": 50257, \"tokenizer\": \"gpt2\"}}")
     try:
         with open(meta_path, encoding='utf-8') as f:
             meta = json.load(f)
@@ -154,8 +164,8 @@ def open_dataset(data_dir, dataset):
         match = SHARD_NAME.search(os.path.basename(f))
         if match is None and os.path.basename(f) in ('train.bin', 'val.bin', 'test.bin'):
             raise DataError(f"{folder} was prepared by an older prepare.py (train.bin, no shards): "
-                            f"run python prepare.py {meta['name']} again (with the --input it had, "
-                            f"if any)")
+                            f"run {prepare_command(meta['name'], data_dir)} again (with the "
+                            f"--input it had, if any)")
         if match is None:
             raise DataError(f"{f} is not named like NAME_SPLIT_000000.bin with SPLIT train, val or "
                             f"test: rename it or narrow the dataset's glob")

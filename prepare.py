@@ -37,6 +37,7 @@ from configurator import fail
 SHAKESPEARE_URL = ('https://raw.githubusercontent.com/karpathy/char-rnn/master/data/'
                    'tinyshakespeare/input.txt')
 KNOWN_DATASETS = ('pystdlib_char', 'shakespeare_char', 'shakespeare')
+DATA_DIR = 'data'  # --data_dir's default, and train.py's
 SPLITS = ('train', 'val', 'test')
 # text per task sent to a tokenizer process: large enough that pickling costs little
 BATCH_BYTES = 1 << 20
@@ -382,7 +383,13 @@ def given_tokenizer(spec):
                                f'(uint32 ids), e.g. bpe:8192')
         return None, int(spec[4:])
     if spec == 'gpt2':
-        return tokenizer.gpt2(), 0
+        try:
+            return tokenizer.gpt2(), 0
+        except tokenizer.TokenizerError:  # a dataset, unlike a run, can take README's offline route
+            raise PrepareError("could not load the gpt2 tokenizer (tiktoken needs a one-time "
+                               "download; offline?): use --tokenizer gpt2.tiktoken, GPT-2's "
+                               "ranks written once where tiktoken can download (README.md, "
+                               "Finetune GPT-2), or --tokenizer char") from None
     if not spec.endswith('.tiktoken'):
         raise PrepareError(f'tokenizer {spec!r} not understood: use char, gpt2, bpe:VOCAB_SIZE '
                            f'(e.g. bpe:8192) or a path to a .tiktoken ranks file')
@@ -528,7 +535,7 @@ def splits_meta(counts, writers, text_path, char_level):
     return splits
 
 
-def prepare(name, data_dir='data', input_path=None, tokenizer=None, seed=1337, text_key='text',
+def prepare(name, data_dir=DATA_DIR, input_path=None, tokenizer=None, seed=1337, text_key='text',
             num_proc=None, shard_size=100_000_000):
     """Write data_dir/name/ (shards and meta.json); returns data_dir/name."""
     if not name or name.startswith('.') or '/' in name or os.sep in name:
@@ -627,7 +634,7 @@ def main(argv=None):
     parser.add_argument('--tokenizer', help='char, gpt2, PATH.tiktoken, or bpe:VOCAB_SIZE to learn '
                                             'a BPE on the train split (default: gpt2 for '
                                             'shakespeare, else char)')
-    parser.add_argument('--data_dir', default='data', help='where the dataset folder is written')
+    parser.add_argument('--data_dir', default=DATA_DIR, help='where the dataset folder is written')
     parser.add_argument('--seed', type=int, default=1337, help='seed of the split of documents')
     parser.add_argument('--text_key', default='text', help='the field that holds the text in '
                                                            '.jsonl and .parquet records')

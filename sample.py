@@ -203,6 +203,10 @@ if __name__ == '__main__':
         fail(e)
     autocast = precision.autocast(device_type, dtype)
     start = start or tok.start
+    if unknown := tok.unknown(start):  # a FILE: prompt may hold many: the first ten
+        more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ''
+        print(f"warning: prompt characters not in the vocabulary, encoded as id 0 (shown as "
+              f"\ufffd): {', '.join(map(repr, unknown[:10]))}{more}", file=sys.stderr)
     which = ', the EMA of its weights' if saved['weights'] == 'ema' else ''
     print(f"sampling {ckpt_path} (iteration {saved.get('iter_num', '?')}{which}) on {device} "
           f"{dtype}",

@@ -58,6 +58,13 @@ class Tokenizer:
             return self.ids(text, np.int64).tolist()
         return self.enc.encode(text, allowed_special={EOT})
 
+    def unknown(self, text):
+        """The characters of text this vocabulary lacks, each once, in order: a char tokenizer's
+        unknown id 0. A BPE's bytes spell any text."""
+        if self.enc is not None:
+            return []
+        return list(dict.fromkeys(c for c in text if not self.table[ord(c)]))
+
     def decode(self, ids):
         if self.enc is None:
             return ''.join(self.itos[i] for i in ids)
@@ -120,8 +127,8 @@ def gpt2():
         enc = tiktoken.get_encoding('gpt2')
     except Exception:
         raise TokenizerError('could not load the gpt2 tokenizer (tiktoken needs a one-time '
-                             'download; offline?): put the cached file in TIKTOKEN_CACHE_DIR, or '
-                             'use --tokenizer char') from None
+                             'download; offline?): put the cached file in '
+                             'TIKTOKEN_CACHE_DIR') from None
     return Tokenizer({'kind': 'tiktoken', 'encoding': 'gpt2', 'pat_str': GPT2_PAT_STR,
                       'eot_id': enc.eot_token}, enc=enc)
 
@@ -130,9 +137,9 @@ def read_ranks(path, folder=None, expected_sha256=None):
     """(absolute path, contents, sha256) of the .tiktoken ranks file at path (relative: inside
     folder); refuses a missing file, or one that changed since expected_sha256 was taken."""
     full_path = os.path.abspath(os.path.join(folder or '', path))
-    if not os.path.isfile(full_path):
-        raise TokenizerError(f'tokenizer file {full_path} not found: check the path, or prepare '
-                             f'the dataset again')
+    if not os.path.isfile(full_path):  # a dataset's, whose sha256 prepare.py recorded, or given
+        fix = 'restore it, or prepare the dataset again' if expected_sha256 else 'check the path'
+        raise TokenizerError(f'tokenizer file {full_path} not found: {fix}')
     with open(full_path, 'rb') as f:
         contents = f.read()
     sha256 = hashlib.sha256(contents).hexdigest()

@@ -200,7 +200,9 @@ def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
     result = run_cli('x', '--input', 'f.txt', '--tokenizer', 'gpt2', cwd=tmp_path, env=env)
     assert result.returncode == 2
     assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith('error: ')
-    assert 'TIKTOKEN_CACHE_DIR' in result.stderr and '--tokenizer char' in result.stderr
+    # README's offline route: a gpt2.tiktoken ranks file written once online
+    assert ('use --tokenizer gpt2.tiktoken' in result.stderr and 'README.md' in result.stderr
+            and '--tokenizer char' in result.stderr)
     assert not (tmp_path / 'data').exists()
 
 
@@ -214,7 +216,9 @@ def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
     (['x', '--input', 'tiny.txt'], 'split has no tokens'),
     (['x', '--input', 'two_docs'], 'only 2 distinct documents'),
     (['x', '--input', 'good.txt', '--tokenizer', 'bpe'], "tokenizer 'bpe' not understood"),
-    (['x', '--input', 'good.txt', '--tokenizer', 'nope.tiktoken'], 'not found'),
+    # a file given, no dataset's: nothing to prepare again
+    (['x', '--input', 'good.txt', '--tokenizer', 'nope.tiktoken'],
+     'nope.tiktoken not found: check the path$'),
     (['unknown_name'], 'pystdlib_char.*--input'),
     (['x', '--input', 'good.txt', '--num_proc', '-1'], 'num_proc=-1 must be at least 1'),
     (['x', '--input', 'null.jsonl'],

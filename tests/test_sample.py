@@ -46,6 +46,7 @@ def test_top_k_1_is_greedy_with_a_prompt_file(run_dir, tmp_path):
                         '--num_samples=1', '--max_new_tokens=12', '--device=cpu',
                         '--dtype=float32')  # the reference below computes in float32
     assert result.returncode == 0, result.stderr
+    assert 'not in the vocabulary' not in result.stderr
     ckpt = torch.load(os.path.join(run_dir, 'best.pt'), weights_only=True)
     model = GPT(GPTConfig(**ckpt['model_args']))
     model.load_state_dict(ckpt['model'])
@@ -56,6 +57,16 @@ def test_top_k_1_is_greedy_with_a_prompt_file(run_dir, tmp_path):
         for _ in range(12):
             idx = torch.cat([idx, model(idx)[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
     assert result.stdout == tok.decode(idx[0].tolist()) + '\n' + SEPARATOR
+
+
+def test_prompt_characters_the_vocabulary_lacks_are_named_in_a_warning(run_dir):
+    # the corpus is lower-case: 13 characters unknown, the first ten named
+    result = run_sample(f'--out_dir={run_dir}', '--start=€uro {€} ABCDEFGHIJ', '--num_samples=1',
+                        '--max_new_tokens=1', '--device=cpu')
+    assert result.returncode == 0, result.stderr
+    assert ("warning: prompt characters not in the vocabulary, encoded as id 0 (shown as \ufffd): "
+            "'€', '{', '}', 'A', 'B', 'C', 'D', 'E', 'F', 'G' and 3 more\n" in result.stderr)
+    assert result.stdout.startswith('\ufffduro \ufffd\ufffd\ufffd '), 'encoded as before'
 
 
 @pytest.mark.fresh

@@ -132,7 +132,7 @@ def test_dataset_mistakes_are_one_line(tmp_path):
                                                 '"name": "old"}')
     np.zeros(10, np.uint16).tofile(tmp_path / 'old' / 'train.bin')
     assert ('prepared by an older prepare.py (train.bin, no shards): run python prepare.py old '
-            'again' in error('old'))
+            f'--data_dir {tmp_path} again' in error('old'))
     # a hand-written meta.json cannot give a char vocabulary: the end-of-run sample would need its
     # characters
     for entry in ('"char"', '{"kind": "char"}'):

@@ -114,7 +114,7 @@ def test_a_changed_or_missing_ranks_file_is_refused_in_one_line(tmp_path):
     assert_refused(tmp_path, path,
                    'changed since the dataset was prepared: restore it, or re-run prepare.py')
     os.remove(path)
-    assert_refused(tmp_path, path, 'not found')
+    assert_refused(tmp_path, path, 'not found: restore it, or prepare the dataset again')
 
 
 def assert_refused(data_dir, path, message):

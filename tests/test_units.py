@@ -460,6 +460,21 @@ def test_a_misspelt_dataset_names_the_closest_prepared_one(tmp_path):
         datafiles.open_dataset(str(tmp_path), 'pystdlib_chr')
 
 
+def test_a_missing_dataset_s_prepare_command_writes_where_the_run_looks(tmp_path, monkeypatch):
+    # a name prepare.py makes is no misspelling: no other name is offered
+    missing = tmp_path / 'no dir'
+    with pytest.raises(data.DataError) as e:
+        datafiles.open_dataset(str(missing), 'shakespeare_char')
+    assert 'did you mean' not in str(e.value)
+    assert (f"run python prepare.py shakespeare_char --input PATH --data_dir '{missing}' "
+            f"(or set data_dir)" in str(e.value))
+    monkeypatch.chdir(tmp_path)  # prepare.py's default data_dir needs no --data_dir
+    for data_dir in ('data', './data/'):
+        with pytest.raises(data.DataError, match=r"run python prepare.py shakespeare_char "
+                                                 r"--input PATH \(or set data_dir\)"):
+            datafiles.open_dataset(data_dir, 'shakespeare_char')
+
+
 def test_times_left_read_in_one_set_of_units():
     import runlog
     assert [runlog.duration(s) for s in (42, 89.6, 90, 3000, 5399, 5400, 36000)] == [
