@@ -117,17 +117,17 @@ def out_of_memory(error):
 
 def catch_stop_signals():
     """From now on SIGINT and SIGTERM set stop_signal, and the loop saves last.pt after the step
-    under way and exits; a second Ctrl-C exits at once (every checkpoint on disk is whole, written
-    atomically)."""
+    under way and exits; a Ctrl-C after either exits at once (every checkpoint on disk is whole,
+    written atomically)."""
     def request_stop(signum, frame):
         global stop_signal
-        if signum == signal.SIGINT and stop_signal == signal.SIGINT:
+        if signum == signal.SIGINT and stop_signal is not None:  # after Ctrl-C or SIGTERM
             os._exit(130)
         if stop_signal is None:
             stop_signal = signum
             # os.write: print() may be in the middle of a line, and a handler must not re-enter it
             if runlog.master:
-                again = ' (Ctrl-C again to stop at once)' if signum == signal.SIGINT else ''
+                again = f" (Ctrl-C{' again' if signum == signal.SIGINT else ''} to stop at once)"
                 os.write(2, f"\n{signal.Signals(signum).name}: saving last.pt after the iteration "
                             f"under way, then stopping{again}\n".encode())
     signal.signal(signal.SIGINT, request_stop)

@@ -27,8 +27,9 @@ def smoke_test(steps, train_step, train_split, parts, device):
     group's base rate, the schedule's peak (warmup's first rates would move nothing), until the
     loss the ranks agree on has fallen by SMOKE_DROP or is not finite: at most steps of them.
     parts: what a checkpoint holds the state of (train.py), restored afterwards with the RNGs; the
-    EMA is left out, as no step touches it. Passing, a line and a 'smoke' record; failing, the
-    same, then exit code 2 on every rank (they agree on the losses, so on when to stop)."""
+    EMA is left out, as no step touches it. Passing, a line and a 'smoke' record, and False;
+    failing, the same, then exit code 2 on every rank (they agree on the losses, so on when to
+    stop). A stop signal on any rank ends it at once on every rank: True, the state restored."""
     optimizer, scaler = parts['optimizer'], parts['scaler']
     batch = data.next_batch(train_split, parts['sampler'])
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -37,7 +38,10 @@ def smoke_test(steps, train_step, train_split, parts, device):
         loss, _, _ = train_step(iter([batch]), accum=1)
         scaler.step(optimizer)
         scaler.update()
-        return distributed.sum_over_ranks(loss.view(1)).item() / world_size
+        # the ranks' mean loss, and whether a stop signal reached any of them
+        stop = torch.tensor([float(exits.stop_signal is not None)], device=loss.device)
+        loss_sum, stops = distributed.sum_over_ranks(torch.cat([loss.view(1), stop])).tolist()
+        return loss_sum / world_size, stops > 0
 
     runlog.log(f"smoke test: up to {steps} steps on one batch before the first, until its loss "
                f"falls {SMOKE_DROP:.0%} (smoke_steps=0 skips it)")
@@ -46,14 +50,21 @@ def smoke_test(steps, train_step, train_split, parts, device):
     saved = checkpoint.snapshot(parts, device)
     for group, base_lr in zip(optimizer.param_groups, parts['scheduler'].base_lrs):
         group['lr'] = base_lr
-    losses = [step()]
-    # passing early: a model that learns shows it in a few steps, and a large model's step is long;
-    # failing early: a non-finite loss cannot come back
-    while (len(losses) < steps and math.isfinite(losses[-1])
-           and not losses[-1] <= (1 - SMOKE_DROP) * losses[0]):
-        losses.append(step())
+    losses = []
+    while True:
+        loss, stopped = step()
+        losses.append(loss)
+        # passing early: a model that learns shows it in a few steps, and a large model's step is
+        # long; failing early: a non-finite loss cannot come back
+        if (stopped or len(losses) == steps or not math.isfinite(loss)
+                or loss <= (1 - SMOKE_DROP) * losses[0]):
+            break
     checkpoint.restore(parts, saved, device)
     first, last, seconds = losses[0], losses[-1], time.time() - start
+    if stopped:  # every rank: they agree on it
+        runlog.log(f"smoke test: a stop signal after {len(losses)} steps; the run stops before "
+                   f"its first step")
+        return True
     passed = last <= (1 - SMOKE_DROP) * first  # a NaN fails too
     runlog.record({'kind': 'smoke', 'step': 0, 'steps': len(losses), 'max_steps': steps,
                    'first_loss': first, 'last_loss': last, 'seconds': seconds, 'passed': passed})
@@ -61,7 +72,7 @@ def smoke_test(steps, train_step, train_split, parts, device):
             f"{last:.4f} in {seconds:.1f} s")
     if passed:
         runlog.log(f"{line}: it learns; the run starts from the state before it")
-        return
+        return False
     why = "this model does not learn (a loss detached from the weights, a learning rate of 0?)"
     if not math.isfinite(last):
         why = "it is not finite at the full learning rate: lower learning_rate"

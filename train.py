@@ -439,12 +439,17 @@ def save(names, rng):
         f"{' (a copy, written in the background)' if async_save else ''}")
     return seconds
 
-if smoke_steps and not resuming:  # a few steps on one batch must lower its loss; then all undone
-    smoke.smoke_test(smoke_steps, train_step, splits['train'], parts, device)
+smoke_stopped = False  # a stop signal during the smoke test: the run stops before its first step
+if smoke_steps and progress.iter_num == 0:  # steps on one batch must lower its loss; all undone
+    smoke_stopped = smoke.smoke_test(smoke_steps, train_step, splits['train'], parts, device)
     speed.clock.clear()  # its micro-batches and time are not the run's
     speed.restart(progress.iter_num)
 perf.reset_peak_memory(device)  # the loop's peak, not the smoke test's or the FLOP/s measurement's
 t_start, save_seconds, first_loss = time.time(), 0.0, None
+if smoke_stopped:  # as the loop stops: last.pt (here the state before the first step), then exit
+    save(['last.pt'], gather(checkpoint.rng_state(device)))
+    exits.unsaved(writer.wait(), progress.iter_num, writer, device)
+    exits.exit_on_signal(progress.iter_num, world_size)
 while progress.iter_num < max_iters:
     # the step
     lr = optimizer.param_groups[0]['lr']  # AdamW's, learning_rate's schedule

@@ -107,22 +107,48 @@ def test_sigterm_ctrl_c_and_sigkill_then_resume_bitwise(tmp_path, data_dir):
         assert trajectory(out) == trajectory(straight)
 
 
-def test_second_ctrl_c_exits_at_once_with_whole_checkpoints(tmp_path, data_dir):
+@pytest.mark.parametrize('first', [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_after_a_stop_signal_exits_at_once_with_whole_checkpoints(tmp_path, data_dir,
+                                                                          first):
     out = str(tmp_path / 'run')
     # the third write of last.pt (iteration 3) stops before its rename (tests/probe.py): the first
-    # Ctrl-C waits for an iteration that does not end, however fast this CPU, and the second comes
+    # signal waits for an iteration that does not end, however fast this CPU, and the Ctrl-C comes
     # once the first has been heard
     proc = start([PROBE, *train_cmd(out, data_dir, *ARGS, '--checkpoint_interval=1')],
                  env={**os.environ, 'PROBE_HOLD_SAVE': '3'})
     wait_for_stderr(proc, 'probe: holding the write of')
-    proc.send_signal(signal.SIGINT, group=True)
-    wait_for_stderr(proc, 'SIGINT: saving last.pt after the iteration under way')
+    proc.send_signal(first, group=first == signal.SIGINT)
+    wait_for_stderr(proc, f'{first.name}: saving last.pt after the iteration under way')
     proc.send_signal(signal.SIGINT, group=True)
     proc.communicate(timeout=60)
     # no save-and-stop: it left at once
     assert proc.returncode == 130 and not read_metrics(out, 'stop')
     # whole, and the one before the write that was under way
     assert torch.load(os.path.join(out, 'last.pt'), weights_only=True)['iter_num'] == 2
+
+
+def test_a_stop_during_the_smoke_test_stops_the_run_before_its_first_step(tmp_path, data_dir):
+    # learning_rate=0: the smoke test cannot pass, and at 0.5 s a micro-batch its 30 steps would
+    # take 15 s, then fail (exit 2); a large model's steps take minutes. SIGTERM ends it at once
+    # with last.pt holding the state before the first step, and a resume takes the smoke test
+    out = str(tmp_path / 'run')
+    args = ['--smoke_steps=30', '--learning_rate=0']
+    proc = start([PROBE, *train_cmd(out, data_dir, *args)],
+                 env={**os.environ, 'PROBE_SLEEP': '1-30:0.5'})
+    log, deadline = os.path.join(out, 'train.log'), time.time() + 120
+    while not (os.path.exists(log) and 'smoke test: up to' in open(log).read()):
+        assert time.time() < deadline and proc.poll() is None, "the smoke test never began"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr
+    assert 'the run stops before its first step' in stdout, stdout
+    assert torch.load(os.path.join(out, 'last.pt'), weights_only=True)['iter_num'] == 0
+    assert [r['step'] for r in read_metrics(out, 'stop')] == [0]
+    assert not read_metrics(out, 'train') and not read_metrics(out, 'smoke')
+    resumed = start(train_cmd(out, data_dir, *args, '--init_from=resume'))
+    stderr = resumed.communicate(timeout=120)[1]
+    assert resumed.returncode == 2 and 'this model does not learn' in stderr, stderr
 
 
 def test_two_ranks_stop_together_on_sigterm_and_resume_bitwise(tmp_path, data_dir):

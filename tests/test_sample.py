@@ -61,8 +61,8 @@ def test_top_k_1_is_greedy_with_a_prompt_file(run_dir, tmp_path):
 
 def test_prompt_characters_the_vocabulary_lacks_are_named_in_a_warning(run_dir):
     # the corpus is lower-case: 13 characters unknown, the first ten named
-    result = run_sample(f'--out_dir={run_dir}', '--start=€uro {€} ABCDEFGHIJ', '--num_samples=1',
-                        '--max_new_tokens=1', '--device=cpu')
+    result = run_sample(f'--out_dir={run_dir}', '--start=€uro {€} ABCDEFGHIJ',
+                        '--num_samples=1', '--max_new_tokens=1', '--device=cpu')
     assert result.returncode == 0, result.stderr
     assert ("warning: prompt characters not in the vocabulary, encoded as id 0 (shown as \ufffd): "
             "'€', '{', '}', 'A', 'B', 'C', 'D', 'E', 'F', 'G' and 3 more\n" in result.stderr)
