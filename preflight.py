@@ -155,7 +155,10 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
                or datafiles.data_change(ckpt['dataset'], dataset_id, splits))
         check(not why,
               f"{ckpt_path} {why}: use the checkpoint's settings and data, or a new out_dir")
-        check(ckpt['iter_num'] < c['max_iters'] or c['init_from'] == 'auto',
+        # auto, the command a scheduler repeats: run again on its finished run, it redoes the end
+        # (the test split, the sample, the report) a kill may have cut short
+        again = c['init_from'] == 'auto' and ckpt['iter_num'] == c['max_iters']
+        check(ckpt['iter_num'] < c['max_iters'] or again,
               f"{ckpt_path} is at iteration {ckpt['iter_num']}: max_iters={c['max_iters']} "
               f"leaves nothing to do: raise max_iters (README, Resume, says what the learning rate "
               f"does then)")

@@ -104,6 +104,15 @@ def test_an_overfit_run_resumes_on_its_batch_and_a_finished_one_started_again_en
     assert 'overfit one batch: loss' in run_train(out, data_dir, *args, '--max_iters=3').stdout
     again = run_train(out, data_dir, *args, '--max_iters=3')
     assert 'overfit one batch' not in again.stdout and 'done: ' in again.stdout
+    # fewer iterations than it ran is another run's command: refused, as by init_from=resume, with
+    # nothing written
+    files = {name: sha(os.path.join(out, name)) for name in os.listdir(out)}
+    for init_from in ('auto', 'resume'):
+        refused = run_train(out, data_dir, *args, '--max_iters=2', f'--init_from={init_from}',
+                            check=False)
+        assert refused.returncode == 2 and 'is at iteration 3: max_iters=2 leaves nothing to do' \
+            in refused.stderr, refused.stderr
+    assert {name: sha(os.path.join(out, name)) for name in os.listdir(out)} == files
     # its batch is read without moving the sampler: resumed, it trains on the same one
     run_train(out, data_dir, *args, '--max_iters=6')
     run_train(straight, data_dir, *args, '--max_iters=6')
