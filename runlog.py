@@ -98,11 +98,13 @@ def record(entry):
 
 
 def duration(seconds):
-    """A time left as a person reads it, in the same units wherever the log says one: s, min or
-    h."""
+    """A time left as a person reads it, in the same units wherever the log says one: s, min, h or
+    days."""
     if seconds < 90:
         return f"{seconds:.0f} s"
-    return f"{seconds / 60:.1f} min" if seconds < 90 * 60 else f"{seconds / 3600:.1f} h"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h" if seconds < 72 * 3600 else f"{seconds / 86400:,.1f} days"
 
 
 def log_bytes():
@@ -120,7 +122,7 @@ def missing_package(config):
     return ''
 
 
-def start(out_dir, resumed, config, sources, session, num_params):
+def start(out_dir, resumed, config, sources, session, num_params, flops_per_token):
     """Every rank calls it once the settings, data and checkpoint are known to be good. Rank 0
     creates out_dir, opens the logs for appending, writes config.json (with the device and dtype
     'auto' resolved to) and meta.json (session: seed, dtype, device, data, ...), and starts
@@ -132,7 +134,7 @@ def start(out_dir, resumed, config, sources, session, num_params):
     unwritable = open_run(out_dir, resumed, config, sources, session) if master else None
     if distributed.any_rank(unwritable, session['device']):
         return unwritable or "out_dir cannot be written on rank 0"
-    announce(session, config, resumed, num_params)
+    announce(session, config, resumed, num_params, flops_per_token)
     return ''
 
 
@@ -182,11 +184,13 @@ def close_logs():
         tensorboard.close()
 
 
-def announce(session, config, resumed, num_params):
+def announce(session, config, resumed, num_params, flops_per_token):
     """The 'start' record, and the lines that say what this session is (session: meta.json's): where
     it starts from, the model's size, the device, dtype and processes, the tokens per iteration, and
-    the peak FLOP/s that MFU is measured against; what was migrated of a checkpoint of an older
-    format; what a resume on another number of processes cannot restore."""
+    the peak FLOP/s that MFU is measured against, with the least time the iterations left can take
+    at it (before the smoke test: a CPU given GPT-2's shape learns it is years at once); what was
+    migrated of a checkpoint of an older format; what a resume on another number of processes
+    cannot restore."""
     step = resumed[1]['iter_num'] if resumed else 0
     record({'kind': 'start', 'step': step, 'time': time.time()})
     pretrained, peak = session['pretrained'], session['peak_flops']
@@ -197,8 +201,13 @@ def announce(session, config, resumed, num_params):
     log(f"{start_point}: {num_params / 1e6:.2f}M parameters, {session['device']} "
         f"{session['dtype']}, {session['world_size']} process(es), {accum * batch * block:,} "
         f"tokens per iteration ({accum} x {batch} x {block})")
+    # every process at its peak: no iteration is faster
+    least = (flops_per_token * accum * batch * block
+             / (peak['per_process'] * session['world_size']))
+    left = config['max_iters'] - step
     log(f"MFU is measured against {peak['per_process'] / 1e9:,.1f} GFLOP/s per process "
-        f"({peak['how']})")
+        f"({peak['how']}); at it an iteration takes at least {least:.3g} s, the {left:,} left at "
+        f"least {duration(least * left)}")
     if resumed and 'migrated' in resumed[1]:  # from an older format, by checkpoint.load
         log(resumed[1]['migrated'])
     if busy := distributed.busy_warning(torch.get_num_threads(), session['cpus']):

@@ -286,7 +286,7 @@ run_record = {'config': config, 'model_args': dataclasses.asdict(model_config),
 # the run folder: created only now that the config, data and checkpoint are known to be good; an
 # out_dir that cannot be written stops every rank here
 unwritable = runlog.start(out_dir, (ckpt_path, ckpt) if resuming else None, config, config_sources,
-                          init.session, raw_model.num_params())
+                          init.session, raw_model.num_params(), raw_model.flops_per_token())
 check(not unwritable, unwritable)
 # out of memory anywhere: one line that says what to change instead of a traceback (the exit code
 # stays 1)

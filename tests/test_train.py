@@ -15,6 +15,7 @@ import torch
 import forked
 import perf
 from conftest import DEVICES, PROBE, REPO, RUN_CONFIG, ok, read_metrics, run_train
+from model import GPT, GPTConfig
 
 
 @pytest.mark.parametrize('device', DEVICES)
@@ -69,6 +70,16 @@ def test_run_learns_and_records_everything(tmp_path, data_dir, device):
             assert gpu[key], gpu
     else:
         assert meta['hardware']['gpu'] is None
+    # before the smoke test, the least time an iteration and the run take at the peak
+    model_args = torch.load(os.path.join(out, 'last.pt'), weights_only=True)['model_args']
+    tokens = math.prod(config[k]['value']
+                       for k in ('gradient_accumulation_steps', 'batch_size', 'block_size'))
+    # (meta.json's peak may have been raised since: the line's own)
+    line = re.search(r"against ([\d.,]+) GFLOP/s per process .*at it an iteration takes at least "
+                     r"([\d.e+-]+) s, the 60 left", result.stdout)
+    peak, least = (float(value.replace(',', '')) for value in line.groups())
+    assert least == pytest.approx(GPT(GPTConfig(**model_args)).flops_per_token() * tokens
+                                  / (peak * 1e9), rel=0.01)
     log = open(os.path.join(out, 'train.log')).read().strip().splitlines()
     # start-up lines come before the run directory exists
     stdout = result.stdout.strip().splitlines()

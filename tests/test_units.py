@@ -477,8 +477,9 @@ def test_a_missing_dataset_s_prepare_command_writes_where_the_run_looks(tmp_path
 
 def test_times_left_read_in_one_set_of_units():
     import runlog
-    assert [runlog.duration(s) for s in (42, 89.6, 90, 3000, 5399, 5400, 36000)] == [
-        '42 s', '90 s', '1.5 min', '50.0 min', '90.0 min', '1.5 h', '10.0 h']
+    assert [runlog.duration(s) for s in (42, 89.6, 90, 3000, 5399, 5400, 36000, 259200, 3.2e8)] == [
+        '42 s', '90 s', '1.5 min', '50.0 min', '90.0 min', '1.5 h', '10.0 h', '3.0 days',
+        '3,703.7 days']
 
 
 def test_long_steps_show_progress_as_lines_in_a_log_and_a_bar_on_a_terminal(capsys, monkeypatch):
