@@ -71,6 +71,11 @@ def fit_read(evals):
         return (f"overfitting from iteration {evals[best]['step']}: val loss was lowest there and "
                 f"stayed above it for the {since_best} evaluations since, while train loss kept "
                 f"falling")
+    if since_best >= 2:  # and train loss no lower than there: not overfitting, something worse
+        return (f"diverging from iteration {evals[best]['step']}: val loss was lowest there and "
+                f"train loss has not fallen below its value there in the {since_best} evaluations "
+                f"since: lower learning_rate (expected with overfit_one_batch, which fits one "
+                f"batch, not the splits)")
     if since_best == 0 and evals[-1]['train_loss'] < evals[-2]['train_loss']:
         return ("underfitting: train and val loss are both still falling at the last evaluation: "
                 "train longer")
@@ -242,11 +247,13 @@ def loss_lines(evals, test, split_rule):
              f"- best val loss {loss_text(best_val['val_loss'])} at iteration {best_val['step']}; "
              f"best train loss {loss_text(best_train['train_loss'])} at iteration "
              f"{best_train['step']}"]
-    if last.get('ema_val_loss') is not None:  # ema_decay: best.pt was chosen by it
+    if last.get('ema_val_loss') is not None:  # ema_decay: best.pt holds the EMA's weights
         best_ema = min(evals, key=lambda e: e['ema_val_loss'])
+        held = f" of iteration {test['best_iter']}" if test else ''  # by best_by: maybe not these
         lines.append(f"- the EMA of the weights: val {loss_text(last['ema_val_loss'])} at the last "
                      f"evaluation, best {loss_text(best_ema['ema_val_loss'])} at iteration "
-                     f"{best_ema['step']} (best.pt holds it, and sample.py and evaluate.py use it)")
+                     f"{best_ema['step']}; best.pt holds the EMA{held}, which sample.py and "
+                     f"evaluate.py use")
     if test and test.get('test_loss') is not None:
         lines.append(f"- test loss {loss_text(test['test_loss'])} with the best weights (iteration "
                      f"{test['best_iter']})")

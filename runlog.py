@@ -270,8 +270,9 @@ def new_peak(step, flops, how):
 
 
 def done(test, first_iter):
-    """The end of a run that completed: the 'test' record (step, best_iter, best_val_loss, ema:
-    whether that is the EMA's, test_loss or None, wall_seconds and save_seconds of this session,
+    """The end of a run that completed: the 'test' record (step, best_iter and best_by: best.pt's
+    iteration and what chose it, best_val_loss: its val loss, ema: whether that is the EMA's,
+    test_loss or None, wall_seconds and save_seconds of this session,
     total_seconds of every session), and the line that sums it up. first_iter: the iteration this
     session started from (0 unless it resumed)."""
     record(test)
@@ -283,9 +284,12 @@ def done(test, first_iter):
         (f", test loss {test_loss:.4f} ({test_loss / math.log(2):.3f} bits/token) with the best "
          f"weights")
     whose = ' (the EMA of the weights)' if test['ema'] else ''
+    best = (f"best val loss{whose} {test['best_val_loss']:.4f} at iteration {test['best_iter']}"
+            if test['best_by'] == 'val_loss' else
+            f"best acc_norm at iteration {test['best_iter']}, val loss{whose} "
+            f"{test['best_val_loss']:.4f} there")
     log(f"done: {sessions} (checkpoint saves {test['save_seconds'] / seconds:.1%} of this "
-        f"session), best val loss{whose} {test['best_val_loss']:.4f} at iteration "
-        f"{test['best_iter']}{tested}; checkpoints in {run_dir}")
+        f"session), {best}{tested}; checkpoints in {run_dir}")
 
 
 def finish():

@@ -121,7 +121,7 @@ warmup_iters = 2000
 lr_decay_iters = 600000
 min_lr = 6e-5  # AdamW's floor; Muon's is muon_lr * min_lr / learning_rate
 # early stopping and checks
-patience = 0  # stop after this many evaluations without a new best val loss; 0 never stops early
+patience = 0  # stop after this many evaluations without a new best (best_by); 0 never stops early
 overfit_one_batch = False  # train on one fixed batch: its loss must approach zero if all is wired
 smoke_steps = 30  # steps on one batch before a new run, at most, to lower its loss 10%; 0: off
 # system
@@ -506,7 +506,8 @@ while progress.iter_num < max_iters:
         exits.unsaved(writer.wait(), progress.iter_num, writer, device)
         exits.exit_on_signal(progress.iter_num, world_size)
     if stopping_early:
-        log(f"early stop: no better val loss in {patience} evaluations since iteration "
+        what = 'val loss' if best_by == 'val_loss' else best_by
+        log(f"early stop: no better {what} in {patience} evaluations since iteration "
             f"{progress.best_iter}")
         break
 
@@ -523,7 +524,8 @@ if progress.best_iter > 0 and (test_eval or sample_tokens):
 best_model = ema.module if ema else raw_model  # the weights best.pt was chosen by
 test_loss = split_loss('test', ema_eval_model if ema else eval_model) if test_eval else None
 runlog.done({'kind': 'test', 'step': progress.iter_num, 'best_iter': progress.best_iter,
-             'best_val_loss': progress.best_val_loss, 'ema': bool(ema), 'test_loss': test_loss,
+             'best_by': best_by, 'best_val_loss': progress.best_val_loss, 'ema': bool(ema),
+             'test_loss': test_loss,
              'wall_seconds': session_seconds, 'save_seconds': save_seconds,
              'total_seconds': seconds_before + session_seconds}, start_iter)
 if sample_tokens and (master or sharded):  # a sharded model's forward needs every rank

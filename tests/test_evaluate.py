@@ -355,7 +355,7 @@ def test_accuracy_in_the_loop_on_one_and_two_ranks(data_dir, tmp_path):
             '--dtype=float32', '--best_by=acc_norm', '--write_report=True',
             '--gradient_accumulation_steps=2']
     one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
-    run_train(one, data_dir, *args)
+    result = run_train(one, data_dir, *args)
     ok(torchrun(two, data_dir, *args))
     evals = read_metrics(one, 'eval')
     assert ([e['step'] for e in evals] == [10, 20]
@@ -377,6 +377,9 @@ def test_accuracy_in_the_loop_on_one_and_two_ranks(data_dir, tmp_path):
                 == (recorded['toy_task/acc'], recorded['toy_task/acc_norm']))
     best = torch.load(os.path.join(one, 'best.pt'), weights_only=True)['iter_num']
     assert best == max(evals, key=lambda e: (e['toy_task/acc_norm'], -e['step']))['step']
+    # the last line names what chose best.pt, and its val loss (not the lowest one's)
+    val_loss = next(e['val_loss'] for e in evals if e['step'] == best)
+    assert f"best acc_norm at iteration {best}, val loss {val_loss:.4f} there" in result.stdout
     assert '- toy_task: acc ' in open(os.path.join(one, 'report.md')).read()
 
 

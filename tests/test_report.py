@@ -170,7 +170,7 @@ def test_diagnoses_from_made_up_metrics(tmp_path):
     assert 'overfitting from iteration 20' in text and 'leakage' not in text
     # ema_decay's val loss, beside the raw weights'
     assert ('the EMA of the weights: val 1.6000 (2.308 bits/token) at the last evaluation, '
-            'best 1.4000' in text)
+            'best 1.4000' in text and 'best.pt holds the EMA of iteration 20, which' in text)
     assert ('median MFU 25.0%' in text and "mean utilization 60%: rank 0's CPU time over the wall "
             "time of torch's threads" in text
             and "peak memory 123 MB by the last training log line: rank 0's peak resident set"
@@ -251,6 +251,9 @@ def test_fit_and_leakage_reads():
                 for i, (t, v) in enumerate(pairs)]
     assert report.fit_read(evals((3.0, 3.1), (2.5, 2.6), (2.0, 2.1))).startswith('underfitting')
     assert report.fit_read(evals((3.0, 3.1), (2.5, 2.6), (2.4, 2.65))).startswith('fitting')
+    # both rising since the best, as overfit_one_batch's splits do or a rate too high
+    assert report.fit_read(evals((3.0, 3.1), (2.5, 2.6), (2.6, 2.8), (3.5, 3.9))).startswith(
+        'diverging from iteration 20')
     assert 'val loss sits 0.5000 below' in report.leakage(evals((2.0, 2.1), (1.5, 1.0)))
     assert 'tracks train loss' in report.leakage(evals((3.0, 3.0001), (2.5, 2.5001), (2.0, 2.0001)))
     assert report.leakage(evals((3.0, 3.1), (2.5, 2.6), (2.0, 2.1))) is None
