@@ -14,9 +14,10 @@ A task file is jsonl, one example a line, in either format (per line):
   is scored as " " + ending after the context, as llm.c and build-nanogpt render it.
 - generic: {"context": str, "choices": [str, ...], "answer": int}; each choice follows the context
   exactly as written, so a choice carries its own separator (" Paris", not "Paris").
-A context too long for block_size loses its first tokens; an ending is never cut. Per task, stdout
-gets one line: the example count, acc and acc_norm with 95% intervals, and chance level. What was
-loaded, and how long it took, goes to stderr.
+A context too long for block_size loses its first tokens; an ending is never cut. Characters a
+character-level vocabulary lacks are scored as its unknown id 0, and a warning per file names them.
+Per task, stdout gets one line: the example count, acc and acc_norm with 95% intervals, and chance
+level. What was loaded, and how long it took, goes to stderr.
 """
 import json
 import math
@@ -38,7 +39,7 @@ import tokenizer as tokenizers  # 'tokenizer' is a config key below
 from configurator import ConfigError, configure
 from exits import check
 from model import GPT, GPTConfig
-from runlog import progress
+from runlog import log, progress
 
 # -----------------------------------------------------------------------------
 out_dir = 'out'  # evaluates out_dir/best.pt
@@ -84,9 +85,9 @@ DUMMY = Example(rows=[[0, 0]], ending_lengths=[1], label=-1)
 # reading a task
 
 
-def parse_line(line, where, encode, block_size):
+def parse_line(line, where, encode, block_size, unknown):
     """One jsonl line (at where, 'FILE:LINE') as an Example, its context left-truncated so each row
-    fits."""
+    fits, and the characters of its texts that unknown(text) names (the vocabulary lacks)."""
     try:
         record = json.loads(line)
     except ValueError as e:
@@ -127,34 +128,46 @@ def parse_line(line, where, encode, block_size):
     # the input is row[:-1]: context and ending together may take block_size + 1 ids, the context at
     # least one
     rows = [context_ids[-(block_size + 1 - len(ids)):] + ids for ids in ending_ids]
-    return Example(rows, [len(ids) for ids in ending_ids], label)
+    return (Example(rows, [len(ids) for ids in ending_ids], label),
+            unknown(context + ''.join(endings)))
 
 
-def read_task(path, encode, block_size, max_examples=0):
+def read_task(path, encode, block_size, max_examples=0, unknown=None):
     """The examples of a task file as token ids (encode: str -> list[int], the model's tokenizer).
     Every line is checked, also past max_examples, so a bad file fails at once; max_examples > 0
-    then keeps the first ones."""
+    then keeps the first ones. unknown: the tokenizer's (Tokenizer.unknown), None for one that
+    spells any text; characters a char vocabulary lacks are scored as its unknown id 0, which one
+    warning says (rank 0's, as every log line)."""
     try:
         with open(path, encoding='utf-8') as f:
-            examples = [parse_line(line, f"{path}:{number}", encode, block_size)
-                        for number, line in enumerate(f, 1) if line.strip()]
+            parsed = [parse_line(line, f"{path}:{number}", encode, block_size,
+                                 unknown or (lambda text: []))
+                      for number, line in enumerate(f, 1) if line.strip()]
     except OSError as e:
         raise TaskError(f"cannot read the task file {path} ({e.strerror}): fix the path") from None
     except UnicodeDecodeError:
         raise TaskError(f"{path} is not UTF-8 text: save it as UTF-8 jsonl") from None
-    if not examples:
+    if not parsed:
         raise TaskError(f"{path} holds no examples: write one JSON object per line")
-    return examples[:max_examples or None]
+    parsed = parsed[:max_examples or None]  # the ones scored
+    lacking = [chars for _, chars in parsed if chars]
+    if lacking:
+        chars = list(dict.fromkeys(c for example_chars in lacking for c in example_chars))
+        more = f" and {len(chars) - 10} more" if len(chars) > 10 else ''
+        log(f"warning: {path}: characters not in the vocabulary, scored as the unknown id 0, in "
+            f"{len(lacking)} of {len(parsed)} examples: {', '.join(map(repr, chars[:10]))}"
+            f"{more}", sys.stderr)
+    return [example for example, _ in parsed]
 
 
-def read_tasks(paths, encode, block_size, max_examples=0):
+def read_tasks(paths, encode, block_size, max_examples=0, unknown=None):
     """{path: examples} of comma-separated task files, all read (and checked) before any is
-    evaluated."""
+    evaluated; unknown as read_task takes it."""
     names = [p.strip() for p in paths.split(',') if p.strip()]
     if not names:
         raise TaskError(f"no task file in tasks='{paths}': name one or more jsonl files, "
                         f"comma-separated")
-    return {path: read_task(path, encode, block_size, max_examples) for path in names}
+    return {path: read_task(path, encode, block_size, max_examples, unknown) for path in names}
 
 # -----------------------------------------------------------------------------
 # scoring
@@ -305,8 +318,8 @@ def describe(name, result):
 
 
 def load_pretrained(source, tokenizer_spec, device):
-    """(GPT in eval mode on device, encode) of GPT-2 weights and a tiktoken tokenizer of their
-    vocabulary."""
+    """(GPT in eval mode on device, tokenizer.Tokenizer) of GPT-2 weights and a tiktoken tokenizer
+    of their vocabulary."""
     tok = tokenizers.gpt2() if tokenizer_spec == 'gpt2' else tokenizers.ranks_file(tokenizer_spec)
     # all the positions, the weights' vocabulary
     model_args, state, _ = hf.load_gpt2(source, None, None)
@@ -316,12 +329,12 @@ def load_pretrained(source, tokenizer_spec, device):
                          f"were trained with (gpt2 or PATH.tiktoken)")
     model = GPT(GPTConfig(**model_args))
     model.load_state_dict(state)
-    return model.to(device).eval(), tok.encode
+    return model.to(device).eval(), tok
 
 
 def load(config, device):
-    """(model in eval mode on device, encode, what it is) as the config names it; mistakes exit
-    2."""
+    """(model in eval mode on device, its tokenizer.Tokenizer, what it is) as the config names it;
+    mistakes exit 2."""
     if config['init_from']:
         check(not config['ckpt'], "both ckpt and init_from are set: evaluate one, a checkpoint or "
                                   "GPT-2 weights")
@@ -344,7 +357,7 @@ def load(config, device):
                                 f"ckpt to a .pt file, or init_from to GPT-2 weights")
     try:
         model, saved = sample.load_model(path, device, config['raw_weights'])
-        return model, tokenizers.load(saved['dataset']['tokenizer']).encode, path
+        return model, tokenizers.load(saved['dataset']['tokenizer']), path
     except (checkpoint.CheckpointError, tokenizers.TokenizerError) as e:
         check(False, e)
 
@@ -359,9 +372,10 @@ def main(config):
     distributed.set_threads(config['threads'])
     if busy := distributed.busy_warning(torch.get_num_threads(), distributed.cpu_use()):
         print(busy, file=sys.stderr)
-    model, encode, source = load(config, device)
+    model, tok, source = load(config, device)
     try:
-        tasks = read_tasks(config['tasks'], encode, model.config.block_size, config['max_examples'])
+        tasks = read_tasks(config['tasks'], tok.encode, model.config.block_size,
+                           config['max_examples'], tok.unknown)
     except TaskError as e:
         check(False, e)
     try:  # train.py's rule, for this model's shape on this device

@@ -110,9 +110,9 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
     tasks = {}
     try:  # training needs no tokenizer: the tasks and the end-of-run sample do
         if c['eval_tasks']:
-            encode = tokenizer.load(data_meta['tokenizer']).encode
-            tasks = evaluate.read_tasks(c['eval_tasks'], encode, c['block_size'],
-                                        c['eval_tasks_examples'])
+            tok = tokenizer.load(data_meta['tokenizer'])
+            tasks = evaluate.read_tasks(c['eval_tasks'], tok.encode, c['block_size'],
+                                        c['eval_tasks_examples'], tok.unknown)
     except (evaluate.TaskError, tokenizer.TokenizerError) as e:
         check(False, e)
     ckpt_path = c['resume_from'] or os.path.join(c['out_dir'], 'last.pt')

@@ -652,6 +652,9 @@ def main(argv=None):
     trained = meta['tokenizer'].get('trained')
     kind = (f"BPE learned on {trained['bytes']:,} bytes of train" if trained
             else meta['tokenizer']['kind'])
+    if trained and meta['vocab_size'] < trained['vocab_size_asked']:  # rustbpe stops, no error
+        kind += (f"; {meta['vocab_size']:,} ids of the {trained['vocab_size_asked']:,} asked: the "
+                 f"text has no more merges")
     print(f"wrote {out_dir}: vocab_size {meta['vocab_size']} ({kind}), {meta['dtype']}, "
           f"{meta['val_bytes_per_token']} bytes/token on val, {meta['duplicates_dropped']} "
           f"duplicate documents dropped")

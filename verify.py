@@ -3,7 +3,7 @@ Replay a run between two of its checkpoints on this machine and compare, bit for
 run recorded:
 
     python verify.py --out_dir=out/tiny    # its last two kept checkpoints (keep_checkpoints >= 2)
-    python verify.py --out_dir=out/tiny --start=out/tiny/ckpt-000030.pt --end=out/tiny/last.pt
+    python verify.py --start=out/tiny/ckpt-000030.pt --end=out/tiny/last.pt  # out_dir: their folder
 
 It resumes from start with the run's settings (its config.json) in a temporary folder, under
 torchrun with the run's number of processes where it had several, trains to end's iteration, and
@@ -26,9 +26,11 @@ import sample
 from configurator import ConfigError, configure, fail
 
 # -----------------------------------------------------------------------------
-out_dir = 'out'  # the run's folder: config.json, meta.json, metrics.jsonl, its checkpoints
-start = ''  # the checkpoint to replay from; '' the second-latest kept one (ckpt-ITER.pt)
-end = ''  # the checkpoint to replay to; '' the latest kept one
+# the run's folder: config.json, meta.json, metrics.jsonl, its checkpoints; not given, that of
+# start and end where they are
+out_dir = 'out'
+start = ''  # the checkpoint to replay from, in out_dir; '' the second-latest kept (ckpt-ITER.pt)
+end = ''  # the checkpoint to replay to, in out_dir; '' the latest kept one
 # -----------------------------------------------------------------------------
 # the replay's own: a temporary folder, no extras at its end, no loggers
 REPLAY = {'test_eval': False, 'sample_tokens': 0, 'write_report': False, 'keep_checkpoints': 0,
@@ -134,8 +136,27 @@ def machine_differences(run_meta, replay_meta):
 FREE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'max_iters'}
 
 
-def main(config):
-    run_dir = config['out_dir']
+def run_folder(config, sources):
+    """The run's folder: out_dir, or where no --out_dir is given, that of the checkpoints named. A
+    run's metrics.jsonl and meta.json are its own: a checkpoint of another folder is refused, as
+    another run's would replay against this one's records."""
+    named = [config[k] for k in ('start', 'end') if config[k]]
+    if not named:
+        return config['out_dir']
+    folders = {os.path.realpath(os.path.dirname(os.path.abspath(p))) for p in named}
+    if len(folders) > 1:
+        fail(f"start {config['start']} and end {config['end']} are in different folders: name "
+             f"two checkpoints of one run's folder")
+    if sources['out_dir'] == 'default':
+        return os.path.dirname(named[0]) or '.'
+    if folders != {os.path.realpath(config['out_dir'])}:
+        fail(f"{named[0]} is not in out_dir {config['out_dir']}: name checkpoints of that run's "
+             f"folder, or leave out --out_dir (the checkpoints' folder is then the run's)")
+    return config['out_dir']
+
+
+def main(config, sources):
+    run_dir = run_folder(config, sources)
     run_meta = read_json(os.path.join(run_dir, 'meta.json'))
     kept = checkpoint.kept_checkpoints(run_dir)
     if not (config['start'] and config['end']) and len(kept) < 2:
@@ -225,6 +246,6 @@ def main(config):
 if __name__ == '__main__':
     defaults = {'out_dir': out_dir, 'start': start, 'end': end}
     try:
-        main(configure(defaults, sys.argv[1:])[0])
+        main(*configure(defaults, sys.argv[1:]))
     except ConfigError as e:
         fail(e)

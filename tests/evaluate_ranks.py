@@ -21,10 +21,10 @@ import distributed  # noqa: E402
 folder, tokenizer, task, batch_size, rank, world_size, store, parallel = sys.argv[1:]
 batch_size, rank, world_size = int(batch_size), int(rank), int(world_size)
 dist.init_process_group('gloo', init_method=f'file://{store}', rank=rank, world_size=world_size)
-model, encode = evaluate.load_pretrained(folder, tokenizer, 'cpu')
+model, tok = evaluate.load_pretrained(folder, tokenizer, 'cpu')
 if parallel == 'fsdp':
     model.fully_shard(torch.float32, 'cpu')
-examples = evaluate.read_task(task, encode, model.config.block_size)
+examples = evaluate.read_task(task, tok.encode, model.config.block_size)
 result = evaluate.score(model, examples, batch_size, 'cpu', nullcontext(), rank, world_size)
 if rank == 0:
     print(json.dumps(result))

@@ -217,6 +217,31 @@ def test_a_file_without_examples_or_a_missing_one_is_an_error(tmp_path):
         evaluate.read_tasks(' , ', list, 8)
 
 
+def test_characters_a_char_vocabulary_lacks_are_named_once_per_task_file(tmp_path, capsys):
+    tok = tokenizer.char(sorted(set('the cat sees a bird.')))
+    task = write_jsonl(tmp_path / 'marks.jsonl', [
+        {'context': 'the cat é', 'choices': [' sees [a]', ' sees {a}'], 'answer': 0},
+        {'context': 'the cat', 'choices': [' sees a bird.', ' sees a cat.'], 'answer': 1},
+        {'ctx': 'the cat', 'endings': ['sees é', 'sees a'], 'label': 1}])
+    clean = write_jsonl(tmp_path / 'clean.jsonl', [
+        {'context': 'the cat', 'choices': [' sees a bird.', ' sees a cat.'], 'answer': 1}])
+    tasks = evaluate.read_tasks(f'{task},{clean}', tok.encode, 32, unknown=tok.unknown)
+    assert capsys.readouterr().err == (
+        f"warning: {task}: characters not in the vocabulary, scored as the unknown id 0, in 2 of "
+        f"3 examples: 'é', '[', ']', '{{', '}}'\n")
+    # scored as before: the unknown id 0
+    assert tasks[task] == evaluate.read_task(task, tok.encode, 32)
+    assert tasks[task][0].rows[0][8] == 0
+    # only the examples scored count; ten characters named at most
+    evaluate.read_task(task, tok.encode, 32, max_examples=2, unknown=tok.unknown)
+    assert 'in 1 of 2 examples' in capsys.readouterr().err
+    many = write_jsonl(tmp_path / 'many.jsonl', [
+        {'context': 'the ABCDEFGHIJKL', 'choices': [' a', ' b'], 'answer': 0}])
+    evaluate.read_task(many, tok.encode, 32, unknown=tok.unknown)
+    assert capsys.readouterr().err.endswith(
+        "in 1 of 1 examples: 'A', 'B', 'C', 'D', 'E', 'F', 'G', 'H', 'I', 'J' and 2 more\n")
+
+
 def test_rank_batches_cover_every_example_once_in_equal_numbers_of_batches():
     for n in range(1, 14):
         for world_size in (1, 2, 3, 4):
@@ -248,8 +273,9 @@ def test_wilson_interval_and_the_printed_line():
 
 @pytest.mark.slow
 def test_one_two_and_three_ranks_give_the_same_counts(tiny_gpt2, bpe, task, tmp_path):
-    model, encode = evaluate.load_pretrained(tiny_gpt2[1], bpe[0], 'cpu')
-    one = evaluate.score(model, evaluate.read_task(task, encode, BLOCK), 2, 'cpu', nullcontext())
+    model, tok = evaluate.load_pretrained(tiny_gpt2[1], bpe[0], 'cpu')
+    one = evaluate.score(model, evaluate.read_task(task, tok.encode, BLOCK), 2, 'cpu',
+                         nullcontext())
     def start(rank, world_size, parallel):
         store = str(tmp_path / f'store-{world_size}-{parallel}')  # the process group's rendezvous
         return forked.Process('tests/evaluate_ranks.py', tiny_gpt2[1], bpe[0], task, '2', str(rank),
@@ -298,9 +324,9 @@ def test_command_on_a_trained_run_and_a_hugging_face_folder(data_dir, tiny_gpt2,
             and result.stdout.startswith(f'{generic}: 3 examples, acc ')), result.stderr
     result = command(f'--init_from={tiny_gpt2[1]}', f'--tokenizer={bpe[0]}', f'--tasks={task}',
                      '--dtype=float32')
-    model, encode = evaluate.load_pretrained(tiny_gpt2[1], bpe[0], 'cpu')
+    model, tok = evaluate.load_pretrained(tiny_gpt2[1], bpe[0], 'cpu')
     assert (result.returncode == 0
-            and result.stdout == expected(task, model=model, encode=encode)), result.stderr
+            and result.stdout == expected(task, model=model, encode=tok.encode)), result.stderr
 
 
 @pytest.mark.slow

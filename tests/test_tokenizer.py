@@ -133,6 +133,20 @@ def test_bad_bpe_sizes_are_one_line_errors(tmp_path):
             prepare.given_tokenizer(spec)
 
 
+def test_a_bpe_asked_for_more_ids_than_the_text_merges_says_so(tmp_path):
+    (tmp_path / 'good.txt').write_text('some good text\n' * 20)
+    result = run_cli('x', '--input', 'good.txt', '--tokenizer', 'bpe:70000', cwd=tmp_path)
+    vocab_size = read_meta(tmp_path / 'data' / 'x')['vocab_size']
+    assert result.returncode == 0 and vocab_size < 70_000, result.stderr
+    assert result.stdout.startswith(
+        f"wrote data/x: vocab_size {vocab_size} (BPE learned on 255 bytes of train; {vocab_size} "
+        f"ids of the 70,000 asked: the text has no more merges), "), result.stdout
+    # all the ids asked: nothing to say
+    result = run_cli('y', '--input', 'good.txt', '--tokenizer', 'bpe:260', cwd=tmp_path)
+    assert result.stdout.startswith(
+        "wrote data/y: vocab_size 260 (BPE learned on 255 bytes of train), "), result.stdout
+
+
 @pytest.mark.parametrize('kind', ['char', 'learned', 'hand-made'])
 def test_hugging_face_files_encode_and_decode_as_ours(tmp_path, kind):
     from tokenizers import Tokenizer as HFTokenizer

@@ -1,15 +1,17 @@
 """verify.py: a run replayed between two kept checkpoints reproduces what it recorded, bit for bit,
-on 1 process and on 2 ranks; an edited weight or logged figure is caught and named."""
+on 1 process and on 2 ranks; an edited weight or logged figure is caught and named; start and end
+alone name their run, another folder's are refused."""
 import json
 import math
 import os
 import re
+import shutil
 
 import pytest
 import torch
 
 import forked
-from conftest import DEVICES, ok, read_metrics, run_train, torchrun
+from conftest import DEVICES, REPO, ok, read_metrics, run_train, torchrun
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
 
@@ -96,3 +98,29 @@ def test_too_few_kept_checkpoints_is_one_line(tmp_path, data_dir):
     assert result.returncode == 2 and result.stderr == (
         f"error: {run} keeps 0 checkpoint(s) (ckpt-ITER.pt): train with keep_checkpoints=2 or "
         f"more, or name --start and --end\n")
+
+
+def test_start_and_end_alone_verify_their_run_and_another_folders_are_refused(tmp_path, data_dir):
+    run = str(tmp_path / 'run')
+    run_train(run, data_dir, *ARGS)
+    # README's shorthand, as written: out_dir is the checkpoints' folder, not 'out' (which may be
+    # another run's), from any working folder
+    result = forked.run(os.path.join(REPO, 'verify.py'), '--start=run/ckpt-000010.pt',
+                        '--end=run/last.pt', cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith('reproduced: iterations 11-20, 10 logged steps'), result.stdout
+    # another run's checkpoints would replay against this run's records: refused, as are two
+    # checkpoints of two folders
+    other = str(tmp_path / 'other')
+    shutil.copytree(run, other)
+    result = forked.run('verify.py', f'--out_dir={run}', f'--start={other}/ckpt-000010.pt',
+                        f'--end={other}/ckpt-000020.pt')
+    assert result.returncode == 2 and result.stdout == '' and result.stderr == (
+        f"error: {other}/ckpt-000010.pt is not in out_dir {run}: name checkpoints of that run's "
+        f"folder, or leave out --out_dir (the checkpoints' folder is then the run's)\n")
+    result = forked.run('verify.py', f'--start={run}/ckpt-000010.pt',
+                        f'--end={other}/ckpt-000020.pt')
+    assert result.returncode == 2 and result.stdout == '' and result.stderr == (
+        f"error: start {run}/ckpt-000010.pt and end {other}/ckpt-000020.pt are in different "
+        f"folders: name two checkpoints of one run's folder\n")
+    assert sorted(os.listdir(tmp_path)) == ['other', 'run']  # no replay folder left behind
