@@ -357,7 +357,8 @@ def load(config, device):
                                 f"ckpt to a .pt file, or init_from to GPT-2 weights")
     try:
         model, saved = sample.load_model(path, device, config['raw_weights'])
-        return model, tokenizers.load(saved['dataset']['tokenizer']), path
+        tok = tokenizers.load(saved['dataset']['tokenizer'])
+        return model, tok, sample.weights_name(path, saved)
     except (checkpoint.CheckpointError, tokenizers.TokenizerError) as e:
         check(False, e)
 

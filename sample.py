@@ -90,6 +90,13 @@ def load_model(path, device, raw_weights=False):
     return model.to(device).eval(), saved
 
 
+def weights_name(path, saved):
+    """'path (iteration N, the EMA of its weights)': which weights load_model gave, as every
+    script's first line says."""
+    which = ', the EMA of its weights' if saved['weights'] == 'ema' else ''
+    return f"{path} (iteration {saved.get('iter_num', '?')}{which})"
+
+
 def sample_pieces(model, tok, start, max_new_tokens, temperature, top_k, seed, device):
     """The non-empty text start, then its continuation piece by piece as the tokens are drawn: a
     sample of minutes shows from its first token. A piece ends on a whole character (a BPE token can
@@ -178,8 +185,7 @@ if __name__ == '__main__':
                               'model_args': saved['model_args'],
                               'dataset': saved['dataset'], 'config': saved['config'],
                               'iter_num': saved['iter_num']}, export)
-        print(f"wrote the weights of {ckpt_path} (iteration {saved['iter_num']}) to {export}",
-              file=sys.stderr)
+        print(f"wrote the weights of {weights_name(ckpt_path, saved)} to {export}", file=sys.stderr)
         sys.exit(0)
     if export_hf:
         try:
@@ -189,8 +195,8 @@ if __name__ == '__main__':
             fail(e)
         with_tokenizer = ("with its tokenizer" if tokenizer_files else
                           "(its tokenizer: AutoTokenizer.from_pretrained('gpt2'))")
-        print(f"wrote {ckpt_path} (iteration {saved['iter_num']}) as a GPT2LMHeadModel "
-              f"{with_tokenizer} to {export_hf}", file=sys.stderr)
+        print(f"wrote {weights_name(ckpt_path, saved)} as a GPT2LMHeadModel {with_tokenizer} to "
+              f"{export_hf}", file=sys.stderr)
         sys.exit(0)
     try:
         tok = tokenizer.load(saved['dataset']['tokenizer'])
@@ -207,10 +213,7 @@ if __name__ == '__main__':
         more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ''
         print(f"warning: prompt characters not in the vocabulary, encoded as id 0 (shown as "
               f"\ufffd): {', '.join(map(repr, unknown[:10]))}{more}", file=sys.stderr)
-    which = ', the EMA of its weights' if saved['weights'] == 'ema' else ''
-    print(f"sampling {ckpt_path} (iteration {saved.get('iter_num', '?')}{which}) on {device} "
-          f"{dtype}",
-          file=sys.stderr)
+    print(f"sampling {weights_name(ckpt_path, saved)} on {device} {dtype}", file=sys.stderr)
     for i in range(num_samples):
         with autocast:
             for piece in sample_pieces(model, tok, start, max_new_tokens, temperature, top_k,

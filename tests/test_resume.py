@@ -90,6 +90,10 @@ def test_float32_resume_after_evaluation_and_from_best_is_bitwise(tmp_path, data
         loaded = sample.load_model(os.path.join(straight, 'best.pt'), 'cpu', raw)[0].state_dict()
         assert all(torch.equal(v, best[weights][('module.' if weights == 'ema' else '') + k])
                    for k, v in loaded.items())
+    # and they say which
+    exported = forked.run('sample.py', f"--ckpt={os.path.join(straight, 'best.pt')}",
+                          f"--export={tmp_path / 'exported.pt'}")
+    assert f"(iteration {best['iter_num']}, the EMA of its weights) to" in exported.stderr
     # any checkpoint resumes, here a best.pt into a new out_dir
     from_best = str(tmp_path / 'from_best')
     run_train(from_best, data_dir, *args, '--init_from=resume', f'--resume_from={best_at_20}')
