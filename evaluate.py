@@ -138,10 +138,10 @@ def read_task(path, encode, block_size, max_examples=0, unknown=None):
     then keeps the first ones. unknown: the tokenizer's (Tokenizer.unknown), None for one that
     spells any text; characters a char vocabulary lacks are scored as its unknown id 0, which one
     warning says (rank 0's, as every log line)."""
+    unknown = unknown or (lambda text: [])
     try:
         with open(path, encoding='utf-8') as f:
-            parsed = [parse_line(line, f"{path}:{number}", encode, block_size,
-                                 unknown or (lambda text: []))
+            parsed = [parse_line(line, f"{path}:{number}", encode, block_size, unknown)
                       for number, line in enumerate(f, 1) if line.strip()]
     except OSError as e:
         raise TaskError(f"cannot read the task file {path} ({e.strerror}): fix the path") from None

@@ -28,8 +28,8 @@ from perf import cached, machine
 
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 # a timed forward+backward when choosing a dtype: enough tokens (rows) for the model's real matmul
-# shapes, and at most MEASURE_FLOPS of work, so that a large model on a small CPU is timed in
-# seconds, not minutes (GPT-2 124M's 12 x 1024 windows: 30 s a call on 2 cores)
+# shapes, and at most MEASURE_FLOPS of work (or 64 tokens, past ~500M parameters), so that a large
+# model on a small CPU is timed in seconds, not minutes (GPT-2's 12 x 1024: 30 s a call, 2 cores)
 MEASURE_TOKENS = 8192
 MEASURE_FLOPS = 2e11
 

@@ -21,6 +21,7 @@ RUN_FILES = ('metrics.jsonl', 'config.json', 'meta.json')
 SPIKE_FACTOR, SPIKE_WINDOW, SPIKE_MIN_HISTORY = 5, 100, 10
 LEAK_BELOW = 0.05  # val this far (relative) below train at the last eval: suspicious
 LEAK_TRACKS = 0.002  # val this close (relative) to train at every eval: suspicious too
+RISE = 0.02  # train and val loss this far (relative) above the best evaluation's: diverging
 
 
 def read_run(out_dir):
@@ -71,11 +72,12 @@ def fit_read(evals):
         return (f"overfitting from iteration {evals[best]['step']}: val loss was lowest there and "
                 f"stayed above it for the {since_best} evaluations since, while train loss kept "
                 f"falling")
-    if since_best >= 2:  # and train loss no lower than there: not overfitting, something worse
-        return (f"diverging from iteration {evals[best]['step']}: val loss was lowest there and "
-                f"train loss has not fallen below its value there in the {since_best} evaluations "
-                f"since: lower learning_rate (expected with overfit_one_batch, which fits one "
-                f"batch, not the splits)")
+    last, lowest = evals[-1], evals[best]
+    rose = all(last[key] > (1 + RISE) * lowest[key] for key in ('train_loss', 'val_loss'))
+    if since_best >= 2 and rose:
+        return (f"diverging from iteration {lowest['step']}: val loss was lowest there, and train "
+                f"and val loss have both risen more than {RISE:.0%} since: lower learning_rate "
+                f"(expected with overfit_one_batch, which fits one batch, not the splits)")
     if since_best == 0 and evals[-1]['train_loss'] < evals[-2]['train_loss']:
         return ("underfitting: train and val loss are both still falling at the last evaluation: "
                 "train longer")
@@ -162,8 +164,8 @@ def train_further(config, out_dir):
         return ({'max_iters': min(2 * max_iters, decay_iters)},
                 f"{how}; the learning rate goes on along its schedule, which reaches min_lr at "
                 f"lr_decay_iters={decay_iters}:")
-    if config['lr_schedule']['value'] == 'wsd' and os.path.exists(os.path.join(out_dir,
-                                                                               'stable.pt')):
+    stable_here = os.path.exists(os.path.join(out_dir, 'stable.pt'))
+    if config['lr_schedule']['value'] == 'wsd' and stable_here:
         # the command's own out_dir: it runs where the run was started, not where report.py is
         stable = os.path.join(config['out_dir']['value'], 'stable.pt')
         return ({'resume_from': stable, 'max_iters': 2 * max_iters,

@@ -205,9 +205,10 @@ def announce(session, config, resumed, num_params, flops_per_token):
     least = (flops_per_token * accum * batch * block
              / (peak['per_process'] * session['world_size']))
     left = config['max_iters'] - step
+    at_least = (f"; at it an iteration takes at least {least:.3g} s, the {left:,} left at least "
+                f"{duration(least * left)}" if left > 0 else '')  # none: a finished run's end
     log(f"MFU is measured against {peak['per_process'] / 1e9:,.1f} GFLOP/s per process "
-        f"({peak['how']}); at it an iteration takes at least {least:.3g} s, the {left:,} left at "
-        f"least {duration(least * left)}")
+        f"({peak['how']}){at_least}")
     if resumed and 'migrated' in resumed[1]:  # from an older format, by checkpoint.load
         log(resumed[1]['migrated'])
     if busy := distributed.busy_warning(torch.get_num_threads(), session['cpus']):

@@ -254,6 +254,8 @@ def test_fit_and_leakage_reads():
     # both rising since the best, as overfit_one_batch's splits do or a rate too high
     assert report.fit_read(evals((3.0, 3.1), (2.5, 2.6), (2.6, 2.8), (3.5, 3.9))).startswith(
         'diverging from iteration 20')
+    # a plateau (a run at min_lr) is no divergence
+    assert report.fit_read(evals((2.5, 2.6), (2.5, 2.6001), (2.5, 2.6002))).startswith('fitting')
     assert 'val loss sits 0.5000 below' in report.leakage(evals((2.0, 2.1), (1.5, 1.0)))
     assert 'tracks train loss' in report.leakage(evals((3.0, 3.0001), (2.5, 2.5001), (2.0, 2.0001)))
     assert report.leakage(evals((3.0, 3.1), (2.5, 2.6), (2.0, 2.1))) is None
