@@ -29,7 +29,8 @@ def smoke_test(steps, train_step, train_split, parts, device):
     parts: what a checkpoint holds the state of (train.py), restored afterwards with the RNGs; the
     EMA is left out, as no step touches it. Passing, a line and a 'smoke' record, and False;
     failing, the same, then exit code 2 on every rank (they agree on the losses, so on when to
-    stop). A stop signal on any rank ends it at once on every rank: True, the state restored."""
+    stop). A stop signal on any rank ends it after the step under way on every rank: True, the
+    state restored."""
     optimizer, scaler = parts['optimizer'], parts['scaler']
     batch = data.next_batch(train_split, parts['sampler'])
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
