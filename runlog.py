@@ -272,8 +272,8 @@ def new_peak(step, flops, how):
 
 def done(test, first_iter):
     """The end of a run that completed: the 'test' record (step, best_iter and best_by: best.pt's
-    iteration and what chose it, best_val_loss: its val loss, ema: whether that is the EMA's,
-    test_loss or None, wall_seconds and save_seconds of this session, total_seconds of every
+    iteration and what chose it, best_val_loss: its val loss, best_acc_norm: its tasks' mean
+    acc_norm (best_by='acc_norm'), ema: whether those are the EMA's, test_loss or None, wall_seconds and save_seconds of this session, total_seconds of every
     session), and the line that sums it up. first_iter: the iteration this session started from (0
     unless it resumed)."""
     record(test)
@@ -287,8 +287,8 @@ def done(test, first_iter):
     whose = ' (the EMA of the weights)' if test['ema'] else ''
     best = (f"best val loss{whose} {test['best_val_loss']:.4f} at iteration {test['best_iter']}"
             if test['best_by'] == 'val_loss' else
-            f"best acc_norm at iteration {test['best_iter']}, val loss{whose} "
-            f"{test['best_val_loss']:.4f} there")
+            f"best acc_norm{whose} {test['best_acc_norm']:.4f} at iteration {test['best_iter']}, "
+            f"val loss {test['best_val_loss']:.4f} there")
     log(f"done: {sessions} (checkpoint saves {test['save_seconds'] / seconds:.1%} of this "
         f"session), {best}{tested}; checkpoints in {run_dir}")
 

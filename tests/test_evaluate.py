@@ -403,9 +403,10 @@ def test_accuracy_in_the_loop_on_one_and_two_ranks(data_dir, tmp_path):
                 == (recorded['toy_task/acc'], recorded['toy_task/acc_norm']))
     best = torch.load(os.path.join(one, 'best.pt'), weights_only=True)['iter_num']
     assert best == max(evals, key=lambda e: (e['toy_task/acc_norm'], -e['step']))['step']
-    # the last line names what chose best.pt, and its val loss (not the lowest one's)
-    val_loss = next(e['val_loss'] for e in evals if e['step'] == best)
-    assert f"best acc_norm at iteration {best}, val loss {val_loss:.4f} there" in result.stdout
+    # the last line names what chose best.pt, its acc_norm, and its val loss (not the lowest one's)
+    chosen = next(e for e in evals if e['step'] == best)
+    assert (f"best acc_norm {chosen['toy_task/acc_norm']:.4f} at iteration {best}, "
+            f"val loss {chosen['val_loss']:.4f} there") in result.stdout
     assert '- toy_task: acc ' in open(os.path.join(one, 'report.md')).read()
 
 
