@@ -32,18 +32,21 @@ LOGS = ('metrics.jsonl', 'train.log')
 master = int(os.environ.get('RANK', 0)) == 0
 run_dir, with_report = None, False  # set by start()
 files = {}  # LOGS, open for appending once start() has run
+early_lines = []  # logged before start() opened train.log: it begins with them
 tensorboard = None  # a SummaryWriter when asked
 wandb = None  # the wandb module when asked
 
 
 def log(message, stream=None):
-    """Rank 0 prints (on stdout, or stream: sys.stderr), and once the run folder is open, train.log
-    gets the same line."""
+    """Rank 0 prints (on stdout, or stream: sys.stderr), and train.log gets the same line: once
+    the run folder is open, or when it opens (a refused run writes nothing)."""
     if master:
         print(message, file=stream or sys.stdout, flush=True)
         if files:
             files['train.log'].write(message + '\n')
             files['train.log'].flush()
+        elif run_dir is None:
+            early_lines.append(message)
 
 
 def progress(items, label, total=None, every=10.0):
@@ -157,6 +160,7 @@ def open_run(out_dir, resumed, config, sources, session):
                 os.truncate(path, min(os.path.getsize(path), keep_bytes.get(name, 0)))
             files[name] = open(path, 'a')
         atexit.register(close_logs)  # on every way out: a file left to the garbage collector warns
+        files['train.log'].write(''.join(line + '\n' for line in early_lines))
         for path in glob.glob(os.path.join(glob.escape(out_dir), '*.tmp')):
             os.remove(path)
         settings = {k: {'value': config[k], 'source': sources[k]} for k in config}
