@@ -30,6 +30,7 @@ import re
 import shutil
 import sys
 import threading
+import warnings
 
 import numpy as np
 import torch
@@ -326,17 +327,26 @@ def load_weights(ckpt, path, model, optimizer=None, ema=None):
         if ema:
             ema.load_state_dict(ckpt['ema'])
         return
-    import torch.distributed.checkpoint as dcp  # imported only by sharded runs: ~1 s
     from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
                                                          set_optimizer_state_dict)
     sharded = sharded_state(model, optimizer, ema)
-    dcp.load(sharded, checkpoint_id=os.path.join(os.path.dirname(path), ckpt['shards']))
+    load_shards(sharded, path, ckpt['shards'])
     set_model_state_dict(model, sharded['model'])
     if ema:
         set_model_state_dict(ema, sharded['ema'])
     if optimizer:
         set_optimizer_state_dict(model, optimizer.optimizers, sharded['optimizer'])
         optimizer.gather()  # the members' load_state_dict gave them new group dicts
+
+
+def load_shards(state, path, shards):
+    """DCP's load of state (its tensors, filled in place) from the shards folder of the checkpoint
+    at path. In one process (a sharded run resumed or sampled there) DCP warns that it has no
+    process group: that is meant, and the warning is dropped."""
+    import torch.distributed.checkpoint as dcp  # imported only for sharded checkpoints: ~1 s
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', message='torch.distributed is disabled')
+        dcp.load(state, checkpoint_id=os.path.join(os.path.dirname(path), shards))
 
 
 def sharded_state(model, optimizer=None, ema=None):

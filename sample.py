@@ -13,7 +13,6 @@ character tokenizer, end-of-text for a BPE one.
 import os
 import re
 import sys
-import warnings
 
 import torch
 from torch.optim.swa_utils import AveragedModel
@@ -68,14 +67,9 @@ def load_model(path, device, raw_weights=False):
         model = GPT(GPTConfig(**saved['model_args']))
         # an fsdp run's checkpoint: gather its shards into whole tensors, in this one process
         if 'shards' in saved:
-            import torch.distributed.checkpoint as dcp  # a second of imports only this case needs
             template = AveragedModel(model) if weights == 'ema' else model  # the shards' names
             state = {weights: template.state_dict()}
-            # dcp warns that it loads without a process group: that is the point
-            with warnings.catch_warnings():
-                warnings.simplefilter('ignore')
-                dcp.load(state, checkpoint_id=os.path.join(os.path.dirname(path), saved['shards']),
-                         no_dist=True)
+            checkpoint.load_shards(state, path, saved['shards'])
             saved[weights] = state[weights]
         # checkpoints saved from a torch.compile or DDP wrapper elsewhere carry these prefixes, and
         # an EMA its AveragedModel's, beside its count of averaged steps
