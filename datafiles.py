@@ -21,7 +21,8 @@ import tokenizer
 from prepare import SHARD
 
 SHARD_NAME = re.compile(r'_(train|val|test)_(\d+)\.bin$')  # fineweb_train_000001.bin
-# in a shards' folder: each shard's hash, and the size and time it was taken at
+# in a shards' folder: each shard's hash and largest token id, and the size and time they were
+# taken at
 FINGERPRINTS = 'fingerprints.json'
 
 

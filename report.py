@@ -4,7 +4,8 @@ for finished, early-stopped, aborted and killed runs alike:
 
     python report.py out/tiny    # writes out/tiny/report.md and out/tiny/curves.png
 
-train.py calls write_report(out_dir) when a run ends on its own.
+With train.py's write_report on (the default), runlog.finish calls write_report(out_dir) when a run
+ends, aborts or stops for a signal.
 """
 import json
 import math

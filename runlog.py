@@ -117,7 +117,7 @@ def log_bytes():
 
 def missing_package(config):
     """The line that says a logger config asks for (tensorboard_log, wandb_log) is not installed, or
-    '': train.py asks before start() writes anything."""
+    '': preflight.settings asks before start() writes anything."""
     for key, package in (('tensorboard_log', 'tensorboard'), ('wandb_log', 'wandb')):
         if config[key] and not importlib.util.find_spec(package):
             return (f"{key}=True needs the {package} package: pip install {package}, or set "

@@ -10,7 +10,8 @@ Data parallel on several processes or machines (gloo on CPU, nccl on GPUs):
 
 The defaults below keep nanoGPT's names and meanings; config files and --key=value override them
 (configurator.py). A run writes to out_dir: config.json, meta.json, train.log, metrics.jsonl,
-best.pt (lowest val loss), last.pt (the latest state, for resuming), report.md and curves.png.
+best.pt (the best evaluation by best_by: the lowest val loss, the EMA's where there is one), last.pt
+(the latest state, for resuming), report.md and curves.png.
 """
 import dataclasses
 import gc

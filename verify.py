@@ -5,13 +5,13 @@ run recorded:
     python verify.py --out_dir=out/tiny    # its last two kept checkpoints (keep_checkpoints >= 2)
     python verify.py --start=out/tiny/ckpt-000030.pt --end=out/tiny/last.pt  # out_dir: their folder
 
-It resumes from start with the run's settings (its config.json) in a temporary folder, under
-torchrun with the run's number of processes where it had several, trains to end's iteration, and
-compares each step's loss, gradient norm and learning rate with the run's metrics.jsonl, then the
-whole state with end's. One verdict: reproduced, or the first divergence and what differs between
-the run's machine (its meta.json) and this one. Exit code 0 when reproduced (or, for a GPU run
-without deterministic=True, which cannot repeat bitwise, when it only drifted), 1 when not, 2 for
-bad input.
+It resumes from start with the settings of the session that wrote end (its checkpoint holds them;
+start's must match) in a temporary folder, under torchrun with the run's number of processes where
+it had several, trains to end's iteration, and compares each step's loss, gradient norm and learning
+rate with the run's metrics.jsonl, then the whole state with end's. One verdict: reproduced, or the
+first divergence and what differs between the run's machine (its meta.json) and this one. Exit code
+0 when reproduced (or, for a GPU run without deterministic=True, which cannot repeat bitwise, when
+it only drifted), 1 when not, 2 for bad input.
 """
 import json
 import os

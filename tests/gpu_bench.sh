@@ -66,7 +66,8 @@ elif [ "$MODE" = gpu ]; then
         || skip "no CUDA device"
     # GPT-2 124M. Micro-batch 32 for both: nanoGPT's default 12 was sized for a 40 GB A100; 32 x
     # 1024 tokens (an estimated ~30 GB for nanoGPT's run, which keeps its logits) fill an H100
-    # better, so a step is ~0.1 s of GPU work and the per-step host costs above weigh little.
+    # better, so a step is ~0.1 s of GPU work and the per-step host costs that differ (a sync, a
+    # metrics record, a loader worker: docs/benchmarks.md, GPU) weigh little.
     L=12 H=12 C=768 T=1024 B=32 WARMUP=10 ITERS=50 TOKENS=$((1 << 25))
     SYSTEM="--device=cuda --compile=True --dtype=bfloat16"
 else

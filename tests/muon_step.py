@@ -3,7 +3,7 @@
 and in float32, in turns, 5 trials of 10 steps each (on a CPU one of one: a step takes seconds),
 and the matrix products one step calls.
 
-    python tests/muon_step.py cuda    # or cpu (docs/benchmarks.md, GPU)
+    python tests/muon_step.py cuda    # or cpu (docs/benchmarks.md, Muon's step)
 """
 import os
 import statistics

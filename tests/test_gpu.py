@@ -1,6 +1,6 @@
-"""Every decision the CUDA paths make, checked on a CPU: no machine here has a GPU, so each decision
-is a small function tested with the values a GPU host would give it (device counts, compute
-capabilities, device names), and torch's own checks are called where they run without CUDA."""
+"""Every decision the CUDA paths make, checked on a CPU: CI has no GPU, so each decision is a small
+function tested with the values a GPU host would give it (device counts, compute capabilities,
+device names), and torch's own checks are called where they run without CUDA."""
 
 import time
 

@@ -300,7 +300,8 @@ def test_auto_dtype_times_a_large_model_on_a_bounded_batch(monkeypatch):
         (B, T), = set(shapes)
         assert B * T * GPT(GPTConfig(**args)).flops_per_token() <= precision.MEASURE_FLOPS
         return B, T
-    B, T = timed_batch(12, n_embd=768, block_size=1024)  # 12 x 1024 would be 40 times the work
+    # 12 x 1024 windows of this 2-layer model would be 6 times MEASURE_FLOPS (GPT-2's 12 layers: 38)
+    B, T = timed_batch(12, n_embd=768, block_size=1024)
     assert T == 1024 and B * T >= 1000
     # a long block: a shorter window (a token's matmuls are the same), not 100,000 tokens
     assert timed_batch(1, n_embd=64, block_size=100_000) == (1, 1296)
