@@ -136,8 +136,10 @@ def cpus_busy(seconds=0.2, stat='/proc/stat'):
         after = times()
     except (OSError, ValueError, IndexError):
         return None
+    # a CPU of the affinity that stat leaves out (a container's own view of it) is left out too
+    listed = os.sched_getaffinity(0) & before.keys() & after.keys()
     busy = [1 - (after[c][1] - before[c][1]) / (after[c][0] - before[c][0])
-            for c in os.sched_getaffinity(0) if after[c][0] > before[c][0]]
+            for c in listed if after[c][0] > before[c][0]]
     return round(sum(busy), 2)
 
 
