@@ -52,9 +52,9 @@ def read_shard_header(path):
 def fingerprints(paths):
     """{shard file name: [sha256 of its whole content, its largest token id (-1: none)]}. Both read
     every byte, so each folder keeps them in FINGERPRINTS with the size and modification time of the
-    file read, and a shard is read again only when either has changed (every time where the folder
-    cannot be written). Any write or copy of a file moves its modification time; an edit that keeps
-    size and time both (touch -d) goes unseen."""
+    file read and the shard format it was read as, and a shard is read again when one has changed
+    (every time where the folder cannot be written). Any write or copy of a file moves its
+    modification time; an edit that keeps size and time both (touch -d) goes unseen."""
     result = {}
     for folder in sorted({os.path.dirname(p) for p in paths}):
         cache = os.path.join(folder, FINGERPRINTS)
@@ -66,15 +66,15 @@ def fingerprints(paths):
         changed = False
         for path in (p for p in paths if os.path.dirname(p) == folder):
             stat, name = os.stat(path), os.path.basename(path)
-            entry = known.get(name, [])
-            if entry[:2] != [stat.st_size, stat.st_mtime_ns] or len(entry) != 4:
+            entry, read_as = known.get(name, []), [stat.st_size, stat.st_mtime_ns, SHARD.__name__]
+            if entry[:3] != read_as or len(entry) != 5:
                 with open(path, 'rb') as f:
                     digest = hashlib.file_digest(f, 'sha256').hexdigest()
                 dtype, n = read_shard_header(path)
                 ids = np.memmap(path, dtype, 'r', SHARD.HEADER_BYTES, (n,)) if n else np.array([-1])
                 largest = int(ids.max())
-                known[name], changed = [stat.st_size, stat.st_mtime_ns, digest, largest], True
-            result[name] = known[name][2:]
+                known[name], changed = read_as + [digest, largest], True
+            result[name] = known[name][3:]
         if changed:
             with contextlib.suppress(OSError):  # a read-only dataset: hashed again next time
                 checkpoint.write_json(cache, known)

@@ -80,7 +80,8 @@ def test_llmc_shards_with_a_written_meta_are_a_dataset(tmp_path):
         datafiles.open_dataset(str(tmp_path), 'fineweb10B/fineweb_train_*.bin')
 
 
-def test_a_token_id_past_meta_json_s_vocab_size_is_refused_when_the_data_opens(tmp_path):
+def test_a_token_id_past_meta_json_s_vocab_size_is_refused_when_the_data_opens(tmp_path,
+                                                                              monkeypatch):
     """A hand-written meta.json with too small a vocab_size would fail in the model's embedding (on
     a GPU, a device-side assert); the largest id of each shard is kept with its hash, and
     open_splits names it."""
@@ -94,7 +95,18 @@ def test_a_token_id_past_meta_json_s_vocab_size_is_refused_when_the_data_opens(t
         data.open_splits(str(tmp_path), 'hand', 8)
     # the id, from the cache
     (folder / 'meta.json').write_text('{"vocab_size": 60, "tokenizer": "gpt2"}')
+    digests, hash_file = [], hashlib.file_digest
+    def file_digest(f, algorithm):
+        digests.append(os.path.basename(f.name))
+        return hash_file(f, algorithm)
+    monkeypatch.setattr(datafiles.hashlib, 'file_digest', file_digest)
     assert data.open_splits(str(tmp_path), 'hand', 8)[1]['train'].largest_ids == [59]
+    assert digests == []
+    # a shard format of another name (a fork's) reads each file anew: the cached id was another
+    # format's reading
+    monkeypatch.setattr(datafiles, 'SHARD', type('OtherShard', (prepare.LlmcShard,), {}))
+    data.open_splits(str(tmp_path), 'hand', 8)
+    assert sorted(digests) == ['d_train_000000.bin', 'd_val_000000.bin']
 
 
 def test_dataset_mistakes_are_one_line(tmp_path):
