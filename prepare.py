@@ -535,6 +535,28 @@ def splits_meta(counts, writers, text_path, char_level):
     return splits
 
 
+def replaced(out_dir, input_path):
+    """Refuses to prepare into out_dir where that would destroy what is not a dataset prepare.py
+    wrote (its meta.json holds source_sha256): a dataset is replaced whole, so a folder of the
+    user's files there, downloaded shards, or the input itself would be lost."""
+    if input_path is not None:
+        source, target = os.path.realpath(input_path), os.path.realpath(out_dir)
+        if source == target or source.startswith(target + os.sep):
+            raise PrepareError(f'input {input_path} is in {out_dir}, the folder this dataset '
+                               f'replaces: move the input out of it, or pick another name')
+    if not os.path.lexists(out_dir):
+        return
+    try:
+        with open(os.path.join(out_dir, 'meta.json'), encoding='utf-8') as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        meta = None
+    if not (isinstance(meta, dict) and 'source_sha256' in meta):
+        raise PrepareError(f'{out_dir} exists and is not a dataset prepare.py wrote (no meta.json '
+                           f'with source_sha256), which preparing would replace: move it away, '
+                           f'or pick another name')
+
+
 def prepare(name, data_dir=DATA_DIR, input_path=None, tokenizer=None, seed=1337, text_key='text',
             num_proc=None, shard_size=100_000_000):
     """Write data_dir/name/ (shards and meta.json); returns data_dir/name."""
@@ -553,9 +575,14 @@ def prepare(name, data_dir=DATA_DIR, input_path=None, tokenizer=None, seed=1337,
     # build the dataset in a temp folder beside the target and swap it in at the end,
     # so a failed run never leaves a half-written dataset or destroys the previous one
     out_dir = os.path.join(data_dir, name)
+    replaced(out_dir, input_path)
     new_data_dir = not os.path.exists(data_dir)
-    os.makedirs(data_dir, exist_ok=True)
-    work_dir = tempfile.mkdtemp(prefix=f'.{name}.', dir=data_dir)
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+        work_dir = tempfile.mkdtemp(prefix=f'.{name}.', dir=data_dir)
+    except OSError as e:  # a file in the way, or no permission
+        raise PrepareError(f'data_dir {data_dir} cannot be made or written ({e.strerror}): pass '
+                           f'--data_dir PATH of a folder that can be written') from None
     try:
         source, text_path, reader = source_items(name, input_path, text_key, work_dir)
         documents = text_path is None

@@ -232,6 +232,13 @@ def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
     (['x', '--input', 'good.txt', '--seed', 'abc'],
      r"invalid int value: 'abc' \(python prepare.py --help"),
     ([], 'the following arguments are required: name'),
+    (['x', '--input', 'good.txt', '--data_dir', 'good.txt'],
+     r'data_dir good.txt cannot be made or written \(File exists\)'),
+    # preparing replaces data_dir/NAME whole: what prepare.py did not write there is kept
+    (['two_docs', '--input', 'good.txt', '--data_dir', '.'],
+     r'./two_docs exists and is not a dataset prepare.py wrote'),
+    (['two_docs', '--input', 'two_docs/a', '--data_dir', '.'],
+     r'input two_docs/a is in ./two_docs, the folder this dataset replaces'),
 ])
 def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
     (tmp_path / 'empty.txt').write_bytes(b'')
@@ -253,11 +260,16 @@ def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
     (tmp_path / 'corrupt.jsonl.gz').write_bytes(records[:100]
                                                 + bytes(b ^ 0xff for b in records[100:200])
                                                 + records[200:])
+
+    def tree():  # every file and folder, with its bytes
+        return {path: path.is_file() and path.read_bytes() for path in tmp_path.rglob('*')}
+    before = tree()
     result = run_cli(*args, cwd=tmp_path)
     assert result.returncode == 2
     assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith('error: ')
     assert re.search(expected, result.stderr)
     assert not (tmp_path / 'data').exists()
+    assert tree() == before
 
 
 def test_failing_rerun_leaves_existing_dataset_untouched(tmp_path, monkeypatch):
