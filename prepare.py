@@ -565,7 +565,7 @@ def prepare(name, data_dir=DATA_DIR, input_path=None, tokenizer=None, seed=1337,
     if not 0 < shard_size < 2**31:
         raise PrepareError(f'shard_size={shard_size} must be between 1 and 2**31-1 (the header '
                            f'holds an int32)')
-    num_proc = num_proc or os.cpu_count()
+    num_proc = os.cpu_count() if num_proc is None else num_proc
     if num_proc < 1:
         raise PrepareError(f'num_proc={num_proc} must be at least 1 (tokenizer processes)')
     tokenizer = tokenizer or ('gpt2' if name == 'shakespeare' else 'char')

@@ -221,6 +221,8 @@ def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
      'nope.tiktoken not found: check the path$'),
     (['unknown_name'], 'pystdlib_char.*--input'),
     (['x', '--input', 'good.txt', '--num_proc', '-1'], 'num_proc=-1 must be at least 1'),
+    # refused as the message says, not read as num_proc=None (every CPU)
+    (['x', '--input', 'good.txt', '--num_proc', '0'], 'num_proc=0 must be at least 1'),
     (['x', '--input', 'null.jsonl'],
      "null.jsonl:2 has 'text': null, not a string: fix or drop that record"),
     (['x', '--input', 'number.jsonl'], "number.jsonl:1 has 'text': 42, not a string"),
