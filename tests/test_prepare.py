@@ -219,6 +219,13 @@ def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
     # a file given, no dataset's: nothing to prepare again
     (['x', '--input', 'good.txt', '--tokenizer', 'nope.tiktoken'],
      'nope.tiktoken not found: check the path$'),
+    # tiktoken's panics on these killed the tokenizer processes, and prepare.py waited forever
+    (['x', '--input', 'good.txt', '--tokenizer', 'partial.tiktoken'],
+     r"partial.tiktoken lacks 255 of the 256 single bytes \(e.g. b'\\x00'\)"),
+    (['x', '--input', 'good.txt', '--tokenizer', 'shared.tiktoken'],
+     r'shared.tiktoken is not a tiktoken ranks file \(two tokens have the same rank\)'),
+    (['x', '--input', 'good.txt', '--tokenizer', 'negative.tiktoken'],
+     r'negative.tiktoken is not a tiktoken ranks file \(rank -1 is outside 0 to 2\*\*32 - 2\)'),
     (['unknown_name'], 'pystdlib_char.*--input'),
     (['x', '--input', 'good.txt', '--num_proc', '-1'], 'num_proc=-1 must be at least 1'),
     # refused as the message says, not read as num_proc=None (every CPU)
@@ -253,6 +260,9 @@ def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
     (tmp_path / 'two_docs' / 'b').write_text('two')
     (tmp_path / 'two_docs' / 'c').write_text('one')
     (tmp_path / 'good.txt').write_text('some good text\n' * 20)
+    (tmp_path / 'partial.tiktoken').write_text('YQ== 0\n')  # b'a' alone
+    (tmp_path / 'shared.tiktoken').write_text('YQ== 0\nYg== 0\n')
+    (tmp_path / 'negative.tiktoken').write_text('YQ== -1\n')
     (tmp_path / 'null.jsonl').write_text('{"text": "a"}\n{"text": null}\n')
     (tmp_path / 'number.jsonl').write_text('{"text": 42}\n')
     (tmp_path / 'surrogate.jsonl').write_text('{"text": "half \\ud800 a character"}\n')
