@@ -301,6 +301,18 @@ def process_batch(batch):
     return out
 
 
+def process_batch_in_pool(batch):
+    """process_batch in a tokenizer process of a pool: an exception that is not an Exception (a
+    panic in tiktoken's Rust) would end the process unreported, and the pool would wait for its
+    result forever; it comes back as a RuntimeError."""
+    try:
+        return process_batch(batch)
+    except Exception:
+        raise
+    except BaseException as e:
+        raise RuntimeError(f'{type(e).__name__} in a tokenizer process: {e}') from None
+
+
 def batched(items):
     """Items grouped into lists of about BATCH_BYTES of raw text."""
     batch, size = [], 0
@@ -327,7 +339,7 @@ def processed(items, num_proc, job):
     with multiprocessing.get_context('fork').Pool(num_proc, init_worker, (job,)) as pool:
         pending = collections.deque()
         for batch in batched(items):
-            pending.append(pool.apply_async(process_batch, (batch,)))
+            pending.append(pool.apply_async(process_batch_in_pool, (batch,)))
             if len(pending) >= 2 * num_proc:
                 yield from pending.popleft().get()
         while pending:

@@ -284,6 +284,18 @@ def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
     assert tree() == before
 
 
+def test_a_tokenizer_process_that_dies_of_a_panic_is_an_error_not_a_hang():
+    # tiktoken's panics are BaseExceptions: a pool process died of one, and its result never came
+    code = ("import prepare\n"
+            "class Panic(BaseException): pass\n"
+            "def job(text, digest): raise Panic('no entry found for key')\n"
+            "list(prepare.processed([('doc', b'text', 'text', None, 0)], 2, job))\n")
+    result = subprocess.run([sys.executable, '-c', code], cwd=os.path.dirname(PREPARE_PY),
+                            capture_output=True, text=True, timeout=60)
+    assert (result.returncode == 1 and 'RuntimeError: Panic in a tokenizer process: no entry found '
+                                       'for key' in result.stderr), result.stderr
+
+
 def test_failing_rerun_leaves_existing_dataset_untouched(tmp_path, monkeypatch):
     (tmp_path / 'good.txt').write_text('some good text\n' * 20)
     (tmp_path / 'bad.txt').write_bytes(b'\xff\xfe bad')
