@@ -79,6 +79,16 @@ def test_missing_checkpoint_is_a_one_line_error(tmp_path):
 
 
 @pytest.mark.parametrize('args, message', [
+    (['--temperature=0'], "temperature=0.0 must be at least 1e-6: for greedy decoding use top_k=1"),
+    # 0 in float32: the logits over it were NaNs, and torch.multinomial a traceback
+    (['--temperature=1e-300'], "temperature=1e-300 must be at least 1e-6"),
+    (['--seed=18446744073709551615', '--num_samples=2'],
+     "seed=18446744073709551615 is too large: sample i draws with seed + i, which must be below "
+     "2**64"),
+    # export_hf was left undone, with exit code 0
+    (['--export=w.pt', '--export_hf=hf'], "export and export_hf are both set: give one"),
+    # a byte that is not UTF-8 on the command line (Python's surrogate escape)
+    (['--start=caf\udce9'], "the prompt holds '\\udce9', which is not text: pass it in UTF-8"),
     (['--ckpt=text.pt'], "checkpoint text.pt is unreadable (truncated or corrupt: not a torch.save "
                          "file of tensors and plain values)"),
     # torch warned on its pickle protocol, in two more lines
