@@ -203,6 +203,9 @@ def source_items(name, input_path, text_key, work_dir):
         if is_records_file(input_path):
             return source, None, Reader([input_path], None, text_key)
         return source, input_path, None
+    if os.path.exists(input_path):  # a device, a pipe
+        raise PrepareError(f'input {input_path} is neither a file nor a folder: point --input at '
+                           f'text files')
     raise PrepareError(f'input {input_path} does not exist: check the --input path')
 
 

@@ -208,6 +208,7 @@ def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
 
 @pytest.mark.parametrize('args, expected', [
     (['x', '--input', 'missing.txt'], 'does not exist'),
+    (['x', '--input', os.devnull], f'input {os.devnull} is neither a file nor a folder'),
     (['x', '--input', 'empty.txt'], 'empty'),
     (['x', '--input', 'blank.txt'], 'only whitespace'),
     (['x', '--input', 'empty_dir'], 'has no files'),
