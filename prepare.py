@@ -58,6 +58,9 @@ def decode_utf8(raw, where, offset=0):
     try:
         return raw.decode('utf-8')
     except UnicodeDecodeError as e:
+        if b'\0' in raw:  # no text file holds one, in any 8-bit encoding: iconv would not help
+            raise PrepareError(f'{where} is binary, not text (a NUL byte at offset '
+                               f'{offset + raw.index(0)}): leave it out of --input') from None
         raise PrepareError(f'{where} is not UTF-8 (invalid byte at offset {offset + e.start}): '
                            f'convert it first, e.g. iconv -f LATIN1 -t UTF-8 IN > OUT') from None
 

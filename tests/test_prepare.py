@@ -214,6 +214,10 @@ def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
     (['x', '--input', 'empty_dir'], 'has no files'),
     (['x', '--input', 'latin1.txt'],
      r'latin1.txt is not UTF-8 \(invalid byte at offset 3\).*iconv'),
+    # iconv was the advice
+    (['x', '--input', 'code'],
+     r'^error: __pycache__/m.cpython-311.pyc is binary, not text \(a NUL byte at offset 4\): '
+     r'leave it out of --input$'),
     (['x', '--input', 'tiny.txt'], 'split has no tokens'),
     (['x', '--input', 'two_docs'], 'only 2 distinct documents'),
     (['x', '--input', 'good.txt', '--tokenizer', 'bpe'], "tokenizer 'bpe' not understood"),
@@ -261,6 +265,10 @@ def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
     (tmp_path / 'two_docs' / 'b').write_text('two')
     (tmp_path / 'two_docs' / 'c').write_text('one')
     (tmp_path / 'good.txt').write_text('some good text\n' * 20)
+    (tmp_path / 'code' / '__pycache__').mkdir(parents=True)
+    (tmp_path / 'code' / 'm.py').write_text('x = 1\n')
+    (tmp_path / 'code' / '__pycache__' / 'm.cpython-311.pyc').write_bytes(
+        b'\xa7\r\r\n\0\0\0\0\xe3\0\0\0')
     (tmp_path / 'partial.tiktoken').write_text('YQ== 0\n')  # b'a' alone
     (tmp_path / 'shared.tiktoken').write_text('YQ== 0\nYg== 0\n')
     (tmp_path / 'negative.tiktoken').write_text('YQ== -1\n')
