@@ -262,7 +262,7 @@ def measure_loader():
     path = os.path.join(loader, 'config.json')
     try:
         used = {k: v['value'] for k, v in read_json(path).items() if k != 'resolved'}
-        block_size, batch_size, num_workers, seed, _, _, _ = (used[k] for k in (
+        block_size, batch_size, num_workers, seed, data_dir, dataset, accum = (used[k] for k in (
             'block_size', 'batch_size', 'num_workers', 'seed', 'data_dir', 'dataset',
             'gradient_accumulation_steps'))
     except OSError as e:
@@ -276,10 +276,10 @@ def measure_loader():
     import datafiles
     from perf import cpu_name
     try:
-        _, shards = datafiles.open_dataset(used['data_dir'], used['dataset'])
+        _, shards = datafiles.open_dataset(data_dir, dataset)
         train = data.TokenWindows(shards['train'], block_size)
-        sampler = data.TrainSampler(train.num_tokens, block_size, batch_size,
-                                    batch_size * used['gradient_accumulation_steps'], seed)
+        sampler = data.TrainSampler(train.num_tokens, block_size, batch_size, batch_size * accum,
+                                    seed)
     except data.DataError as e:
         stop(e)
     batches = data.TrainBatches(train, sampler, num_workers, seed, pin_memory=False)

@@ -39,11 +39,13 @@ def read_records(path):
                 break
             try:
                 record = json.loads(line.decode('utf-8'))
+                ok = isinstance(record, dict) and 'kind' in record
+                problem = None if ok else repr(record)[:80]
             except ValueError as e:  # UnicodeDecodeError is one
-                record = e
-            if not isinstance(record, dict) or 'kind' not in record:
-                raise ReportError(f"{path}:{number} is not a metrics record ({str(record)[:80]}): "
-                                  f"the file is damaged; delete that line, then run again")
+                problem = str(e)
+            if problem is not None:
+                raise ReportError(f"{path}:{number} is not a metrics record ({problem}): the file "
+                                  f"is damaged; delete that line, then run again")
             records.append(record)
     return records
 
