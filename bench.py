@@ -127,7 +127,8 @@ try:
 except ValueError as e:  # an unclosed quote
     stop(f"compare={compare!r} cannot be split into arguments ({e}): quote it as a shell would")
 names = list(settings) + (['reference'] if reference else [])
-folder = tempfile.mkdtemp(prefix='bench-')
+# loader and sample run nothing: a folder only for their default json
+folder = None if (loader or sample) and json else tempfile.mkdtemp(prefix='bench-')
 json = json or os.path.join(folder, 'bench.json')
 
 
@@ -258,23 +259,27 @@ def summary(setting_runs):
 def measure_loader():
     """Windows/s of the train loader of the run in out_dir loader, from its config.json, timed over
     bench_iters batches after bench_warmup."""
+    path = os.path.join(loader, 'config.json')
+    try:
+        used = {k: v['value'] for k, v in read_json(path).items() if k != 'resolved'}
+        block_size, batch_size, num_workers, seed, data_dir, dataset, accum = (used[k] for k in (
+            'block_size', 'batch_size', 'num_workers', 'seed', 'data_dir', 'dataset',
+            'gradient_accumulation_steps'))
+    except OSError as e:
+        stop(f"loader={loader}: no config.json there ({e.strerror}): pass the out_dir of a "
+             f"train.py run")
+    except (ValueError, AttributeError, KeyError, TypeError) as e:  # not JSON, or not train.py's
+        stop(f"loader={loader}: {path} is not the config.json of a train.py run "
+             f"({type(e).__name__}: {e}): pass the out_dir of one")
     # torch: imported only in the modes that need it, so a mistake in the arguments fails at once
     import data
     import datafiles
     from perf import cpu_name
     try:
-        used = {k: v['value'] for k, v in read_json(os.path.join(loader, 'config.json')).items()
-                if k != 'resolved'}
-    except OSError as e:
-        stop(f"loader={loader}: no config.json there ({e.strerror}): pass the out_dir of a "
-             f"train.py run")
-    block_size, batch_size, num_workers, seed = (used[k] for k in ('block_size', 'batch_size',
-                                                                   'num_workers', 'seed'))
-    try:
-        _, shards = datafiles.open_dataset(used['data_dir'], used['dataset'])
+        _, shards = datafiles.open_dataset(data_dir, dataset)
         train = data.TokenWindows(shards['train'], block_size)
-        sampler = data.TrainSampler(train.num_tokens, block_size, batch_size,
-                                    batch_size * used['gradient_accumulation_steps'], seed)
+        sampler = data.TrainSampler(train.num_tokens, block_size, batch_size, batch_size * accum,
+                                    seed)
     except data.DataError as e:
         stop(e)
     batches = data.TrainBatches(train, sampler, num_workers, seed, pin_memory=False)

@@ -25,6 +25,7 @@ import dataclasses
 import glob
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -172,18 +173,25 @@ def load(path, resumable=False):
     not only weights. An older one comes back migrated, with 'migrated': the line that says so, for
     the caller to print (train.py on rank 0, sample.py to stderr)."""
     try:
-        ckpt = torch.load(path, map_location='cpu', weights_only=True)
+        with warnings.catch_warnings():  # torch's on the pickle protocol of a file it then refuses
+            warnings.filterwarnings('ignore', message='Detected pickle protocol')
+            ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} does not exist, so there is nothing to resume (a "
                               f"run stopped before its first checkpoint starts again with "
                               f"init_from=scratch or auto): check out_dir / resume_from")
     except Exception as e:
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        if isinstance(e, pickle.UnpicklingError):  # its first line: advice to load unsafely
+            first_line = "not a torch.save file of tensors and plain values"
         raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupt: "
                               f"{first_line}): use another file (train.py: resume_from=PATH), or "
                               f"start a new out_dir")
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"{path} holds a {type(ckpt).__name__}, not a checkpoint: pass the "
+                              f"best.pt or last.pt of a run")
+    if 'model_args' not in ckpt:  # every format's, the first's too
+        raise CheckpointError(f"{path} holds a dict without model_args, not a checkpoint: pass the "
                               f"best.pt or last.pt of a run")
     if ckpt.get('format', 1) > FORMAT:
         raise CheckpointError(f"checkpoint {path} has format {ckpt['format']}, newer than this "

@@ -114,6 +114,12 @@ def parse_line(line, where, encode, block_size, unknown):
         if not isinstance(ending, str) or not ending:
             raise TaskError(f"{where}: {endings_key}[{i}] is {ending!r}: every candidate must be a "
                             f"non-empty string")
+    for text in (context, *endings):
+        try:
+            text.encode('utf-8')
+        except UnicodeEncodeError as e:  # JSON's \ud800 escapes can name half a character
+            raise TaskError(f"{where}: a lone surrogate {text[e.start]!r} is not text: fix or drop "
+                            f"that line") from None
     if type(label) is not int or not 0 <= label < len(endings):
         raise TaskError(f"{where}: {label_key}={label!r} is not an index of the {len(endings)} "
                         f"{endings_key}: use an int from 0 to {len(endings) - 1}")

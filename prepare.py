@@ -58,6 +58,9 @@ def decode_utf8(raw, where, offset=0):
     try:
         return raw.decode('utf-8')
     except UnicodeDecodeError as e:
+        if b'\0' in raw:  # no text file holds one, in any 8-bit encoding: iconv would not help
+            raise PrepareError(f'{where} is binary, not text (a NUL byte at offset '
+                               f'{offset + raw.index(0)}): leave it out of --input') from None
         raise PrepareError(f'{where} is not UTF-8 (invalid byte at offset {offset + e.start}): '
                            f'convert it first, e.g. iconv -f LATIN1 -t UTF-8 IN > OUT') from None
 
@@ -203,6 +206,9 @@ def source_items(name, input_path, text_key, work_dir):
         if is_records_file(input_path):
             return source, None, Reader([input_path], None, text_key)
         return source, input_path, None
+    if os.path.exists(input_path):  # a device, a pipe
+        raise PrepareError(f'input {input_path} is neither a file nor a folder: point --input at '
+                           f'text files')
     raise PrepareError(f'input {input_path} does not exist: check the --input path')
 
 
@@ -301,6 +307,18 @@ def process_batch(batch):
     return out
 
 
+def process_batch_in_pool(batch):
+    """process_batch in a tokenizer process of a pool: an exception that is not an Exception (a
+    panic in tiktoken's Rust) would end the process unreported, and the pool would wait for its
+    result forever; it comes back as a RuntimeError."""
+    try:
+        return process_batch(batch)
+    except Exception:
+        raise
+    except BaseException as e:
+        raise RuntimeError(f'{type(e).__name__} in a tokenizer process: {e}') from None
+
+
 def batched(items):
     """Items grouped into lists of about BATCH_BYTES of raw text."""
     batch, size = [], 0
@@ -327,7 +345,7 @@ def processed(items, num_proc, job):
     with multiprocessing.get_context('fork').Pool(num_proc, init_worker, (job,)) as pool:
         pending = collections.deque()
         for batch in batched(items):
-            pending.append(pool.apply_async(process_batch, (batch,)))
+            pending.append(pool.apply_async(process_batch_in_pool, (batch,)))
             if len(pending) >= 2 * num_proc:
                 yield from pending.popleft().get()
         while pending:
@@ -535,6 +553,28 @@ def splits_meta(counts, writers, text_path, char_level):
     return splits
 
 
+def replaced(out_dir, input_path):
+    """Refuses to prepare into out_dir where that would destroy what is not a dataset prepare.py
+    wrote (its meta.json holds source_sha256): a dataset is replaced whole, so a folder of the
+    user's files there, downloaded shards, or the input itself would be lost."""
+    if input_path is not None:
+        source, target = os.path.realpath(input_path), os.path.realpath(out_dir)
+        if source == target or source.startswith(target + os.sep):
+            raise PrepareError(f'input {input_path} is in {out_dir}, the folder this dataset '
+                               f'replaces: move the input out of it, or pick another name')
+    if not os.path.lexists(out_dir):
+        return
+    try:
+        with open(os.path.join(out_dir, 'meta.json'), encoding='utf-8') as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        meta = None
+    if not (isinstance(meta, dict) and 'source_sha256' in meta):
+        raise PrepareError(f'{out_dir} exists and is not a dataset prepare.py wrote (no meta.json '
+                           f'with source_sha256), which preparing would replace: move it away, '
+                           f'or pick another name')
+
+
 def prepare(name, data_dir=DATA_DIR, input_path=None, tokenizer=None, seed=1337, text_key='text',
             num_proc=None, shard_size=100_000_000):
     """Write data_dir/name/ (shards and meta.json); returns data_dir/name."""
@@ -543,7 +583,7 @@ def prepare(name, data_dir=DATA_DIR, input_path=None, tokenizer=None, seed=1337,
     if not 0 < shard_size < 2**31:
         raise PrepareError(f'shard_size={shard_size} must be between 1 and 2**31-1 (the header '
                            f'holds an int32)')
-    num_proc = num_proc or os.cpu_count()
+    num_proc = os.cpu_count() if num_proc is None else num_proc
     if num_proc < 1:
         raise PrepareError(f'num_proc={num_proc} must be at least 1 (tokenizer processes)')
     tokenizer = tokenizer or ('gpt2' if name == 'shakespeare' else 'char')
@@ -553,9 +593,14 @@ def prepare(name, data_dir=DATA_DIR, input_path=None, tokenizer=None, seed=1337,
     # build the dataset in a temp folder beside the target and swap it in at the end,
     # so a failed run never leaves a half-written dataset or destroys the previous one
     out_dir = os.path.join(data_dir, name)
+    replaced(out_dir, input_path)
     new_data_dir = not os.path.exists(data_dir)
-    os.makedirs(data_dir, exist_ok=True)
-    work_dir = tempfile.mkdtemp(prefix=f'.{name}.', dir=data_dir)
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+        work_dir = tempfile.mkdtemp(prefix=f'.{name}.', dir=data_dir)
+    except OSError as e:  # a file in the way, or no permission
+        raise PrepareError(f'data_dir {data_dir} cannot be made or written ({e.strerror}): pass '
+                           f'--data_dir PATH of a folder that can be written') from None
     try:
         source, text_path, reader = source_items(name, input_path, text_key, work_dir)
         documents = text_path is None

@@ -25,15 +25,44 @@ LEAK_TRACKS = 0.002  # val this close (relative) to train at every eval: suspici
 RISE = 0.02  # train and val loss this far (relative) above the best evaluation's: diverging
 
 
+class ReportError(Exception):
+    """A run file that cannot be read; the one-line message names it and the fix."""
+
+
+def read_records(path):
+    """The records of a run's metrics.jsonl. A kill mid-write leaves a last line without its
+    newline: that record never happened. ReportError for any other line that is not a record."""
+    records = []
+    with open(path, 'rb') as f:
+        for number, line in enumerate(f, 1):
+            if not line.endswith(b'\n'):
+                break
+            try:
+                record = json.loads(line.decode('utf-8'))
+                ok = isinstance(record, dict) and 'kind' in record
+                problem = None if ok else repr(record)[:80]
+            except ValueError as e:  # UnicodeDecodeError is one
+                problem = str(e)
+            if problem is not None:
+                raise ReportError(f"{path}:{number} is not a metrics record ({problem}): the file "
+                                  f"is damaged; delete that line, then run again")
+            records.append(record)
+    return records
+
+
+def read_json(path):
+    try:
+        with open(path, encoding='utf-8') as f:
+            return json.load(f)
+    except ValueError as e:  # UnicodeDecodeError is one
+        raise ReportError(f"{path} is not JSON ({e}): the file is damaged; restore it, or resume "
+                          f"the run, which writes it again") from None
+
+
 def read_run(out_dir):
-    with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
-        # a kill mid-write leaves a last line without its newline: that record never happened
-        records = [json.loads(line) for line in f if line.endswith('\n')]
-    with open(os.path.join(out_dir, 'config.json')) as f:
-        config = json.load(f)
-    with open(os.path.join(out_dir, 'meta.json')) as f:
-        meta = json.load(f)
-    return records, config, meta
+    return (read_records(os.path.join(out_dir, 'metrics.jsonl')),
+            read_json(os.path.join(out_dir, 'config.json')),
+            read_json(os.path.join(out_dir, 'meta.json')))
 
 
 def loss_text(loss):
@@ -367,5 +396,11 @@ if __name__ == '__main__':
     missing = [name for name in RUN_FILES if not os.path.isfile(os.path.join(run_dir, name))]
     if missing:
         fail(f"{run_dir} has no {missing[0]}: pass the out_dir of a train.py run")
-    write_report(run_dir)
+    try:
+        write_report(run_dir)
+    except ReportError as e:
+        fail(e)
+    except OSError as e:  # a run folder that cannot be written, as on a read-only mount
+        fail(f"{e.filename}: {e.strerror}: report.py writes report.md and curves.png in the run's "
+             f"folder; pass a writable copy of it")
     print(f"wrote {os.path.join(run_dir, 'report.md')} and {os.path.join(run_dir, 'curves.png')}")

@@ -142,8 +142,12 @@ if __name__ == '__main__':
                                                            'top_k'), 1))[0])
     except ConfigError as e:
         fail(e)
-    if temperature <= 0:
-        fail(f"temperature={temperature} must be positive: for greedy decoding use top_k=1")
+    if temperature < 1e-6:  # 0 divides by 0, and the logits over a tiny one overflow float32
+        fail(f"temperature={temperature} must be at least 1e-6: for greedy decoding use top_k=1")
+    if seed + num_samples > 2**64:  # torch's generators take seeds below 2**64
+        fail(f"seed={seed} is too large: sample i draws with seed + i, which must be below 2**64")
+    if export and export_hf:
+        fail("export and export_hf are both set: give one (each writes the weights and exits)")
     if export and os.path.exists(export):
         fail(f"export={export} exists: name a new file (an export never overwrites one)")
     if export and not os.path.isdir(os.path.dirname(os.path.abspath(export))):
@@ -163,6 +167,11 @@ if __name__ == '__main__':
                 start = f.read()
         except (OSError, UnicodeDecodeError) as e:
             fail(f"cannot read the prompt file ({e}): fix the path after FILE: or save it as UTF-8")
+    try:
+        start.encode('utf-8')
+    except UnicodeEncodeError as e:  # a byte of another encoding on the command line
+        fail(f"the prompt holds {start[e.start]!r}, which is not text: pass it in UTF-8, or in a "
+             f"UTF-8 file as --start=FILE:PATH")
 
     ckpt_path = ckpt or os.path.join(out_dir, 'best.pt')
     if not os.path.isfile(ckpt_path):

@@ -155,6 +155,16 @@ def ranks_file(path, folder=None, pat_str=GPT2_PAT_STR, expected_sha256=None):
     try:  # tiktoken's own loader would copy the file into its download cache
         ranks = {base64.b64decode(token, validate=True): int(rank)
                  for token, rank in (line.split() for line in contents.splitlines() if line)}
+        # tiktoken would raise OverflowError, or panic (a BaseException: tokenizer processes die)
+        if outside := [rank for rank in ranks.values() if not 0 <= rank < 2**32 - 1]:
+            raise ValueError(f'rank {outside[0]} is outside 0 to 2**32 - 2')
+        if len(set(ranks.values())) < len(ranks):
+            raise ValueError('two tokens have the same rank')
+        if missing := [i for i in range(256) if bytes([i]) not in ranks]:
+            raise TokenizerError(f'tokenizer file {full_path} lacks {len(missing)} of the 256 '
+                                 f'single bytes (e.g. {bytes(missing[:1])!r}), without which some '
+                                 f'text cannot be encoded: use a byte-level BPE\'s whole ranks '
+                                 f'file')
         # the largest rank, not the count: a file with a gap in its ranks must not give a token's id
         # to EOT
         enc = tiktoken.Encoding(name=os.path.basename(full_path).removesuffix('.tiktoken'),

@@ -22,6 +22,7 @@ import tempfile
 import torch
 
 import checkpoint
+import report
 import sample
 from configurator import ConfigError, configure, fail
 
@@ -48,13 +49,14 @@ def read_json(path):
 
 def train_records(run_dir, first, last):
     """{step: train record} of a run's metrics.jsonl for steps first..last."""
-    records = {}
-    with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
-        for line in f:
-            record = json.loads(line)
-            if record['kind'] == 'train' and first <= record['step'] <= last:
-                records[record['step']] = record
-    return records
+    path = os.path.join(run_dir, 'metrics.jsonl')
+    try:  # as report.py reads them: a last line a kill cut short never happened
+        records = report.read_records(path)
+    except OSError as e:
+        fail(f"cannot read {path} ({e.strerror}): point out_dir at a run's folder")
+    except report.ReportError as e:
+        fail(e)
+    return {r['step']: r for r in records if r['kind'] == 'train' and first <= r['step'] <= last}
 
 
 def same(a, b):
@@ -141,6 +143,10 @@ def run_folder(config, sources):
     run's metrics.jsonl and meta.json are its own: a checkpoint of another folder is refused, as
     another run's would replay against this one's records."""
     named = [config[k] for k in ('start', 'end') if config[k]]
+    for key in ('start', 'end'):
+        if config[key] and not os.path.isfile(config[key]):
+            fail(f"{key}={config[key]} is not a file: name a checkpoint of the run's folder "
+                 f"(ckpt-ITER.pt, last.pt)")
     if not named:
         return config['out_dir']
     folders = {os.path.realpath(os.path.dirname(os.path.abspath(p))) for p in named}
@@ -201,6 +207,9 @@ def main(config, sources):
         if replay.returncode != 0:
             lines = replay.stderr.splitlines()
             errors = [line for line in lines if line.startswith('error:')] or lines[-1:] or ['']
+            if replay.returncode == 2 and errors[0].startswith('error: '):  # nothing replayed
+                fail(f"the replay did not start (run verify.py where the run was started: "
+                     f"relative paths are from there): {errors[0].removeprefix('error: ')}")
             print(f"not verified: the replay failed ({errors[0]})")
             sys.exit(1)
         replay_steps = train_records(replay_dir, first + 1, last)

@@ -189,10 +189,13 @@ def test_bench_sample_mode_times_generate_with_and_without_the_cache(tmp_path, d
     # the same tokens
     run = str(tmp_path / 'run')
     run_train(run, data_dir, '--max_iters=20', '--lr_decay_iters=20', '--pos_emb=rope')
-    report = tmp_path / 'bench.json'
+    report, tmp = tmp_path / 'bench.json', tmp_path / 'tmp'
+    tmp.mkdir()
     result = forked.run('bench.py', f'--sample={run}', '--new_tokens=40', '--rounds=2',
-                        '--bench_warmup=2', f'--json={report}', timeout=120)
+                        '--bench_warmup=2', f'--json={report}', timeout=120,
+                        env={**os.environ, 'TMPDIR': str(tmp)})
     assert result.returncode == 0, result.stderr
+    assert not os.listdir(tmp), 'an empty runs folder: json names where the figures go'
     no_run = forked.run('bench.py', f'--sample={tmp_path}', '--new_tokens=40')
     assert no_run.returncode == 2 and no_run.stderr == (f"error: sample={tmp_path}: no last.pt "
                                                         f"there: pass the out_dir of a train.py "
@@ -235,11 +238,17 @@ def test_bench_mistakes_fail_in_one_line(tmp_path):
                 and 'round 1/' not in result.stdout), result.stdout + result.stderr
         assert result.stderr.startswith(f"error: {message}") and result.stderr.count('\n') == 1
     # found after the runs' folder was made: it goes too
-    result = subprocess.run([sys.executable, 'bench.py', f"--loader={tmp_path / 'none'}"], cwd=REPO,
-                            env={**os.environ, 'TMPDIR': str(tmp_path)}, capture_output=True,
-                            text=True)
-    assert result.returncode == 2 and result.stderr.count('\n') == 1, result.stderr
-    assert not list(tmp_path.glob('bench-*'))
+    (tmp_path / 'damaged').mkdir()
+    (tmp_path / 'damaged' / 'config.json').write_text('{')  # a traceback, and the folder stayed
+    for run, message in (('none', "no config.json there (No such file or directory)"),
+                         ('damaged', "damaged/config.json is not the config.json of a train.py "
+                                     "run (JSONDecodeError: ")):
+        result = subprocess.run([sys.executable, 'bench.py', f"--loader={tmp_path / run}"],
+                                cwd=REPO, env={**os.environ, 'TMPDIR': str(tmp_path)},
+                                capture_output=True, text=True)
+        assert result.returncode == 2 and result.stderr.count('\n') == 1, result.stderr
+        assert message in result.stderr
+        assert not list(tmp_path.glob('bench-*'))
 
 
 @pytest.mark.slow

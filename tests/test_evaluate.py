@@ -193,6 +193,9 @@ def test_rows_keep_the_ending_and_the_last_context_tokens(tmp_path):
     ('{"context": "a", "choices": ["b", 3], "answer": 0}',
      "choices[1] is 3: every candidate must be a non-empty"),
     ('{"context": "", "choices": ["b", "c"], "answer": 0}', "context must be a non-empty string"),
+    # a tokenizer's traceback before
+    ('{"context": "a", "choices": ["b", "\\udc00"], "answer": 0}',
+     "a lone surrogate '\\udc00' is not text: fix or drop that line"),
     ('{"context": "a", "choices": ["b", "123456789"], "answer": 0}',
      "an ending of 9 tokens leaves no room for context in block_size=8: shorten it"),
 ])

@@ -208,19 +208,33 @@ def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
 
 @pytest.mark.parametrize('args, expected', [
     (['x', '--input', 'missing.txt'], 'does not exist'),
+    (['x', '--input', os.devnull], f'input {os.devnull} is neither a file nor a folder'),
     (['x', '--input', 'empty.txt'], 'empty'),
     (['x', '--input', 'blank.txt'], 'only whitespace'),
     (['x', '--input', 'empty_dir'], 'has no files'),
     (['x', '--input', 'latin1.txt'],
      r'latin1.txt is not UTF-8 \(invalid byte at offset 3\).*iconv'),
+    # iconv was the advice
+    (['x', '--input', 'code'],
+     r'^error: __pycache__/m.cpython-311.pyc is binary, not text \(a NUL byte at offset 4\): '
+     r'leave it out of --input$'),
     (['x', '--input', 'tiny.txt'], 'split has no tokens'),
     (['x', '--input', 'two_docs'], 'only 2 distinct documents'),
     (['x', '--input', 'good.txt', '--tokenizer', 'bpe'], "tokenizer 'bpe' not understood"),
     # a file given, no dataset's: nothing to prepare again
     (['x', '--input', 'good.txt', '--tokenizer', 'nope.tiktoken'],
      'nope.tiktoken not found: check the path$'),
+    # tiktoken's panics on these killed the tokenizer processes, and prepare.py waited forever
+    (['x', '--input', 'good.txt', '--tokenizer', 'partial.tiktoken'],
+     r"partial.tiktoken lacks 255 of the 256 single bytes \(e.g. b'\\x00'\)"),
+    (['x', '--input', 'good.txt', '--tokenizer', 'shared.tiktoken'],
+     r'shared.tiktoken is not a tiktoken ranks file \(two tokens have the same rank\)'),
+    (['x', '--input', 'good.txt', '--tokenizer', 'negative.tiktoken'],
+     r'negative.tiktoken is not a tiktoken ranks file \(rank -1 is outside 0 to 2\*\*32 - 2\)'),
     (['unknown_name'], 'pystdlib_char.*--input'),
     (['x', '--input', 'good.txt', '--num_proc', '-1'], 'num_proc=-1 must be at least 1'),
+    # refused as the message says, not read as num_proc=None (every CPU)
+    (['x', '--input', 'good.txt', '--num_proc', '0'], 'num_proc=0 must be at least 1'),
     (['x', '--input', 'null.jsonl'],
      "null.jsonl:2 has 'text': null, not a string: fix or drop that record"),
     (['x', '--input', 'number.jsonl'], "number.jsonl:1 has 'text': 42, not a string"),
@@ -232,6 +246,13 @@ def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
     (['x', '--input', 'good.txt', '--seed', 'abc'],
      r"invalid int value: 'abc' \(python prepare.py --help"),
     ([], 'the following arguments are required: name'),
+    (['x', '--input', 'good.txt', '--data_dir', 'good.txt'],
+     r'data_dir good.txt cannot be made or written \(File exists\)'),
+    # preparing replaces data_dir/NAME whole: what prepare.py did not write there is kept
+    (['two_docs', '--input', 'good.txt', '--data_dir', '.'],
+     r'./two_docs exists and is not a dataset prepare.py wrote'),
+    (['two_docs', '--input', 'two_docs/a', '--data_dir', '.'],
+     r'input two_docs/a is in ./two_docs, the folder this dataset replaces'),
 ])
 def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
     (tmp_path / 'empty.txt').write_bytes(b'')
@@ -244,6 +265,13 @@ def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
     (tmp_path / 'two_docs' / 'b').write_text('two')
     (tmp_path / 'two_docs' / 'c').write_text('one')
     (tmp_path / 'good.txt').write_text('some good text\n' * 20)
+    (tmp_path / 'code' / '__pycache__').mkdir(parents=True)
+    (tmp_path / 'code' / 'm.py').write_text('x = 1\n')
+    (tmp_path / 'code' / '__pycache__' / 'm.cpython-311.pyc').write_bytes(
+        b'\xa7\r\r\n\0\0\0\0\xe3\0\0\0')
+    (tmp_path / 'partial.tiktoken').write_text('YQ== 0\n')  # b'a' alone
+    (tmp_path / 'shared.tiktoken').write_text('YQ== 0\nYg== 0\n')
+    (tmp_path / 'negative.tiktoken').write_text('YQ== -1\n')
     (tmp_path / 'null.jsonl').write_text('{"text": "a"}\n{"text": null}\n')
     (tmp_path / 'number.jsonl').write_text('{"text": 42}\n')
     (tmp_path / 'surrogate.jsonl').write_text('{"text": "half \\ud800 a character"}\n')
@@ -253,11 +281,28 @@ def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
     (tmp_path / 'corrupt.jsonl.gz').write_bytes(records[:100]
                                                 + bytes(b ^ 0xff for b in records[100:200])
                                                 + records[200:])
+
+    def tree():  # every file and folder, with its bytes
+        return {path: path.is_file() and path.read_bytes() for path in tmp_path.rglob('*')}
+    before = tree()
     result = run_cli(*args, cwd=tmp_path)
     assert result.returncode == 2
     assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith('error: ')
     assert re.search(expected, result.stderr)
     assert not (tmp_path / 'data').exists()
+    assert tree() == before
+
+
+def test_a_tokenizer_process_that_dies_of_a_panic_is_an_error_not_a_hang():
+    # tiktoken's panics are BaseExceptions: a pool process died of one, and its result never came
+    code = ("import prepare\n"
+            "class Panic(BaseException): pass\n"
+            "def job(text, digest): raise Panic('no entry found for key')\n"
+            "list(prepare.processed([('doc', b'text', 'text', None, 0)], 2, job))\n")
+    result = subprocess.run([sys.executable, '-c', code], cwd=os.path.dirname(PREPARE_PY),
+                            capture_output=True, text=True, timeout=60)
+    assert (result.returncode == 1 and 'RuntimeError: Panic in a tokenizer process: no entry found '
+                                       'for key' in result.stderr), result.stderr
 
 
 def test_failing_rerun_leaves_existing_dataset_untouched(tmp_path, monkeypatch):

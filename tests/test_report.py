@@ -111,6 +111,42 @@ def test_killed_run(finished, tmp_path):
     assert 'the run did not finish (killed or still running?) at iteration 20' in read_report(out)
 
 
+# the least a report is written from
+GOOD_RUN = {'metrics.jsonl': b'{"kind": "start", "step": 0, "time": 1.0}\n',
+            'config.json': json.dumps({'max_iters': {'value': 10, 'source': 'default'},
+                                       'log_interval': {'value': 1, 'source': 'default'},
+                                       'resolved': {'device': 'cpu', 'dtype': 'float32'}}).encode(),
+            'meta.json': b'{"command": ["train.py"], "world_size": 1}'}
+
+
+@pytest.mark.parametrize('files, message', [
+    ({'metrics.jsonl': None}, "run has no metrics.jsonl: pass the out_dir of a train.py run"),
+    # a killed write that a later session appended to: the last line alone may lack its end
+    ({'metrics.jsonl': b'{"kind": "start"}\n{"kind": "train", "st{"kind": "start"}\n'},
+     "run/metrics.jsonl:2 is not a metrics record (Expecting ':' delimiter: line 1 column 24"),
+    ({'metrics.jsonl': b'\xff\n'},
+     "run/metrics.jsonl:1 is not a metrics record ('utf-8' codec can't decode byte 0xff"),
+    ({'metrics.jsonl': b'[1, 2]\n'}, "run/metrics.jsonl:1 is not a metrics record ([1, 2]): the "
+                                     "file is damaged; delete that line"),
+    ({'config.json': b'{'}, "run/config.json is not JSON (Expecting property name"),
+    ({'report.md/': b''}, "run/report.md: Is a directory: report.py writes report.md"),
+])
+def test_mistakes_are_one_line_with_exit_2_and_write_nothing(tmp_path, files, message):
+    (tmp_path / 'run').mkdir()
+    for name, content in (GOOD_RUN | files).items():
+        if name.endswith('/'):
+            (tmp_path / 'run' / name).mkdir()
+        elif content is not None:
+            (tmp_path / 'run' / name).write_bytes(content)
+    before = sorted(os.listdir(tmp_path / 'run'))
+    result = subprocess.run([sys.executable, os.path.join(REPO, 'report.py'), 'run'],
+                            cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 2 and result.stdout == '', result.stderr
+    assert (result.stderr.startswith(f"error: {message}")
+            and result.stderr.count('\n') == 1), result.stderr
+    assert sorted(os.listdir(tmp_path / 'run')) == before
+
+
 def test_a_run_stopped_by_a_signal(finished, tmp_path):
     out = str(tmp_path / 'stopped')
     shutil.copytree(finished, out)

@@ -1,5 +1,6 @@
 """sample.py on a finished tiny run: seeded, greedy at top_k=1, prompts from files, clean errors."""
 import os
+import pickle
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch
 import forked
 import sample
 import tokenizer
-from conftest import DEVICES, run_train, write_ranks
+from conftest import DEVICES, REPO, run_train, write_ranks
 from model import GPT, GPTConfig
 
 SEPARATOR = '-' * 40 + '\n'
@@ -75,6 +76,38 @@ def test_missing_checkpoint_is_a_one_line_error(tmp_path):
     assert result.returncode == 2 and result.stdout == ''
     assert (result.stderr.startswith('error: checkpoint')
             and result.stderr.count('\n') == 1), result.stderr
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--temperature=0'], "temperature=0.0 must be at least 1e-6: for greedy decoding use top_k=1"),
+    # 0 in float32: the logits over it were NaNs, and torch.multinomial a traceback
+    (['--temperature=1e-300'], "temperature=1e-300 must be at least 1e-6"),
+    (['--seed=18446744073709551615', '--num_samples=2'],
+     "seed=18446744073709551615 is too large: sample i draws with seed + i, which must be below "
+     "2**64"),
+    # export_hf was left undone, with exit code 0
+    (['--export=w.pt', '--export_hf=hf'], "export and export_hf are both set: give one"),
+    # a byte that is not UTF-8 on the command line (Python's surrogate escape)
+    (['--start=caf\udce9'], "the prompt holds '\\udce9', which is not text: pass it in UTF-8"),
+    (['--ckpt=text.pt'], "checkpoint text.pt is unreadable (truncated or corrupt: not a torch.save "
+                         "file of tensors and plain values)"),
+    # torch warned on its pickle protocol, in two more lines
+    (['--ckpt=pickle.pt'], "checkpoint pickle.pt is unreadable (truncated or corrupt: not a "
+                           "torch.save"),
+    # not an old format's checkpoint, as it was called
+    (['--ckpt=dict.pt'], "dict.pt holds a dict without model_args, not a checkpoint"),
+])
+def test_mistakes_are_one_line_with_exit_2_and_write_nothing(tmp_path, args, message):
+    (tmp_path / 'text.pt').write_text('not a checkpoint\n')
+    (tmp_path / 'pickle.pt').write_bytes(pickle.dumps({'model': 1}, protocol=4))
+    torch.save({'iter_num': 1}, tmp_path / 'dict.pt')
+    before = sorted(os.listdir(tmp_path))
+    result = forked.run(os.path.join(REPO, 'sample.py'), f'--out_dir={tmp_path}', *args,
+                        cwd=str(tmp_path), timeout=120)
+    assert result.returncode == 2 and result.stdout == '', result.stderr
+    assert (result.stderr.startswith(f"error: {message}")
+            and result.stderr.count('\n') == 1), result.stderr
+    assert sorted(os.listdir(tmp_path)) == before
 
 
 def test_export_writes_only_a_new_file_which_sample_reads_and_train_refuses_to_resume(

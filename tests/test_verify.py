@@ -123,4 +123,26 @@ def test_start_and_end_alone_verify_their_run_and_another_folders_are_refused(tm
     assert result.returncode == 2 and result.stdout == '' and result.stderr == (
         f"error: start {run}/ckpt-000010.pt and end {other}/ckpt-000020.pt are in different "
         f"folders: name two checkpoints of one run's folder\n")
+    # a folder was called one in another folder, a missing file a checkpoint with nothing to resume
+    result = forked.run('verify.py', f'--start={run}', f'--end={run}/last.pt')
+    assert result.returncode == 2 and result.stderr == (
+        f"error: start={run} is not a file: name a checkpoint of the run's folder (ckpt-ITER.pt, "
+        f"last.pt)\n")
+    # train.py refusing the replay (its data is not where the run had it) was 'not verified', exit 1
+    end = torch.load(f'{other}/ckpt-000020.pt', weights_only=True)
+    end['config']['data_dir'] = str(tmp_path / 'nowhere')
+    torch.save(end, f'{other}/ckpt-000020.pt')
+    result = verify(other)
+    assert (result.returncode == 2 and result.stdout == ''
+            and result.stderr.splitlines()[-1].startswith(
+                "error: the replay did not start (run verify.py where the run was started: "
+                f"relative paths are from there): dataset 'toy' has no {tmp_path}/nowhere/toy/"
+                "meta.json")), result.stderr
+    # a damaged line before the last was a traceback; a last one a kill cut short is no record
+    with open(f'{other}/metrics.jsonl', 'a') as f:
+        f.write('{"kind": "train", "st{"kind": "start"}\n{"kind": "tr')
+    result = verify(other)
+    assert result.returncode == 2 and result.stdout == '' and re.fullmatch(
+        f"error: {other}/metrics.jsonl:[0-9]+ is not a metrics record \\(.*\\): the file is "
+        f"damaged; delete that line, then run again\n", result.stderr), result.stderr
     assert sorted(os.listdir(tmp_path)) == ['other', 'run']  # no replay folder left behind
