@@ -277,9 +277,9 @@ def new_peak(step, flops, how):
 def done(test, first_iter):
     """The end of a run that completed: the 'test' record (step, best_iter and best_by: best.pt's
     iteration and what chose it, best_val_loss: its val loss, best_acc_norm: its tasks' mean
-    acc_norm (best_by='acc_norm'), ema: whether those are the EMA's, test_loss or None, wall_seconds and save_seconds of this session, total_seconds of every
-    session), and the line that sums it up. first_iter: the iteration this session started from (0
-    unless it resumed)."""
+    acc_norm (best_by='acc_norm'), ema: whether those are the EMA's, test_loss or None,
+    wall_seconds and save_seconds of this session, total_seconds of every session), and the line
+    that sums it up. first_iter: the iteration this session started from (0 unless it resumed)."""
     record(test)
     step, seconds, test_loss = test['step'], test['wall_seconds'], test['test_loss']
     sessions = f"{step} iterations in {seconds:.0f} s" if not first_iter else (
