@@ -243,6 +243,9 @@ def test_configure_errors(argv, message):
     (['--batch_size=0'], "batch_size=0 must be at least 1"),
     # no number is, named or not
     (['--learning_rate=-0.1'], "learning_rate=-0.1 must not be negative"),
+    # 1e999 parses as inf (a config file may also write float('nan')): no run can use either
+    (['--learning_rate=1e999'], "learning_rate=inf is not finite: use a finite number, like the "
+     "default 0.0006"),
 ])
 def test_configure_checks_allowed_and_least_values_after_every_source(tmp_path, argv, message):
     limits = {'choices': {'device': ('auto', 'cpu', 'cuda'), 'out_dir': ('out',)},
