@@ -63,6 +63,10 @@ def settings(defaults, argv, world_size, ddp):
     betas = c['beta1'], c['beta2'], c['muon_momentum']
     check(all(0 <= b < 1 for b in betas),
           f"beta1={betas[0]}, beta2={betas[1]} and muon_momentum={betas[2]} must each be in [0, 1)")
+    # numpy's seed is below 2**32, and checkpoint.seed_rngs seeds each rank with seed + rank
+    check(c['seed'] + world_size <= 2**32,
+          f"seed={c['seed']} is too large: numpy's RNG takes seeds below 2**32, and rank r seeds "
+          f"seed + r: use a seed of at most {2**32 - world_size}")
     accum = c['gradient_accumulation_steps']
     check(accum % world_size == 0,
           f"gradient_accumulation_steps={accum} is not divisible by the {world_size} processes: "

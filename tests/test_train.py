@@ -247,6 +247,9 @@ def test_nanogpt_config_runs_unchanged(tmp_path, data_dir):
     # a negative clip flips the gradients
     (['--grad_clip=-1'], "error: grad_clip=-1.0 must not be negative"),
     (['--beta1=2'], "error: beta1=2.0, beta2=0.95 and muon_momentum=0.95 must each be in [0, 1)"),
+    # numpy's RNG takes no seed from 2**32: a traceback after the model was built
+    (['--seed=4294967296'], "error: seed=4294967296 is too large: numpy's RNG takes seeds below "
+     "2**32, and rank r seeds seed + r: use a seed of at most 4294967295"),
 ])
 def test_mistakes_are_one_line_exit_2_nothing_written(tmp_path, data_dir, args, message):
     if args == ['--device=cuda'] and torch.cuda.is_available():
