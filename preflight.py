@@ -53,6 +53,10 @@ def settings(defaults, argv, world_size, ddp):
           "best_by='acc_norm' needs eval_tasks: name the task files")
     check(not c['decay_lr'] or c['lr_decay_iters'] > c['warmup_iters'],
           f"lr_decay_iters={c['lr_decay_iters']} must exceed warmup_iters={c['warmup_iters']}")
+    # learning_rate=0 trains nothing whatever min_lr is: train.py's schedule then stays at 0
+    check(not c['decay_lr'] or c['learning_rate'] == 0 or c['min_lr'] <= c['learning_rate'],
+          f"min_lr={c['min_lr']} is above learning_rate={c['learning_rate']}: the decay would "
+          f"raise the rate to it: use a min_lr of at most learning_rate, or decay_lr=False")
     check(0 < c['wsd_decay_frac'] <= 1, f"wsd_decay_frac={c['wsd_decay_frac']} must be in (0, 1]")
     check(0 < c['layer_lr_decay'] <= 1,
           f"layer_lr_decay={c['layer_lr_decay']} must be in (0, 1]: 1 is off")

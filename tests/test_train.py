@@ -250,6 +250,9 @@ def test_nanogpt_config_runs_unchanged(tmp_path, data_dir):
     # numpy's RNG takes no seed from 2**32: a traceback after the model was built
     (['--seed=4294967296'], "error: seed=4294967296 is too large: numpy's RNG takes seeds below "
      "2**32, and rank r seeds seed + r: use a seed of at most 4294967295"),
+    # a floor above the peak: the decay would raise the rate
+    (['--min_lr=1e-2'], "error: min_lr=0.01 is above learning_rate=0.003: the decay would raise "
+     "the rate to it: use a min_lr of at most learning_rate, or decay_lr=False"),
 ])
 def test_mistakes_are_one_line_exit_2_nothing_written(tmp_path, data_dir, args, message):
     if args == ['--device=cuda'] and torch.cuda.is_available():
