@@ -60,6 +60,9 @@ def settings(defaults, argv, world_size, ddp):
     check(0 < c['wsd_decay_frac'] <= 1, f"wsd_decay_frac={c['wsd_decay_frac']} must be in (0, 1]")
     check(0 < c['layer_lr_decay'] <= 1,
           f"layer_lr_decay={c['layer_lr_decay']} must be in (0, 1]: 1 is off")
+    check(c['profile_iter'] <= c['max_iters'],
+          f"profile_iter={c['profile_iter']} is past max_iters={c['max_iters']}, so no iteration "
+          f"would be profiled: use one of 1 to {c['max_iters']} (0: off)")
     check(c['smoke_steps'] != 1, "smoke_steps=1 compares a loss with itself (each step's loss "
           "comes before its update): use 0 (off) or at least 2")
     check(c['ema_decay'] < 1, f"ema_decay={c['ema_decay']} must be in [0, 1): 0 is off, 1 would "

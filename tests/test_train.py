@@ -253,6 +253,9 @@ def test_nanogpt_config_runs_unchanged(tmp_path, data_dir):
     # a floor above the peak: the decay would raise the rate
     (['--min_lr=1e-2'], "error: min_lr=0.01 is above learning_rate=0.003: the decay would raise "
      "the rate to it: use a min_lr of at most learning_rate, or decay_lr=False"),
+    # past the run's end: nothing would be profiled
+    (['--profile_iter=41'], "error: profile_iter=41 is past max_iters=40, so no iteration would be "
+     "profiled: use one of 1 to 40 (0: off)"),
 ])
 def test_mistakes_are_one_line_exit_2_nothing_written(tmp_path, data_dir, args, message):
     if args == ['--device=cuda'] and torch.cuda.is_available():
