@@ -49,6 +49,10 @@ def settings(defaults, argv, world_size, ddp):
           f"init_from='{c['init_from']}': use 'scratch', 'resume', 'auto', a GPT-2 name "
           f"({', '.join(hf.GPT2_NAMES)}) or the path of a Hugging Face model folder or "
           f".safetensors file")
+    check(not c['resume_from'] or c['init_from'] in ('resume', 'auto'),
+          f"resume_from='{c['resume_from']}' is read only by init_from=resume or auto, and "
+          f"init_from='{c['init_from']}' ignores it: add --init_from=resume, or leave resume_from "
+          f"out")
     check(c['best_by'] == 'val_loss' or c['eval_tasks'],
           "best_by='acc_norm' needs eval_tasks: name the task files")
     check(not c['decay_lr'] or c['lr_decay_iters'] > c['warmup_iters'],

@@ -256,6 +256,10 @@ def test_nanogpt_config_runs_unchanged(tmp_path, data_dir):
     # past the run's end: nothing would be profiled
     (['--profile_iter=41'], "error: profile_iter=41 is past max_iters=40, so no iteration would be "
      "profiled: use one of 1 to 40 (0: off)"),
+    # a scratch run would ignore it and train from random weights
+    (['--resume_from=x/last.pt'], "error: resume_from='x/last.pt' is read only by init_from=resume "
+     "or auto, and init_from='scratch' ignores it: add --init_from=resume, or leave resume_from "
+     "out"),
 ])
 def test_mistakes_are_one_line_exit_2_nothing_written(tmp_path, data_dir, args, message):
     if args == ['--device=cuda'] and torch.cuda.is_available():
