@@ -178,13 +178,22 @@ def load(path, resumable=False):
                               f"run stopped before its first checkpoint starts again with "
                               f"init_from=scratch or auto): check out_dir / resume_from")
     except Exception as e:
-        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupt: "
-                              f"{first_line}): use another file (train.py: resume_from=PATH), or "
-                              f"start a new out_dir")
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        why = f"truncated or corrupt: {lines[0][:200]}"
+        if lines[0].startswith('Weights only load failed'):  # torch's advice to load it unsafely:
+            # what it met is in a later line
+            met = [line.split('WeightsUnpickler error:')[-1].strip() for line in lines[1:]]
+            met = [line for line in met if line and not line.startswith('Check the documentation')]
+            why = (f"not a file torch.save wrote of tensors and plain values: "
+                   f"{(met or ['a value it refused'])[0][:200]}")
+        raise CheckpointError(f"checkpoint {path} is unreadable ({why}): use another file "
+                              f"(train.py: resume_from=PATH), or start a new out_dir")
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"{path} holds a {type(ckpt).__name__}, not a checkpoint: pass the "
                               f"best.pt or last.pt of a run")
+    if 'model_args' not in ckpt:  # every format's, an export's too: else no format 1 either
+        raise CheckpointError(f"{path} is not a train.py checkpoint (a dict without model_args, "
+                              f"such as a bare state_dict): pass the best.pt or last.pt of a run")
     if ckpt.get('format', 1) > FORMAT:
         raise CheckpointError(f"checkpoint {path} has format {ckpt['format']}, newer than this "
                               f"code's {FORMAT}: update honestgpt (git pull) to resume it")

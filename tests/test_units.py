@@ -560,6 +560,20 @@ def test_checkpoints_that_cannot_be_migrated_are_refused_in_one_line(tmp_path):
         assert '\n' not in str(e.value)
 
 
+def test_files_that_are_not_checkpoints_are_refused_in_one_line(tmp_path):
+    # a model's weights alone (pytorch_model.bin) were called a format 1 checkpoint; torch's refusal
+    # of a file that is no pickle of tensors opens with its advice to load it unsafely
+    torch.save({'wte.weight': torch.zeros(2, 2)}, tmp_path / 'weights.bin')
+    (tmp_path / 'notes.pt').write_text('not a checkpoint')
+    for name, message in (('weights.bin', 'is not a train.py checkpoint (a dict without '
+                           'model_args, such as a bare state_dict): pass the best.pt or last.pt'),
+                          ('notes.pt', 'is unreadable (not a file torch.save wrote of tensors and '
+                           'plain values: Unsupported operand 110): use another file')):
+        with pytest.raises(checkpoint.CheckpointError, match=re.escape(message)) as e:
+            checkpoint.load(str(tmp_path / name))
+        assert '\n' not in str(e.value) and 'weights_only' not in str(e.value)
+
+
 def test_a_step_faster_than_the_peak_has_it_measured_again_once_a_run_then_raised(monkeypatch):
     """Measuring takes seconds: once a run, on a CPU; after that, and on a GPU (its datasheet), the
     interval's own FLOP/s is the peak. MFU never passes 100%."""
