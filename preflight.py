@@ -147,6 +147,11 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
     check(resuming or c['init_from'] == 'auto' or not holds_one,
           f"out_dir '{c['out_dir']}' already holds a checkpoint: resume it (init_from=resume or "
           f"auto), or use another")
+    # a dataset's folder (a mistyped out_dir, or data_dir's): the run's meta.json would replace its
+    out_files = os.listdir(c['out_dir']) if os.path.isdir(c['out_dir']) else []
+    check(not any(datafiles.SHARD_NAME.search(f) or f == datafiles.FINGERPRINTS for f in out_files),
+          f"out_dir '{c['out_dir']}' holds a dataset (its shards or {datafiles.FINGERPRINTS}), "
+          f"whose meta.json a run would overwrite: use another out_dir")
     model_config = dataclasses.replace(model_config, vocab_size=data_meta['vocab_size'])
     if pretrained:  # the shape comes from the weights, on resume too; config.json records it
         shape = {k: (ckpt['model_args'] if resuming else pretrained_args)[k] for k in hf.SHAPE_KEYS}

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -163,6 +164,21 @@ def test_bad_config_and_missing_data_create_nothing(tmp_path, data_dir):
         assert (result.stderr.strip().count('\n') == 0
                 and result.stderr.startswith('error:')), result.stderr
         assert not out.exists()
+
+
+def test_an_out_dir_that_holds_a_dataset_is_refused(tmp_path, data_dir):
+    # a run there wrote its meta.json over the dataset's
+    dataset = tmp_path / 'toy'
+    shutil.copytree(os.path.join(data_dir, 'toy'), dataset)
+
+    def files():  # but fingerprints.json, the data's cache, which opening the data may write
+        return {f.name: f.read_bytes() for f in dataset.iterdir() if f.name != 'fingerprints.json'}
+    before = files()
+    result = run_train(str(dataset), str(tmp_path), check=False)
+    assert result.returncode == 2 and result.stderr == (
+        f"error: out_dir '{dataset}' holds a dataset (its shards or fingerprints.json), whose "
+        f"meta.json a run would overwrite: use another out_dir\n")
+    assert files() == before
 
 
 @pytest.fixture(scope='module')
