@@ -161,6 +161,17 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
         lacking = hf.cannot_hold(model_config)
         check(not lacking,
               f"GPT-2's weights cannot have {', '.join(lacking)}: leave those keys at the defaults")
+    # a model no device holds fails at its first allocation, with a traceback: in the float32
+    # weights and gradients alone (an fsdp rank its share), fewer bytes than any training step needs
+    with torch.device('meta'):
+        num_params = sum(p.numel() for p in GPT(model_config).parameters())
+    ranks = torch.distributed.get_world_size() if sharded else 1
+    need, held = 8 * num_params / ranks, perf.device_memory(device)
+    check(need <= held,
+          f"the model's {num_params:,} parameters need {need / 2**30:,.1f} GiB for their float32 "
+          f"weights and gradients alone{' per rank' if sharded else ''}, more than {device}'s "
+          f"{held / 2**30:,.1f} GiB: make it smaller (n_layer, n_embd; the dataset's vocab_size is "
+          f"{model_config.vocab_size})")
     if resuming and c['fit_batch']:  # the micro-batches its run found, not the command's
         ran = ckpt['config']['batch_size'] * ckpt['config']['gradient_accumulation_steps']
         asked = c['batch_size'] * c['gradient_accumulation_steps']

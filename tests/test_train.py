@@ -157,8 +157,9 @@ def test_nan_aborts_with_context_and_keeps_checkpoints(tmp_path, data_dir):
 
 def test_bad_config_and_missing_data_create_nothing(tmp_path, data_dir):
     out = tmp_path / 'never'
+    # a model no machine holds: a traceback from its first allocation, without the check
     for args in (['--batch_sise=4'], ['--dataset=nope'], ['--block_size=100000'],
-                 ['--ema_decay=1']):
+                 ['--ema_decay=1'], ['--n_embd=1048576', '--n_head=1']):
         result = run_train(str(out), data_dir, *args, check=False)
         assert result.returncode != 0 and 'Traceback' not in result.stderr, result.stderr
         assert (result.stderr.strip().count('\n') == 0
