@@ -45,10 +45,12 @@ def settings(defaults, argv, world_size, ddp):
     except (ConfigError, ValueError) as e:  # the model's shape too
         check(False, e)
     c = config
+    # a path that is not there: else the line listed what it is meant to be
+    missing = os.sep in c['init_from'] or c['init_from'].endswith('.safetensors')
     check(c['init_from'] in ('scratch', 'resume', 'auto') or hf.is_source(c['init_from']),
-          f"init_from='{c['init_from']}': use 'scratch', 'resume', 'auto', a GPT-2 name "
-          f"({', '.join(hf.GPT2_NAMES)}) or the path of a Hugging Face model folder or "
-          f".safetensors file")
+          f"init_from='{c['init_from']}'{' does not exist' if missing else ''}: use 'scratch', "
+          f"'resume', 'auto', a GPT-2 name ({', '.join(hf.GPT2_NAMES)}) or the path of a Hugging "
+          f"Face model folder or .safetensors file")
     check(not c['resume_from'] or c['init_from'] in ('resume', 'auto'),
           f"resume_from='{c['resume_from']}' is read only by init_from=resume or auto, and "
           f"init_from='{c['init_from']}' ignores it: add --init_from=resume, or leave resume_from "

@@ -277,6 +277,10 @@ def test_nanogpt_config_runs_unchanged(tmp_path, data_dir):
     (['--resume_from=x/last.pt'], "error: resume_from='x/last.pt' is read only by init_from=resume "
      "or auto, and init_from='scratch' ignores it: add --init_from=resume, or leave resume_from "
      "out"),
+    # a path with a typo
+    (['--init_from=nowhere/model'], "error: init_from='nowhere/model' does not exist: use "
+     "'scratch', 'resume', 'auto', a GPT-2 name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or the "
+     "path of a Hugging Face model folder or .safetensors file"),
 ])
 def test_mistakes_are_one_line_exit_2_nothing_written(tmp_path, data_dir, args, message):
     if args == ['--device=cuda'] and torch.cuda.is_available():
