@@ -108,7 +108,7 @@ def configure(defaults, argv, choices=None, minimums=None):
             namespace = {}
             try:
                 exec(compile(code, arg, 'exec'), namespace)
-            except Exception as e:
+            except (Exception, SystemExit) as e:  # exit() too: else the script ended, silently
                 raise ConfigError(f"config file {arg} failed: {type(e).__name__}: {e}")
             for key, value in namespace.items():
                 if key.startswith('_') or type(value).__name__ in ('module', 'function', 'type'):

@@ -257,6 +257,15 @@ def test_configure_checks_allowed_and_least_values_after_every_source(tmp_path, 
         configure(DEFAULTS, argv, **limits)
 
 
+def test_configure_file_that_exits_is_an_error(tmp_path):
+    # sys.exit() in a config file ended the script with its code, silently (0: as if it had run)
+    cfg = tmp_path / 'c.py'
+    cfg.write_text("import sys\nsys.exit(0)\n")
+    with pytest.raises(ConfigError, match=f"^config file {re.escape(str(cfg))} failed: "
+                                          f"SystemExit: 0$"):
+        configure(DEFAULTS, [str(cfg)])
+
+
 def test_configure_file_unknown_key(tmp_path):
     cfg = tmp_path / 'c.py'
     cfg.write_text("learnig_rate = 1e-3\n")
