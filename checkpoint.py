@@ -190,9 +190,9 @@ def load(path, resumable=False):
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"{path} holds a {type(ckpt).__name__}, not a checkpoint: pass the "
                               f"best.pt or last.pt of a run")
-    if 'model_args' not in ckpt:  # every format's, the first's too
-        raise CheckpointError(f"{path} holds a dict without model_args, not a checkpoint: pass the "
-                              f"best.pt or last.pt of a run")
+    if 'model_args' not in ckpt:  # every format's, an export's too: else no format 1 either
+        raise CheckpointError(f"{path} is not a train.py checkpoint (a dict without model_args, "
+                              f"such as a bare state_dict): pass the best.pt or last.pt of a run")
     if ckpt.get('format', 1) > FORMAT:
         raise CheckpointError(f"checkpoint {path} has format {ckpt['format']}, newer than this "
                               f"code's {FORMAT}: update honestgpt (git pull) to resume it")

@@ -6,9 +6,10 @@ assigns some of those names), then apply --key=value overrides:
     python train.py config/tiny.py --batch_size=8 --compile=False
 
 Every value is type-checked against its default, and unknown names fail with the closest known
-ones, so a typo never trains the wrong model silently. No number may be negative; a script may also
-name each key's allowed values (choices) or a least value above 0 (minimums). Returns the resolved
-config and where each value came from ('default', the config file's path, or 'command line').
+ones, so a typo never trains the wrong model silently. No number may be negative, infinite or nan;
+a script may also name each key's allowed values (choices) or a least value above 0 (minimums).
+Returns the resolved config and where each value came from ('default', the config file's path, or
+'command line').
 
 fail() is how every script reports a user's mistake: one line naming the problem and the fix, exit
 code 2.
@@ -16,6 +17,7 @@ code 2.
 import ast
 import difflib
 import json
+import math
 import os
 import sys
 import time
@@ -106,7 +108,7 @@ def configure(defaults, argv, choices=None, minimums=None):
             namespace = {}
             try:
                 exec(compile(code, arg, 'exec'), namespace)
-            except Exception as e:
+            except (Exception, SystemExit) as e:  # exit() too: else the script ended, silently
                 raise ConfigError(f"config file {arg} failed: {type(e).__name__}: {e}")
             for key, value in namespace.items():
                 if key.startswith('_') or type(value).__name__ in ('module', 'function', 'type'):
@@ -130,8 +132,12 @@ def configure(defaults, argv, choices=None, minimums=None):
             raise ConfigError(f"{key}={config[key]!r}: use {listed}")
     assert set(minimums or {}) <= set(config), (f"minimums names unknown keys: "
                                                 f"{set(minimums) - set(config)}")
-    # no setting is negative: minimums name those that must be more
+    # no setting is negative or, where 1e999 parses as inf or a config file computes nan, infinite
+    # or nan: minimums name those that must be more
     for key, value in config.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value} is not finite: use a finite number, like the default "
+                              f"{defaults[key]!r}")
         if key in (minimums or {}) and value < minimums[key]:
             raise ConfigError(f"{key}={value} must be at least {minimums[key]}")
         if isinstance(value, (int, float)) and value < 0:

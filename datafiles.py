@@ -173,8 +173,11 @@ def open_dataset(data_dir, dataset):
         shards.setdefault(match.group(1), []).append((int(match.group(2)), f))
     for split in ('train', 'val'):
         if split not in shards:
+            fix = ("widen the glob, or add them" if any(c in dataset for c in '*?[') else
+                   f"run {prepare_command(meta['name'], data_dir)} again (with the --input it "
+                   f"had, if any), or download them")
             raise DataError(f"dataset '{dataset}' has no {split} shards (files like "
-                            f"NAME_{split}_000000.bin in {folder})")
+                            f"NAME_{split}_000000.bin in {folder}): {fix}")
     return meta, {split: [f for _, f in sorted(files)] for split, files in shards.items()}
 
 

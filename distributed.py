@@ -51,9 +51,12 @@ def group_backend(device, backend):
     """(backend, device_id) for init_process_group: nccl on CUDA and gloo on a CPU for
     backend='auto'. An nccl group is bound to this rank's GPU: unbound, its first collective
     (data.py's barrier) runs on GPU rank % GPUs per node, one another process owns on a node that
-    runs fewer processes than it has GPUs."""
+    runs fewer processes than it has GPUs. ValueError: nccl on a CPU."""
     if backend == 'auto':
         backend = 'nccl' if torch.device(device).type == 'cuda' else 'gloo'
+    if backend == 'nccl' and torch.device(device).type != 'cuda':
+        raise ValueError(f"backend='nccl' runs on CUDA GPUs, not on device='{device}': use "
+                         f"backend=gloo or auto")
     return backend, torch.device(device) if backend == 'nccl' else None
 
 

@@ -243,6 +243,14 @@ def peak_memory_mb(device):
             / (2**20 if sys.platform == 'darwin' else 2**10))
 
 
+def device_memory(device):
+    """Bytes of memory the device has in all: a GPU's, or on CPU the machine's RAM (a container's
+    limit may be lower)."""
+    if torch.device(device).type == 'cuda':
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+
+
 def memory_held(model, optimizer, device):
     """What this process holds, MB: weights, gradients and optimizer state (an FSDP rank its shards,
     a DDP rank full replicas: a DTensor's own part is its to_local()), and its peak memory so

@@ -45,17 +45,30 @@ def settings(defaults, argv, world_size, ddp):
     except (ConfigError, ValueError) as e:  # the model's shape too
         check(False, e)
     c = config
+    # a path that is not there: else the line listed what it is meant to be
+    missing = os.sep in c['init_from'] or c['init_from'].endswith('.safetensors')
     check(c['init_from'] in ('scratch', 'resume', 'auto') or hf.is_source(c['init_from']),
-          f"init_from='{c['init_from']}': use 'scratch', 'resume', 'auto', a GPT-2 name "
-          f"({', '.join(hf.GPT2_NAMES)}) or the path of a Hugging Face model folder or "
-          f".safetensors file")
+          f"init_from='{c['init_from']}'{' does not exist' if missing else ''}: use 'scratch', "
+          f"'resume', 'auto', a GPT-2 name ({', '.join(hf.GPT2_NAMES)}) or the path of a Hugging "
+          f"Face model folder or .safetensors file")
+    check(not c['resume_from'] or c['init_from'] in ('resume', 'auto'),
+          f"resume_from='{c['resume_from']}' is read only by init_from=resume or auto, and "
+          f"init_from='{c['init_from']}' ignores it: add --init_from=resume, or leave resume_from "
+          f"out")
     check(c['best_by'] == 'val_loss' or c['eval_tasks'],
           "best_by='acc_norm' needs eval_tasks: name the task files")
     check(not c['decay_lr'] or c['lr_decay_iters'] > c['warmup_iters'],
           f"lr_decay_iters={c['lr_decay_iters']} must exceed warmup_iters={c['warmup_iters']}")
+    # learning_rate=0 trains nothing whatever min_lr is: train.py's schedule then stays at 0
+    check(not c['decay_lr'] or c['learning_rate'] == 0 or c['min_lr'] <= c['learning_rate'],
+          f"min_lr={c['min_lr']} is above learning_rate={c['learning_rate']}: the decay would "
+          f"raise the rate to it: use a min_lr of at most learning_rate, or decay_lr=False")
     check(0 < c['wsd_decay_frac'] <= 1, f"wsd_decay_frac={c['wsd_decay_frac']} must be in (0, 1]")
     check(0 < c['layer_lr_decay'] <= 1,
           f"layer_lr_decay={c['layer_lr_decay']} must be in (0, 1]: 1 is off")
+    check(c['profile_iter'] <= c['max_iters'],
+          f"profile_iter={c['profile_iter']} is past max_iters={c['max_iters']}, so no iteration "
+          f"would be profiled: use one of 1 to {c['max_iters']} (0: off)")
     check(c['smoke_steps'] != 1, "smoke_steps=1 compares a loss with itself (each step's loss "
           "comes before its update): use 0 (off) or at least 2")
     check(c['ema_decay'] < 1, f"ema_decay={c['ema_decay']} must be in [0, 1): 0 is off, 1 would "
@@ -63,6 +76,10 @@ def settings(defaults, argv, world_size, ddp):
     betas = c['beta1'], c['beta2'], c['muon_momentum']
     check(all(0 <= b < 1 for b in betas),
           f"beta1={betas[0]}, beta2={betas[1]} and muon_momentum={betas[2]} must each be in [0, 1)")
+    # numpy's seed is below 2**32, and checkpoint.seed_rngs seeds each rank with seed + rank
+    check(c['seed'] + world_size <= 2**32,
+          f"seed={c['seed']} is too large: numpy's RNG takes seeds below 2**32, and rank r seeds "
+          f"seed + r: use a seed of at most {2**32 - world_size}")
     accum = c['gradient_accumulation_steps']
     check(accum % world_size == 0,
           f"gradient_accumulation_steps={accum} is not divisible by the {world_size} processes: "
@@ -132,6 +149,11 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
     check(resuming or c['init_from'] == 'auto' or not holds_one,
           f"out_dir '{c['out_dir']}' already holds a checkpoint: resume it (init_from=resume or "
           f"auto), or use another")
+    # a dataset's folder (a mistyped out_dir, or data_dir's): the run's meta.json would replace its
+    out_files = os.listdir(c['out_dir']) if os.path.isdir(c['out_dir']) else []
+    check(not any(datafiles.SHARD_NAME.search(f) or f == datafiles.FINGERPRINTS for f in out_files),
+          f"out_dir '{c['out_dir']}' holds a dataset (its shards or {datafiles.FINGERPRINTS}), "
+          f"whose meta.json a run would overwrite: use another out_dir")
     model_config = dataclasses.replace(model_config, vocab_size=data_meta['vocab_size'])
     if pretrained:  # the shape comes from the weights, on resume too; config.json records it
         shape = {k: (ckpt['model_args'] if resuming else pretrained_args)[k] for k in hf.SHAPE_KEYS}
@@ -141,6 +163,17 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
         lacking = hf.cannot_hold(model_config)
         check(not lacking,
               f"GPT-2's weights cannot have {', '.join(lacking)}: leave those keys at the defaults")
+    # a model no device holds fails at its first allocation, with a traceback: in the float32
+    # weights and gradients alone (an fsdp rank its share), fewer bytes than any training step needs
+    with torch.device('meta'):
+        num_params = sum(p.numel() for p in GPT(model_config).parameters())
+    ranks = torch.distributed.get_world_size() if sharded else 1
+    need, held = 8 * num_params / ranks, perf.device_memory(device)
+    check(need <= held,
+          f"the model's {num_params:,} parameters need {need / 2**30:,.1f} GiB for their float32 "
+          f"weights and gradients alone{' per rank' if sharded else ''}, more than {device}'s "
+          f"{held / 2**30:,.1f} GiB: make it smaller (n_layer, n_embd; the dataset's vocab_size is "
+          f"{model_config.vocab_size})")
     if resuming and c['fit_batch']:  # the micro-batches its run found, not the command's
         ran = ckpt['config']['batch_size'] * ckpt['config']['gradient_accumulation_steps']
         asked = c['batch_size'] * c['gradient_accumulation_steps']

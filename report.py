@@ -237,8 +237,9 @@ def plot_curves(train, evals, path, title, log_interval):
         ax_loss.plot([e['step'] for e in evals], [e[key] for e in evals], 'o-', label=label)
     ax_loss.set(ylabel='loss (nats/token)', title=title)
     ax_loss.legend()
-    for task in tasks:  # accuracy beside its chance level
-        line, = axes[1].plot([e['step'] for e in evals], [e[f'{task}/acc_norm'] for e in evals],
+    for task in tasks:  # accuracy beside its chance level, where an evaluation scored it
+        scored = [e for e in evals if f'{task}/acc_norm' in e]
+        line, = axes[1].plot([e['step'] for e in scored], [e[f'{task}/acc_norm'] for e in scored],
                              'o-', label=task)
         axes[1].axhline(evals[-1][f'{task}/chance'], ls='--', color=line.get_color(), lw=0.8,
                         label=f'{task}: chance')
@@ -295,8 +296,10 @@ def loss_lines(evals, test, split_rule):
                          "first 5% and val its last 10%, so they are different text, and the "
                          "opening of a text can be easier; compare val losses between runs, not "
                          "test with val")
-    for task in task_names(evals):
-        best = max(evals, key=lambda e: e[f'{task}/acc_norm'])
+    for task in task_names(evals):  # its best of the evaluations that scored it (eval_tasks may
+        # change on resume)
+        best = max((e for e in evals if f'{task}/acc_norm' in e),
+                   key=lambda e: e[f'{task}/acc_norm'])
         lines.append(f"- {task}: acc {last[f'{task}/acc']:.4f}, acc_norm "
                      f"{last[f'{task}/acc_norm']:.4f} at the last evaluation, best acc_norm "
                      f"{best[f'{task}/acc_norm']:.4f} at iteration {best['step']} (chance "

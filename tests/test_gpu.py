@@ -70,6 +70,13 @@ def test_an_nccl_group_is_bound_to_the_rank_s_own_gpu(device, backend, expected)
     assert distributed.group_backend(device, backend) == expected
 
 
+def test_nccl_on_a_cpu_is_refused_with_the_fix():
+    # else torch's 'device_id parameter must be an accelerator with an index'
+    with pytest.raises(ValueError, match=r"^backend='nccl' runs on CUDA GPUs, not on device='cpu': "
+                                         r"use backend=gloo or auto$"):
+        distributed.group_backend('cpu', 'nccl')
+
+
 def test_rng_state_holds_and_restores_only_this_process_s_gpu(monkeypatch):
     """A process draws dropout from its own device's generator; get_rng_state_all() would save one
     per visible GPU and fail to restore where another number is visible (here: 8 GPUs, the process

@@ -221,6 +221,28 @@ def test_diagnoses_from_made_up_metrics(tmp_path):
             '--init_from=auto' in text)
 
 
+def test_tasks_added_on_resume_are_reported_from_the_evaluations_that_scored_them(tmp_path):
+    # eval_tasks may change on resume: the evaluations before it hold no task's fields, and the
+    # report's best acc_norm and curves raised KeyError at the run's end
+    out = str(tmp_path / 'run')
+    os.makedirs(out)
+    config = {'max_iters': {'value': 30, 'source': 'command line'},
+              'cost_per_hour': {'value': 0.0, 'source': 'default'},
+              'log_interval': {'value': 1, 'source': 'default'},
+              'lr_decay_iters': {'value': 30, 'source': 'default'},
+              'resolved': {'device': 'cpu', 'dtype': 'float32'}}
+    records = [{'kind': 'start', 'step': 0, 'time': 1000.0}]
+    records += [train_record(s, 1000.0 + s) for s in range(1, 31)]
+    for step, scored in ((10, {}), (20, {'qa/acc': 0.5, 'qa/acc_norm': 0.6, 'qa/chance': 0.25}),
+                         (30, {'qa/acc': 0.5, 'qa/acc_norm': 0.4, 'qa/chance': 0.25})):
+        records.append({'kind': 'eval', 'step': step, 'train_loss': 2.0, 'val_loss': 2.1,
+                        'best_val_loss': 2.1, 'val_bits_per_token': 3.0, **scored})
+    text = made_up_report(out, config, {'command': ['train.py']}, records)
+    assert ('- qa: acc 0.5000, acc_norm 0.4000 at the last evaluation, best acc_norm 0.6000 at '
+            'iteration 20 (chance 0.2500)' in text)
+    assert os.path.exists(os.path.join(out, 'curves.png'))
+
+
 # (max_iters, lr_decay_iters, lr_schedule, decay_lr, the sentence's words, the command's end)
 FURTHER = [
     # resumed to 80 of config/tiny.py's 1500-iteration schedule: far from min_lr, so max_iters alone

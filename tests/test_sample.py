@@ -95,7 +95,7 @@ def test_missing_checkpoint_is_a_one_line_error(tmp_path):
     (['--ckpt=pickle.pt'], "checkpoint pickle.pt is unreadable (truncated or corrupt: not a "
                            "torch.save"),
     # not an old format's checkpoint, as it was called
-    (['--ckpt=dict.pt'], "dict.pt holds a dict without model_args, not a checkpoint"),
+    (['--ckpt=dict.pt'], "dict.pt is not a train.py checkpoint (a dict without model_args"),
 ])
 def test_mistakes_are_one_line_with_exit_2_and_write_nothing(tmp_path, args, message):
     (tmp_path / 'text.pt').write_text('not a checkpoint\n')

@@ -76,7 +76,8 @@ def test_llmc_shards_with_a_written_meta_are_a_dataset(tmp_path):
             'train': ['fineweb_train_000001.bin', 'fineweb_train_000002.bin']}
         for split, tokens in streams.items():
             assert all_windows_match(data.TokenWindows(shards[split], 64), tokens, 64)
-    with pytest.raises(data.DataError, match='has no val shards'):
+    with pytest.raises(data.DataError,
+                       match=r'has no val shards .*: widen the glob, or add them$'):
         datafiles.open_dataset(str(tmp_path), 'fineweb10B/fineweb_train_*.bin')
 
 
@@ -136,7 +137,9 @@ def test_dataset_mistakes_are_one_line(tmp_path):
         f.truncate(1000)
     assert 'shorter than a shard' in error('magic')
     os.remove(path)
-    assert 'has no train shards' in error('magic')
+    assert ("has no train shards (files like NAME_train_000000.bin in "
+            f"{tmp_path / 'magic'}): run python prepare.py magic --data_dir {tmp_path} again (with "
+            "the --input it had, if any), or download them") in error('magic')
     (tmp_path / 'magic' / 'notes.bin').write_bytes(b'')
     assert 'notes.bin is not named like NAME_SPLIT_000000.bin' in error('magic')
     (tmp_path / 'old').mkdir()

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -156,13 +157,29 @@ def test_nan_aborts_with_context_and_keeps_checkpoints(tmp_path, data_dir):
 
 def test_bad_config_and_missing_data_create_nothing(tmp_path, data_dir):
     out = tmp_path / 'never'
+    # a model no machine holds: a traceback from its first allocation, without the check
     for args in (['--batch_sise=4'], ['--dataset=nope'], ['--block_size=100000'],
-                 ['--ema_decay=1']):
+                 ['--ema_decay=1'], ['--n_embd=1048576', '--n_head=1']):
         result = run_train(str(out), data_dir, *args, check=False)
         assert result.returncode != 0 and 'Traceback' not in result.stderr, result.stderr
         assert (result.stderr.strip().count('\n') == 0
                 and result.stderr.startswith('error:')), result.stderr
         assert not out.exists()
+
+
+def test_an_out_dir_that_holds_a_dataset_is_refused(tmp_path, data_dir):
+    # a run there wrote its meta.json over the dataset's
+    dataset = tmp_path / 'toy'
+    shutil.copytree(os.path.join(data_dir, 'toy'), dataset)
+
+    def files():  # but fingerprints.json, the data's cache, which opening the data may write
+        return {f.name: f.read_bytes() for f in dataset.iterdir() if f.name != 'fingerprints.json'}
+    before = files()
+    result = run_train(str(dataset), str(tmp_path), check=False)
+    assert result.returncode == 2 and result.stderr == (
+        f"error: out_dir '{dataset}' holds a dataset (its shards or fingerprints.json), whose "
+        f"meta.json a run would overwrite: use another out_dir\n")
+    assert files() == before
 
 
 @pytest.fixture(scope='module')
@@ -247,6 +264,23 @@ def test_nanogpt_config_runs_unchanged(tmp_path, data_dir):
     # a negative clip flips the gradients
     (['--grad_clip=-1'], "error: grad_clip=-1.0 must not be negative"),
     (['--beta1=2'], "error: beta1=2.0, beta2=0.95 and muon_momentum=0.95 must each be in [0, 1)"),
+    # numpy's RNG takes no seed from 2**32: a traceback after the model was built
+    (['--seed=4294967296'], "error: seed=4294967296 is too large: numpy's RNG takes seeds below "
+     "2**32, and rank r seeds seed + r: use a seed of at most 4294967295"),
+    # a floor above the peak: the decay would raise the rate
+    (['--min_lr=1e-2'], "error: min_lr=0.01 is above learning_rate=0.003: the decay would raise "
+     "the rate to it: use a min_lr of at most learning_rate, or decay_lr=False"),
+    # past the run's end: nothing would be profiled
+    (['--profile_iter=41'], "error: profile_iter=41 is past max_iters=40, so no iteration would be "
+     "profiled: use one of 1 to 40 (0: off)"),
+    # a scratch run would ignore it and train from random weights
+    (['--resume_from=x/last.pt'], "error: resume_from='x/last.pt' is read only by init_from=resume "
+     "or auto, and init_from='scratch' ignores it: add --init_from=resume, or leave resume_from "
+     "out"),
+    # a path with a typo
+    (['--init_from=nowhere/model'], "error: init_from='nowhere/model' does not exist: use "
+     "'scratch', 'resume', 'auto', a GPT-2 name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or the "
+     "path of a Hugging Face model folder or .safetensors file"),
 ])
 def test_mistakes_are_one_line_exit_2_nothing_written(tmp_path, data_dir, args, message):
     if args == ['--device=cuda'] and torch.cuda.is_available():

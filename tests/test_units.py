@@ -243,6 +243,9 @@ def test_configure_errors(argv, message):
     (['--batch_size=0'], "batch_size=0 must be at least 1"),
     # no number is, named or not
     (['--learning_rate=-0.1'], "learning_rate=-0.1 must not be negative"),
+    # 1e999 parses as inf (a config file may also write float('nan')): no run can use either
+    (['--learning_rate=1e999'], "learning_rate=inf is not finite: use a finite number, like the "
+     "default 0.0006"),
 ])
 def test_configure_checks_allowed_and_least_values_after_every_source(tmp_path, argv, message):
     limits = {'choices': {'device': ('auto', 'cpu', 'cuda'), 'out_dir': ('out',)},
@@ -252,6 +255,15 @@ def test_configure_checks_allowed_and_least_values_after_every_source(tmp_path, 
     assert configure(DEFAULTS, [str(cfg), '--batch_size=2'], **limits)[0]['batch_size'] == 2
     with pytest.raises(ConfigError, match=f'^{re.escape(message)}$'):
         configure(DEFAULTS, argv, **limits)
+
+
+def test_configure_file_that_exits_is_an_error(tmp_path):
+    # sys.exit() in a config file ended the script with its code, silently (0: as if it had run)
+    cfg = tmp_path / 'c.py'
+    cfg.write_text("import sys\nsys.exit(0)\n")
+    with pytest.raises(ConfigError, match=f"^config file {re.escape(str(cfg))} failed: "
+                                          f"SystemExit: 0$"):
+        configure(DEFAULTS, [str(cfg)])
 
 
 def test_configure_file_unknown_key(tmp_path):
@@ -555,6 +567,20 @@ def test_checkpoints_that_cannot_be_migrated_are_refused_in_one_line(tmp_path):
         with pytest.raises(checkpoint.CheckpointError, match=message) as e:
             checkpoint.load(str(tmp_path / 'last.pt'))
         assert '\n' not in str(e.value)
+
+
+def test_files_that_are_not_checkpoints_are_refused_in_one_line(tmp_path):
+    # a model's weights alone (pytorch_model.bin) were called a format 1 checkpoint; torch's refusal
+    # of a file that is no pickle of tensors opens with its advice to load it unsafely
+    torch.save({'wte.weight': torch.zeros(2, 2)}, tmp_path / 'weights.bin')
+    (tmp_path / 'notes.pt').write_text('not a checkpoint')
+    for name, message in (('weights.bin', 'is not a train.py checkpoint (a dict without '
+                           'model_args, such as a bare state_dict): pass the best.pt or last.pt'),
+                          ('notes.pt', 'is unreadable (truncated or corrupt: not a torch.save '
+                           'file of tensors and plain values): use another file')):
+        with pytest.raises(checkpoint.CheckpointError, match=re.escape(message)) as e:
+            checkpoint.load(str(tmp_path / name))
+        assert '\n' not in str(e.value) and 'weights_only' not in str(e.value)
 
 
 def test_a_step_faster_than_the_peak_has_it_measured_again_once_a_run_then_raised(monkeypatch):
