@@ -145,15 +145,7 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
                 c['init_from'], c['block_size'], data_meta['vocab_size'])
     except (checkpoint.CheckpointError, hf.HFError) as e:
         check(False, e)
-    holds_one = any(os.path.exists(os.path.join(c['out_dir'], f)) for f in ('last.pt', 'best.pt'))
-    check(resuming or c['init_from'] == 'auto' or not holds_one,
-          f"out_dir '{c['out_dir']}' already holds a checkpoint: resume it (init_from=resume or "
-          f"auto), or use another")
-    # a dataset's folder (a mistyped out_dir, or data_dir's): the run's meta.json would replace its
-    out_files = os.listdir(c['out_dir']) if os.path.isdir(c['out_dir']) else []
-    check(not any(datafiles.SHARD_NAME.search(f) or f == datafiles.FINGERPRINTS for f in out_files),
-          f"out_dir '{c['out_dir']}' holds a dataset (its shards or {datafiles.FINGERPRINTS}), "
-          f"whose meta.json a run would overwrite: use another out_dir")
+    check_out_dir(c['out_dir'], resuming or c['init_from'] == 'auto')
     model_config = dataclasses.replace(model_config, vocab_size=data_meta['vocab_size'])
     if pretrained:  # the shape comes from the weights, on resume too; config.json records it
         shape = {k: (ckpt['model_args'] if resuming else pretrained_args)[k] for k in hf.SHAPE_KEYS}
@@ -163,17 +155,7 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
         lacking = hf.cannot_hold(model_config)
         check(not lacking,
               f"GPT-2's weights cannot have {', '.join(lacking)}: leave those keys at the defaults")
-    # a model no device holds fails at its first allocation, with a traceback: in the float32
-    # weights and gradients alone (an fsdp rank its share), fewer bytes than any training step needs
-    with torch.device('meta'):
-        num_params = sum(p.numel() for p in GPT(model_config).parameters())
-    ranks = torch.distributed.get_world_size() if sharded else 1
-    need, held = 8 * num_params / ranks, perf.device_memory(device)
-    check(need <= held,
-          f"the model's {num_params:,} parameters need {need / 2**30:,.1f} GiB for their float32 "
-          f"weights and gradients alone{' per rank' if sharded else ''}, more than {device}'s "
-          f"{held / 2**30:,.1f} GiB: make it smaller (n_layer, n_embd; the dataset's vocab_size is "
-          f"{model_config.vocab_size})")
+    check_fits(model_config, device, sharded)
     if resuming and c['fit_batch']:  # the micro-batches its run found, not the command's
         ran = ckpt['config']['batch_size'] * ckpt['config']['gradient_accumulation_steps']
         asked = c['batch_size'] * c['gradient_accumulation_steps']
@@ -210,6 +192,34 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
     session['peak_flops'] = {'per_process': peak_flops, 'how': peak_how}
     return Start(tasks, resuming, ckpt_path, ckpt, pretrained, pretrained_state, model_config,
                  dtype, muon_dtype, peak_flops, session)
+
+
+def check_out_dir(out_dir, may_hold_a_checkpoint):
+    """Refuses an out_dir that holds a checkpoint (unless the run may resume it) or a dataset (a
+    mistyped out_dir, or data_dir's: the run's meta.json would replace the dataset's)."""
+    holds_one = any(os.path.exists(os.path.join(out_dir, f)) for f in ('last.pt', 'best.pt'))
+    check(may_hold_a_checkpoint or not holds_one,
+          f"out_dir '{out_dir}' already holds a checkpoint: resume it (init_from=resume or auto), "
+          f"or use another")
+    files = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    check(not any(datafiles.SHARD_NAME.search(f) or f == datafiles.FINGERPRINTS for f in files),
+          f"out_dir '{out_dir}' holds a dataset (its shards or {datafiles.FINGERPRINTS}), whose "
+          f"meta.json a run would overwrite: use another out_dir")
+
+
+def check_fits(model_config, device, sharded):
+    """Refuses a model no device holds, which would fail at its first allocation with a traceback:
+    its float32 weights and gradients alone (an fsdp rank its share), fewer bytes than any training
+    step needs, against the device's memory."""
+    with torch.device('meta'):
+        num_params = sum(p.numel() for p in GPT(model_config).parameters())
+    ranks = torch.distributed.get_world_size() if sharded else 1
+    need, held = 8 * num_params / ranks, perf.device_memory(device)
+    check(need <= held,
+          f"the model's {num_params:,} parameters need {need / 2**30:,.1f} GiB for their float32 "
+          f"weights and gradients alone{' per rank' if sharded else ''}, more than {device}'s "
+          f"{held / 2**30:,.1f} GiB: make it smaller (n_layer, n_embd; the dataset's vocab_size is "
+          f"{model_config.vocab_size})")
 
 
 def session_record(config, sources, defaults, data, device, cpus, resumed, pretrained, settled):

@@ -555,8 +555,9 @@ def splits_meta(counts, writers, text_path, char_level):
 
 def replaced(out_dir, input_path):
     """Refuses to prepare into out_dir where that would destroy what is not a dataset prepare.py
-    wrote (its meta.json holds source_sha256): a dataset is replaced whole, so a folder of the
-    user's files there, downloaded shards, or the input itself would be lost."""
+    wrote (its meta.json holds source_sha256; an older prepare.py's, train.bin beside it): a
+    dataset is replaced whole, so a folder of the user's files there, downloaded shards, or the
+    input itself would be lost."""
     if input_path is not None:
         source, target = os.path.realpath(input_path), os.path.realpath(out_dir)
         if source == target or source.startswith(target + os.sep):
@@ -569,7 +570,8 @@ def replaced(out_dir, input_path):
             meta = json.load(f)
     except (OSError, ValueError):
         meta = None
-    if not (isinstance(meta, dict) and 'source_sha256' in meta):
+    older = os.path.exists(os.path.join(out_dir, 'train.bin'))  # datafiles says: prepare again
+    if not (isinstance(meta, dict) and ('source_sha256' in meta or older)):
         raise PrepareError(f'{out_dir} exists and is not a dataset prepare.py wrote (no meta.json '
                            f'with source_sha256), which preparing would replace: move it away, '
                            f'or pick another name')
