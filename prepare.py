@@ -553,16 +553,22 @@ def splits_meta(counts, writers, text_path, char_level):
     return splits
 
 
-def replaced(out_dir, input_path):
+def replaced(out_dir, input_path, ranks_path=None):
     """Refuses to prepare into out_dir where that would destroy what is not a dataset prepare.py
     wrote (its meta.json holds source_sha256; an older prepare.py's, train.bin beside it): a
-    dataset is replaced whole, so a folder of the user's files there, downloaded shards, or the
-    input itself would be lost."""
+    dataset is replaced whole, so a folder of the user's files there, downloaded shards, the input
+    itself, or the --tokenizer ranks file the new dataset names (its NAME.tiktoken) would be
+    lost."""
+    target = os.path.realpath(out_dir)
     if input_path is not None:
-        source, target = os.path.realpath(input_path), os.path.realpath(out_dir)
+        source = os.path.realpath(input_path)
         if source == target or source.startswith(target + os.sep):
             raise PrepareError(f'input {input_path} is in {out_dir}, the folder this dataset '
                                f'replaces: move the input out of it, or pick another name')
+    if ranks_path is not None and os.path.realpath(ranks_path).startswith(target + os.sep):
+        raise PrepareError(f'tokenizer {ranks_path} is in {out_dir}, the folder this dataset '
+                           f'replaces, and the new dataset would name it: copy it out of that '
+                           f'folder and pass the copy, or pick another name')
     if not os.path.lexists(out_dir):
         return
     try:
@@ -595,7 +601,7 @@ def prepare(name, data_dir=DATA_DIR, input_path=None, tokenizer=None, seed=1337,
     # build the dataset in a temp folder beside the target and swap it in at the end,
     # so a failed run never leaves a half-written dataset or destroys the previous one
     out_dir = os.path.join(data_dir, name)
-    replaced(out_dir, input_path)
+    replaced(out_dir, input_path, tokenizer if tokenizer.endswith('.tiktoken') else None)
     new_data_dir = not os.path.exists(data_dir)
     try:
         os.makedirs(data_dir, exist_ok=True)

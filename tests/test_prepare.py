@@ -324,6 +324,22 @@ def test_failing_rerun_leaves_existing_dataset_untouched(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / 'data') == ['x'], 'no temp folders left behind'
 
 
+def test_a_ranks_file_in_the_dataset_it_replaces_is_refused(tmp_path):
+    # a dataset prepared again with its own BPE named that file by path, and the swap deleted it
+    # with the old folder: the new dataset could not be opened
+    (tmp_path / 'good.txt').write_text('some good text\n' * 20)
+    assert run_cli('x', '--input', 'good.txt', cwd=tmp_path).returncode == 0
+    write_ranks(tmp_path / 'data' / 'x' / 'x.tiktoken', [b'so', b'me'])
+    before = folder_snapshot(tmp_path / 'data' / 'x')
+    result = run_cli('x', '--input', 'good.txt', '--tokenizer', 'data/x/x.tiktoken',
+                     cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr == (
+        "error: tokenizer data/x/x.tiktoken is in data/x, the folder this dataset replaces, and "
+        "the new dataset would name it: copy it out of that folder and pass the copy, or pick "
+        "another name\n")
+    assert folder_snapshot(tmp_path / 'data' / 'x') == before
+
+
 def test_successful_rerun_replaces_dataset(tmp_path):
     (tmp_path / 'a.txt').write_text('first text\n' * 20)
     (tmp_path / 'b.txt').write_text('second text\n' * 30)
