@@ -558,7 +558,7 @@ def replaced(out_dir, input_path, ranks_path=None):
     wrote (its meta.json holds source_sha256; an older prepare.py's, train.bin beside it): a
     dataset is replaced whole, so a folder of the user's files there, downloaded shards, the input
     itself, or the --tokenizer ranks file the new dataset names (its NAME.tiktoken) would be
-    lost."""
+    lost. An empty folder is replaced."""
     target = os.path.realpath(out_dir)
     if input_path is not None:
         source = os.path.realpath(input_path)
@@ -570,6 +570,12 @@ def replaced(out_dir, input_path, ranks_path=None):
                            f'replaces, and the new dataset would name it: copy it out of that '
                            f'folder and pass the copy, or pick another name')
     if not os.path.lexists(out_dir):
+        return
+    try:
+        empty = os.path.isdir(out_dir) and not os.listdir(out_dir)
+    except OSError:  # a folder that cannot be read
+        empty = False
+    if empty:  # nothing to lose: made by hand (mkdir), or left empty
         return
     try:
         with open(os.path.join(out_dir, 'meta.json'), encoding='utf-8') as f:

@@ -340,6 +340,16 @@ def test_a_ranks_file_in_the_dataset_it_replaces_is_refused(tmp_path):
     assert folder_snapshot(tmp_path / 'data' / 'x') == before
 
 
+def test_an_empty_folder_is_prepared_into(tmp_path):
+    # refused as 'not a dataset prepare.py wrote', though replacing it loses nothing; the default
+    # dataset's auto-prepare failed on one too
+    (tmp_path / 'good.txt').write_text('some good text\n' * 20)
+    (tmp_path / 'data' / 'x').mkdir(parents=True)
+    result = run_cli('x', '--input', 'good.txt', cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert 'meta.json' in os.listdir(tmp_path / 'data' / 'x')
+
+
 def test_successful_rerun_replaces_dataset(tmp_path):
     (tmp_path / 'a.txt').write_text('first text\n' * 20)
     (tmp_path / 'b.txt').write_text('second text\n' * 30)
