@@ -173,9 +173,13 @@ def open_dataset(data_dir, dataset):
         shards.setdefault(match.group(1), []).append((int(match.group(2)), f))
     for split in ('train', 'val'):
         if split not in shards:
-            fix = ("widen the glob, or add them" if any(c in dataset for c in '*?[') else
-                   f"run {prepare_command(meta['name'], data_dir)} again (with the --input it "
-                   f"had, if any), or download them")
+            if any(c in dataset for c in '*?['):
+                fix = "widen the glob, or add them"
+            elif 'source_sha256' in meta:  # prepare.py's: it writes the folder again
+                fix = (f"run {prepare_command(meta['name'], data_dir)} again (with the --input it "
+                       f"had, if any), or download them")
+            else:  # a hand-written meta.json: prepare.py replaces no folder it did not write
+                fix = "download them, or add them"
             raise DataError(f"dataset '{dataset}' has no {split} shards (files like "
                             f"NAME_{split}_000000.bin in {folder}): {fix}")
     return meta, {split: [f for _, f in sorted(files)] for split, files in shards.items()}

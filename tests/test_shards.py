@@ -137,6 +137,11 @@ def test_dataset_mistakes_are_one_line(tmp_path):
         f.truncate(1000)
     assert 'shorter than a shard' in error('magic')
     os.remove(path)
+    # its meta.json is hand-written: prepare.py would refuse to replace the folder
+    assert error('magic').endswith("has no train shards (files like NAME_train_000000.bin in "
+                                   f"{tmp_path / 'magic'}): download them, or add them")
+    meta = json.loads((tmp_path / 'magic' / 'meta.json').read_text())
+    (tmp_path / 'magic' / 'meta.json').write_text(json.dumps(meta | {'source_sha256': '0' * 64}))
     assert ("has no train shards (files like NAME_train_000000.bin in "
             f"{tmp_path / 'magic'}): run python prepare.py magic --data_dir {tmp_path} again (with "
             "the --input it had, if any), or download them") in error('magic')
