@@ -128,7 +128,7 @@ def cpu_use(seconds=0.2, stat='/proc/stat'):
 
 def cpus_busy(seconds=0.2, stat='/proc/stat'):
     """How many of this process's CPUs were busy over the next seconds, while it sleeps (stat's
-    busy time), or None where there is no /proc/stat."""
+    busy time), or None where there is no /proc/stat or it lists none of them."""
     def times():  # {cpu: (all time, idle time)} in clock ticks
         with open(stat) as f:
             rows = [line.split() for line in f if line[:3] == 'cpu' and line[3].isdigit()]
@@ -141,6 +141,8 @@ def cpus_busy(seconds=0.2, stat='/proc/stat'):
         return None
     # a CPU of the affinity that stat leaves out (a container's own view of it) is left out too
     listed = os.sched_getaffinity(0) & before.keys() & after.keys()
+    if not listed:  # none of them: unknown, not 0 busy
+        return None
     busy = [1 - (after[c][1] - before[c][1]) / (after[c][0] - before[c][0])
             for c in listed if after[c][0] > before[c][0]]
     return round(sum(busy), 2)

@@ -427,6 +427,9 @@ def test_how_busy_other_work_keeps_the_cpus_is_measured_from_proc_stat(tmp_path,
         # a stat that leaves out a CPU this process may use counts the CPUs it lists
         stat.write_text('cpu  0 0 0 0 0 0 0 0\n' + rows(100, 100).split('\n', 1)[1])
         assert distributed.cpu_use(stat=str(stat))['busy'] == 0.75 * (len(cpus) - 1)
+        # one that lists none of them (numbered otherwise) measures nothing: not 0 busy
+        stat.write_text(rows(100, 100).replace('cpu', 'cpu1000'))
+        assert distributed.cpu_use(stat=str(stat))['busy'] is None
         torch.set_num_threads(1)  # one thread waits for no other: nothing to measure
         assert distributed.cpu_use(stat=str(stat)) == {'usable': len(cpus), 'busy': None}
     finally:
