@@ -292,7 +292,7 @@ def done(test, first_iter):
     best = (f"best val loss{whose} {test['best_val_loss']:.4f} at iteration {test['best_iter']}"
             if test['best_by'] == 'val_loss' else
             f"best acc_norm{whose} {test['best_acc_norm']:.4f} at iteration {test['best_iter']}, "
-            f"val loss {test['best_val_loss']:.4f} there")
+            f"val loss{whose} {test['best_val_loss']:.4f} there")
     log(f"done: {sessions} (checkpoint saves {test['save_seconds'] / seconds:.1%} of this "
         f"session), {best}{tested}; checkpoints in {run_dir}")
 
