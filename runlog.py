@@ -306,6 +306,8 @@ def finish():
             # a full disk: the run's files are whole, and python report.py OUT_DIR writes it later
             return log(f"no report ({e.strerror}): python report.py {run_dir} writes it once there "
                        f"is room")
+        except report.ReportError as e:  # a line damaged outside this run (an earlier session's)
+            return log(f"no report: {e} (python report.py {run_dir})")
         log(f"report: {os.path.join(run_dir, 'report.md')} and curves.png")
 
 

@@ -147,6 +147,25 @@ def test_mistakes_are_one_line_with_exit_2_and_write_nothing(tmp_path, files, me
     assert sorted(os.listdir(tmp_path / 'run')) == before
 
 
+def test_a_run_whose_metrics_are_damaged_ends_without_a_report_in_one_line(tmp_path, capsys,
+                                                                            monkeypatch):
+    # a session killed mid-write, then a resume from another folder's checkpoint appended to its
+    # cut line: the run completed, then ended in a traceback and exit 1 at its report
+    import runlog
+    for name, content in GOOD_RUN.items():
+        (tmp_path / name).write_bytes(content)
+    with open(tmp_path / 'metrics.jsonl', 'ab') as f:
+        f.write(b'{"kind": "train", "st{"kind": "start"}\n')
+    monkeypatch.setattr(runlog, 'run_dir', str(tmp_path))
+    monkeypatch.setattr(runlog, 'with_report', True)
+    runlog.finish()
+    assert capsys.readouterr().out == (
+        f"no report: {tmp_path}/metrics.jsonl:2 is not a metrics record (Expecting ':' delimiter: "
+        f"line 1 column 24 (char 23)): the file is damaged; delete that line, then run again "
+        f"(python report.py {tmp_path})\n")
+    assert not (tmp_path / 'report.md').exists()
+
+
 def test_a_run_stopped_by_a_signal(finished, tmp_path):
     out = str(tmp_path / 'stopped')
     shutil.copytree(finished, out)
