@@ -58,6 +58,9 @@ def decode_utf8(raw, where, offset=0):
     try:
         return raw.decode('utf-8')
     except UnicodeDecodeError as e:
+        if offset == 0 and raw[:2] in (b'\xff\xfe', b'\xfe\xff'):  # text, with NULs: not binary
+            raise PrepareError(f'{where} is UTF-16 (its byte-order mark), not UTF-8: convert it '
+                               f'first, e.g. iconv -f UTF-16 -t UTF-8 IN > OUT') from None
         if b'\0' in raw:  # no text file holds one, in any 8-bit encoding: iconv would not help
             raise PrepareError(f'{where} is binary, not text (a NUL byte at offset '
                                f'{offset + raw.index(0)}): leave it out of --input') from None

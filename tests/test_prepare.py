@@ -214,6 +214,9 @@ def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
     (['x', '--input', 'empty_dir'], 'has no files'),
     (['x', '--input', 'latin1.txt'],
      r'latin1.txt is not UTF-8 \(invalid byte at offset 3\).*iconv'),
+    # Windows' 'Unicode' text (PowerShell's > too) holds NULs, and was called binary
+    (['x', '--input', 'utf16.txt'], r'^error: utf16.txt is UTF-16 \(its byte-order mark\), not '
+     r'UTF-8: convert it first, e.g. iconv -f UTF-16 -t UTF-8 IN > OUT$'),
     # iconv was the advice
     (['x', '--input', 'code'],
      r'^error: __pycache__/m.cpython-311.pyc is binary, not text \(a NUL byte at offset 4\): '
@@ -265,6 +268,7 @@ def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
     (tmp_path / 'two_docs' / 'b').write_text('two')
     (tmp_path / 'two_docs' / 'c').write_text('one')
     (tmp_path / 'good.txt').write_text('some good text\n' * 20)
+    (tmp_path / 'utf16.txt').write_bytes(('some text\n' * 20).encode('utf-16'))
     (tmp_path / 'code' / '__pycache__').mkdir(parents=True)
     (tmp_path / 'code' / 'm.py').write_text('x = 1\n')
     (tmp_path / 'code' / '__pycache__' / 'm.cpython-311.pyc').write_bytes(
