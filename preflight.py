@@ -132,9 +132,14 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
                                         c['eval_tasks_examples'], tok.unknown)
     except (evaluate.TaskError, tokenizer.TokenizerError) as e:
         check(False, e)
-    ckpt_path = c['resume_from'] or os.path.join(c['out_dir'], 'last.pt')
-    resuming = (c['init_from'] == 'resume'
-                or (c['init_from'] == 'auto' and os.path.exists(ckpt_path)))
+    # auto, the command a scheduler repeats: out_dir's own last.pt once there is one, else the
+    # resume_from it was given (which must exist), else scratch
+    last = os.path.join(c['out_dir'], 'last.pt')
+    ckpt_path = c['resume_from'] or last
+    if c['init_from'] == 'auto' and os.path.exists(last):
+        ckpt_path = last
+    resuming = c['init_from'] == 'resume' or (c['init_from'] == 'auto'
+                                              and (os.path.exists(last) or c['resume_from']))
     ckpt = pretrained_state = pretrained = None
     try:
         if resuming:

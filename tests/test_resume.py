@@ -98,6 +98,13 @@ def test_float32_resume_after_evaluation_and_from_best_is_bitwise(tmp_path, data
     from_best = str(tmp_path / 'from_best')
     run_train(from_best, data_dir, *args, '--init_from=resume', f'--resume_from={best_at_20}')
     assert trajectory(from_best) == [t for t in trajectory(straight) if t[0] > 20]
+    # init_from=auto with a resume_from: the first run starts from it, the same command again from
+    # out_dir's own last.pt (a scheduler's restart redoes nothing)
+    auto = str(tmp_path / 'auto')
+    run_train(auto, data_dir, *args, '--max_iters=25', '--init_from=auto',
+              f'--resume_from={best_at_20}')
+    run_train(auto, data_dir, *args, '--init_from=auto', f'--resume_from={best_at_20}')
+    assert trajectory(auto) == [t for t in trajectory(straight) if t[0] > 20]
 
 
 @pytest.mark.parametrize('device', DEVICES)

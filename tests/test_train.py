@@ -264,6 +264,11 @@ def test_nanogpt_config_runs_unchanged(tmp_path, data_dir):
     # a negative clip flips the gradients
     (['--grad_clip=-1'], "error: grad_clip=-1.0 must not be negative"),
     (['--beta1=2'], "error: beta1=2.0, beta2=0.95 and muon_momentum=0.95 must each be in [0, 1)"),
+    # auto starts from a resume_from it was given: a missing one is not a run from scratch
+    (['--init_from=auto', '--resume_from=nope.pt'],
+     "error: checkpoint nope.pt does not exist, so there is nothing to resume (a run stopped "
+     "before its first checkpoint starts again with init_from=scratch or auto): check out_dir / "
+     "resume_from"),
     # numpy's RNG takes no seed from 2**32: a traceback after the model was built
     (['--seed=4294967296'], "error: seed=4294967296 is too large: numpy's RNG takes seeds below "
      "2**32, and rank r seeds seed + r: use a seed of at most 4294967295"),
