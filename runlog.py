@@ -154,11 +154,9 @@ def open_run(out_dir, resumed, config, sources, session):
     keep_bytes = resumed[1]['log_bytes'] if here else None if resumed else {}
     try:
         os.makedirs(out_dir, exist_ok=True)
+        cut_logs(out_dir, keep_bytes)
         for name in LOGS:
-            path = os.path.join(out_dir, name)
-            if keep_bytes is not None and os.path.exists(path):
-                os.truncate(path, min(os.path.getsize(path), keep_bytes.get(name, 0)))
-            files[name] = open(path, 'a')
+            files[name] = open(os.path.join(out_dir, name), 'a')
         atexit.register(close_logs)  # on every way out: a file left to the garbage collector warns
         files['train.log'].write(''.join(line + '\n' for line in early_lines))
         for path in glob.glob(os.path.join(glob.escape(out_dir), '*.tmp')):
@@ -178,6 +176,22 @@ def open_run(out_dir, resumed, config, sources, session):
         wandb = wandb_module
         wandb.init(project=config['wandb_project'], name=config['wandb_run_name'], config=config,
                    resume='allow')
+
+
+def cut_logs(out_dir, keep_bytes):
+    """Cuts each log in out_dir to keep_bytes[name] bytes (0 where it names none), or with
+    keep_bytes None keeps it whole but for a last line without its newline: a kill mid-write left
+    it, it never happened, and a record appended to it would be unreadable."""
+    for name in LOGS:
+        path = os.path.join(out_dir, name)
+        if not os.path.exists(path):
+            continue
+        if keep_bytes is not None:
+            os.truncate(path, min(os.path.getsize(path), keep_bytes.get(name, 0)))
+            continue
+        with open(path, 'rb') as f:
+            kept = f.read()
+        os.truncate(path, kept.rfind(b'\n') + 1)
 
 
 def close_logs():
