@@ -190,12 +190,14 @@ def load(path, resumable=False):
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"{path} holds a {type(ckpt).__name__}, not a checkpoint: pass the "
                               f"best.pt or last.pt of a run")
-    if 'model_args' not in ckpt:  # every format's, an export's too: else no format 1 either
-        raise CheckpointError(f"{path} is not a train.py checkpoint (a dict without model_args, "
-                              f"such as a bare state_dict): pass the best.pt or last.pt of a run")
     if ckpt.get('format', 1) > FORMAT:
         raise CheckpointError(f"checkpoint {path} has format {ckpt['format']}, newer than this "
                               f"code's {FORMAT}: update honestgpt (git pull) to resume it")
+    # every format's checkpoints and exports hold model_args: without it (a bare state_dict), a dict
+    # with no 'format' is not format 1
+    if 'model_args' not in ckpt:
+        raise CheckpointError(f"{path} is not a train.py checkpoint (a dict without model_args, "
+                              f"such as a bare state_dict): pass the best.pt or last.pt of a run")
     if migrated := migrate(ckpt, path):
         ckpt['migrated'] = migrated
     if resumable and 'scheduler' not in ckpt:

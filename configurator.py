@@ -132,8 +132,8 @@ def configure(defaults, argv, choices=None, minimums=None):
             raise ConfigError(f"{key}={config[key]!r}: use {listed}")
     assert set(minimums or {}) <= set(config), (f"minimums names unknown keys: "
                                                 f"{set(minimums) - set(config)}")
-    # no setting is negative or, where 1e999 parses as inf or a config file computes nan, infinite
-    # or nan: minimums name those that must be more
+    # no setting is negative, infinite or nan (1e999 parses as inf; a config file may compute nan);
+    # minimums name those that must be more
     for key, value in config.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}={value} is not finite: use a finite number, like the default "

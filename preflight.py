@@ -2,7 +2,8 @@
 What a training run may refuse, and each 'auto' it resolves, settled before anything is built or
 written, so that train.py's setup reads as the recipe. settings() checks the command's settings;
 start() finds the weights the run starts from (a checkpoint, GPT-2's or none), checks that a resume
-continues the run it names, resolves the dtypes, measures the peak FLOP/s MFU is measured against
+continues the run it names, that out_dir holds no other run or dataset and that the model fits the
+device, resolves the dtypes, measures the peak FLOP/s MFU is measured against
 and describes the session for meta.json. A refusal is one line naming the problem and the fix, exit
 code 2 (exits.check); a run that stops here has written nothing.
 """
@@ -46,9 +47,9 @@ def settings(defaults, argv, world_size, ddp):
         check(False, e)
     c = config
     # a path that is not there: else the line listed what it is meant to be
-    missing = os.sep in c['init_from'] or c['init_from'].endswith('.safetensors')
+    a_path = os.sep in c['init_from'] or c['init_from'].endswith('.safetensors')
     check(c['init_from'] in ('scratch', 'resume', 'auto') or hf.is_source(c['init_from']),
-          f"init_from='{c['init_from']}'{' does not exist' if missing else ''}: use 'scratch', "
+          f"init_from='{c['init_from']}'{' does not exist' if a_path else ''}: use 'scratch', "
           f"'resume', 'auto', a GPT-2 name ({', '.join(hf.GPT2_NAMES)}) or the path of a Hugging "
           f"Face model folder or .safetensors file")
     check(not c['resume_from'] or c['init_from'] in ('resume', 'auto'),

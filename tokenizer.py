@@ -160,11 +160,14 @@ def ranks_file(path, folder=None, pat_str=GPT2_PAT_STR, expected_sha256=None):
             raise ValueError(f'rank {outside[0]} is outside 0 to 2**32 - 2')
         if len(set(ranks.values())) < len(ranks):
             raise ValueError('two tokens have the same rank')
-        if missing := [i for i in range(256) if bytes([i]) not in ranks]:
-            raise TokenizerError(f'tokenizer file {full_path} lacks {len(missing)} of the 256 '
-                                 f'single bytes (e.g. {bytes(missing[:1])!r}), without which some '
-                                 f'text cannot be encoded: use a byte-level BPE\'s whole ranks '
-                                 f'file')
+        # tiktoken panics on a byte of the text it has no token for; UTF-8 never holds 0xC0, 0xC1
+        # or 0xF5 to 0xFF
+        text_bytes = [i for i in range(0xF5) if i not in (0xC0, 0xC1)]
+        if missing := [i for i in text_bytes if bytes([i]) not in ranks]:
+            raise TokenizerError(f'tokenizer file {full_path} lacks {len(missing)} of the '
+                                 f'{len(text_bytes)} single bytes UTF-8 text holds (e.g. '
+                                 f'{bytes(missing[:1])!r}), without which some text cannot be '
+                                 f'encoded: use a byte-level BPE\'s whole ranks file')
         # the largest rank, not the count: a file with a gap in its ranks must not give a token's id
         # to EOT
         enc = tiktoken.Encoding(name=os.path.basename(full_path).removesuffix('.tiktoken'),

@@ -208,8 +208,7 @@ def main(config, sources):
             lines = replay.stderr.splitlines()
             errors = [line for line in lines if line.startswith('error:')] or lines[-1:] or ['']
             if replay.returncode == 2 and errors[0].startswith('error: '):  # nothing replayed
-                fail(f"the replay did not start (run verify.py where the run was started: "
-                     f"relative paths are from there): {errors[0].removeprefix('error: ')}")
+                fail(f"the replay did not start: {errors[0].removeprefix('error: ')}")
             print(f"not verified: the replay failed ({errors[0]})")
             sys.exit(1)
         replay_steps = train_records(replay_dir, first + 1, last)

@@ -158,12 +158,13 @@ def test_nan_aborts_with_context_and_keeps_checkpoints(tmp_path, data_dir):
 def test_bad_config_and_missing_data_create_nothing(tmp_path, data_dir):
     out = tmp_path / 'never'
     # a model no machine holds: a traceback from its first allocation, without the check
-    for args in (['--batch_sise=4'], ['--dataset=nope'], ['--block_size=100000'],
-                 ['--ema_decay=1'], ['--n_embd=1048576', '--n_head=1']):
+    for args, says in ((['--batch_sise=4'], 'batch_sise'), (['--dataset=nope'], 'nope'),
+                       (['--block_size=100000'], 'block_size'), (['--ema_decay=1'], 'ema_decay'),
+                       (['--n_embd=1048576', '--n_head=1'], 'parameters need')):
         result = run_train(str(out), data_dir, *args, check=False)
         assert result.returncode != 0 and 'Traceback' not in result.stderr, result.stderr
-        assert (result.stderr.strip().count('\n') == 0
-                and result.stderr.startswith('error:')), result.stderr
+        assert (result.stderr.strip().count('\n') == 0 and result.stderr.startswith('error:')
+                and says in result.stderr), result.stderr
         assert not out.exists()
 
 

@@ -135,8 +135,7 @@ def test_start_and_end_alone_verify_their_run_and_another_folders_are_refused(tm
     result = verify(other)
     assert (result.returncode == 2 and result.stdout == ''
             and result.stderr.splitlines()[-1].startswith(
-                "error: the replay did not start (run verify.py where the run was started: "
-                f"relative paths are from there): dataset 'toy' has no {tmp_path}/nowhere/toy/"
+                f"error: the replay did not start: dataset 'toy' has no {tmp_path}/nowhere/toy/"
                 "meta.json")), result.stderr
     # a damaged line before the last was a traceback; a last one a kill cut short is no record
     with open(f'{other}/metrics.jsonl', 'a') as f:
