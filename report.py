@@ -403,7 +403,7 @@ if __name__ == '__main__':
         write_report(run_dir)
     except ReportError as e:
         fail(e)
-    except OSError as e:  # a run folder that cannot be written, as on a read-only mount
-        fail(f"{e.filename}: {e.strerror}: report.py writes report.md and curves.png in the run's "
-             f"folder; pass a writable copy of it")
+    except OSError as e:  # a run folder that cannot be read or written, as on a read-only mount
+        fail(f"{e.filename}: {e.strerror}: report.py reads the run's files and writes report.md "
+             f"and curves.png beside them; pass a copy of the folder it can read and write")
     print(f"wrote {os.path.join(run_dir, 'report.md')} and {os.path.join(run_dir, 'curves.png')}")

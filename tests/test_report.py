@@ -129,7 +129,7 @@ GOOD_RUN = {'metrics.jsonl': b'{"kind": "start", "step": 0, "time": 1.0}\n',
     ({'metrics.jsonl': b'[1, 2]\n'}, "run/metrics.jsonl:1 is not a metrics record ([1, 2]): the "
                                      "file is damaged; delete that line"),
     ({'config.json': b'{'}, "run/config.json is not JSON (Expecting property name"),
-    ({'report.md/': b''}, "run/report.md: Is a directory: report.py writes report.md"),
+    ({'report.md/': b''}, "run/report.md: Is a directory: report.py reads the run's files"),
 ])
 def test_mistakes_are_one_line_with_exit_2_and_write_nothing(tmp_path, files, message):
     (tmp_path / 'run').mkdir()
