@@ -201,6 +201,15 @@ def train_record(step, time):
             'time': time, 'mfu': 0.25, 'utilization': 0.5 + 0.2 * (step % 2), 'peak_mem_mb': 123.0}
 
 
+def made_up_config(max_iters, cost_per_hour):
+    """config.json of a made-up run on a CPU in float32."""
+    return {'max_iters': {'value': max_iters, 'source': 'command line'},
+            'cost_per_hour': {'value': cost_per_hour, 'source': 'default'},
+            'log_interval': {'value': 1, 'source': 'default'},
+            'lr_decay_iters': {'value': max_iters, 'source': 'default'},
+            'resolved': {'device': 'cpu', 'dtype': 'float32'}}
+
+
 def made_up_report(out, config, meta, records):
     """report.md of a run folder written from these."""
     for name, content in (('config.json', json.dumps(config)), ('meta.json', json.dumps(meta)),
@@ -214,11 +223,7 @@ def made_up_report(out, config, meta, records):
 def test_diagnoses_from_made_up_metrics(tmp_path):
     out = str(tmp_path / 'run')
     os.makedirs(out)
-    config = {'max_iters': {'value': 100, 'source': 'command line'},
-              'cost_per_hour': {'value': 3.6, 'source': 'default'},
-              'log_interval': {'value': 1, 'source': 'default'},
-              'lr_decay_iters': {'value': 100, 'source': 'default'},
-              'resolved': {'device': 'cpu', 'dtype': 'float32'}}
+    config = made_up_config(100, 3.6)
     meta = {'command': ['train.py', 'config/tiny.py', '--init_from=auto', '--resume_from=x.pt'],
             'world_size': 2,
             'dataset': {'split_rule': 'contiguous: test [0, 0.05n), train [0.05n, 0.9n), val '
@@ -259,11 +264,7 @@ def test_tasks_added_on_resume_are_reported_from_the_evaluations_that_scored_the
     # report's best acc_norm and curves raised KeyError at the run's end
     out = str(tmp_path / 'run')
     os.makedirs(out)
-    config = {'max_iters': {'value': 30, 'source': 'command line'},
-              'cost_per_hour': {'value': 0.0, 'source': 'default'},
-              'log_interval': {'value': 1, 'source': 'default'},
-              'lr_decay_iters': {'value': 30, 'source': 'default'},
-              'resolved': {'device': 'cpu', 'dtype': 'float32'}}
+    config = made_up_config(30, 0.0)
     records = [{'kind': 'start', 'step': 0, 'time': 1000.0}]
     records += [train_record(s, 1000.0 + s) for s in range(1, 31)]
     for step, scored in ((10, {}), (20, {'qa/acc': 0.5, 'qa/acc_norm': 0.6, 'qa/chance': 0.25}),
