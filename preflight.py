@@ -3,9 +3,9 @@ What a training run may refuse, and each 'auto' it resolves, settled before anyt
 written, so that train.py's setup reads as the recipe. settings() checks the command's settings;
 start() finds the weights the run starts from (a checkpoint, GPT-2's or none), checks that a resume
 continues the run it names, that out_dir holds no other run or dataset and that the model fits the
-device, resolves the dtypes, measures the peak FLOP/s MFU is measured against
-and describes the session for meta.json. A refusal is one line naming the problem and the fix, exit
-code 2 (exits.check); a run that stops here has written nothing.
+device, resolves the dtypes, measures the peak FLOP/s MFU is measured against and describes the
+session for meta.json. A refusal is one line naming the problem and the fix, exit code 2
+(exits.check); a run that stops here has written nothing.
 """
 import dataclasses
 import os
@@ -133,14 +133,14 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
                                         c['eval_tasks_examples'], tok.unknown)
     except (evaluate.TaskError, tokenizer.TokenizerError) as e:
         check(False, e)
-    # auto, the command a scheduler repeats: out_dir's own last.pt once there is one, else the
-    # resume_from it was given (which must exist), else scratch
     last = os.path.join(c['out_dir'], 'last.pt')
-    ckpt_path = c['resume_from'] or last
-    if c['init_from'] == 'auto' and os.path.exists(last):
-        ckpt_path = last
-    resuming = c['init_from'] == 'resume' or (c['init_from'] == 'auto'
-                                              and (os.path.exists(last) or c['resume_from']))
+    if c['init_from'] == 'auto':  # the command a scheduler repeats: out_dir's own last.pt once
+        # there is one, else the resume_from it was given (which must exist), else scratch
+        ckpt_path = last if os.path.exists(last) else c['resume_from'] or last
+        resuming = os.path.exists(last) or bool(c['resume_from'])
+    else:
+        ckpt_path = c['resume_from'] or last
+        resuming = c['init_from'] == 'resume'
     ckpt = pretrained_state = pretrained = None
     try:
         if resuming:
