@@ -121,6 +121,10 @@ def open_dataset(data_dir, dataset):
     else:
         folder, files = path, sorted(glob.glob(os.path.join(glob.escape(path), '*.bin')))
     meta_path = os.path.join(folder, 'meta.json')
+    shards_named = any(SHARD_NAME.search(os.path.basename(f)) for f in files)
+    if shards_named and not os.path.exists(meta_path):  # downloaded: prepare.py would not replace
+        raise DataError(f"dataset '{dataset}' has shards but no {meta_path}: write it, e.g. "
+                        f"{{\"vocab_size\": 50257, \"tokenizer\": \"gpt2\"}} for GPT-2's ids")
     if not os.path.exists(meta_path):
         prepared = sorted(os.path.basename(os.path.dirname(p))
                           for p in glob.glob(os.path.join(glob.escape(data_dir), '*', 'meta.json')))

@@ -153,6 +153,11 @@ def test_dataset_mistakes_are_one_line(tmp_path):
     np.zeros(10, np.uint16).tofile(tmp_path / 'old' / 'train.bin')
     assert ('prepared by an older prepare.py (train.bin, no shards): run python prepare.py old '
             f'--data_dir {tmp_path} again' in error('old'))
+    # downloaded shards without a meta.json: prepare.py would refuse to replace their folder
+    (tmp_path / 'fineweb').mkdir()
+    llmc_shard(tmp_path / 'fineweb' / 'f_train_000000.bin', list(range(40)))
+    assert error('fineweb').startswith(f"dataset 'fineweb' has shards but no {tmp_path}/fineweb/"
+                                       "meta.json: write it, e.g.")
     # a hand-written meta.json cannot give a char vocabulary: the end-of-run sample would need its
     # characters
     for entry in ('"char"', '{"kind": "char"}'):
