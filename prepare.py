@@ -83,6 +83,11 @@ def is_stdlib_code_dir(name):
     return name not in ('site-packages', '__pycache__', 'idle_test') and not name.startswith('test')
 
 
+def is_tools_own(name):
+    # a folder given as --input may be a repository: .git's objects and caches are no one's text
+    return name.startswith('.') or name == '__pycache__'
+
+
 def is_records_file(path):
     return path.endswith(('.jsonl', '.jsonl.gz', '.parquet'))
 
@@ -201,9 +206,11 @@ def source_items(name, input_path, text_key, work_dir):
     input_path = os.fspath(input_path)
     source = os.path.abspath(input_path)
     if os.path.isdir(input_path):
-        files = list(walk_files(input_path))
+        files = list(walk_files(input_path, keep_dir=lambda d: not is_tools_own(d),
+                                keep_file=lambda f: not is_tools_own(f)))
         if not files:
-            raise PrepareError(f'input folder {input_path} has no files: put text files in it')
+            raise PrepareError(f'input folder {input_path} has no files (hidden ones and '
+                               f'__pycache__ are left out): put text files in it')
         return source, None, Reader(files, input_path, text_key)
     if os.path.isfile(input_path):
         if is_records_file(input_path):
@@ -592,7 +599,7 @@ def replaced(out_dir, input_path, ranks_path=None):
                            f'or pick another name')
 
 
-def prepare(name, data_dir=DATA_DIR, input_path=None, tokenizer=None, seed=1337, text_key='text',
+def prepare(name, data_dir=DATA_DIR, input_path=None, tokenizer=None, seed=1337, text_key=None,
             num_proc=None, shard_size=100_000_000):
     """Write data_dir/name/ (shards and meta.json); returns data_dir/name."""
     if not name or name.startswith('.') or '/' in name or os.sep in name:
@@ -619,7 +626,10 @@ def prepare(name, data_dir=DATA_DIR, input_path=None, tokenizer=None, seed=1337,
         raise PrepareError(f'data_dir {data_dir} cannot be made or written ({e.strerror}): pass '
                            f'--data_dir PATH of a folder that can be written') from None
     try:
-        source, text_path, reader = source_items(name, input_path, text_key, work_dir)
+        source, text_path, reader = source_items(name, input_path, text_key or 'text', work_dir)
+        if text_key and not any(map(is_records_file, reader.files if reader else [])):
+            raise PrepareError(f'--text_key names a field of .jsonl and .parquet records, and '
+                               f'{source} holds none: drop --text_key')
         documents = text_path is None
         new_dir = os.path.join(work_dir, name)
         os.mkdir(new_dir)
@@ -698,8 +708,8 @@ def main(argv=None):
                                             'shakespeare, else char)')
     parser.add_argument('--data_dir', default=DATA_DIR, help='where the dataset folder is written')
     parser.add_argument('--seed', type=int, default=1337, help='seed of the split of documents')
-    parser.add_argument('--text_key', default='text', help='the field that holds the text in '
-                                                           '.jsonl and .parquet records')
+    parser.add_argument('--text_key', help='the field that holds the text in .jsonl and .parquet '
+                                           'records (default: text)')
     parser.add_argument('--num_proc', type=int, default=os.cpu_count(), help='tokenizer processes')
     parser.add_argument('--shard_size', type=int, default=100_000_000, help='tokens per shard file')
     parser.error = lambda message: fail(f"{message} (python prepare.py --help lists the arguments)")

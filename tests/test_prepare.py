@@ -61,8 +61,12 @@ def doc_tags(out_dir, split):
     return re.findall(r'\[doc (\d\d)\]', decode(read_split(out_dir, split).tolist()))
 
 
-def test_folder_splits_are_disjoint_and_duplicates_dropped(tmp_path):
+def test_folder_splits_are_disjoint_duplicates_dropped_and_tools_files_left_out(tmp_path):
     write_docs(tmp_path / 'docs')
+    # a repository's binary files, which would be refused as text
+    for rel in ('.git/objects/ab/cdef', '__pycache__/doc00.cpython-311.pyc', 'sub/.DS_Store'):
+        (tmp_path / 'docs' / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / 'docs' / rel).write_bytes(b'x\x9c\x00binary')
     out_dir = prepare.prepare('docs', data_dir=tmp_path / 'data', input_path=tmp_path / 'docs')
     meta = read_meta(out_dir)
     assert meta['duplicates_dropped'] == 2
@@ -219,9 +223,12 @@ def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
      r'UTF-8: convert it first, e.g. iconv -f UTF-16 -t UTF-8 IN > OUT$'),
     # iconv was the advice
     (['x', '--input', 'code'],
-     r'^error: __pycache__/m.cpython-311.pyc is binary, not text \(a NUL byte at offset 4\): '
+     r'^error: logo.png is binary, not text \(a NUL byte at offset 8\): '
      r'leave it out of --input$'),
     (['x', '--input', 'tiny.txt'], 'split has no tokens'),
+    # it did nothing: a text file has no fields
+    (['x', '--input', 'good.txt', '--text_key', 'body'], r'--text_key names a field of .jsonl and '
+     r'.parquet records, and .*good.txt holds none: drop --text_key$'),
     (['x', '--input', 'two_docs'], 'only 2 distinct documents'),
     (['x', '--input', 'good.txt', '--tokenizer', 'bpe'], "tokenizer 'bpe' not understood"),
     # a file given, no dataset's: nothing to prepare again
@@ -269,10 +276,9 @@ def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
     (tmp_path / 'two_docs' / 'c').write_text('one')
     (tmp_path / 'good.txt').write_text('some good text\n' * 20)
     (tmp_path / 'utf16.txt').write_bytes(('some text\n' * 20).encode('utf-16'))
-    (tmp_path / 'code' / '__pycache__').mkdir(parents=True)
+    (tmp_path / 'code').mkdir()
     (tmp_path / 'code' / 'm.py').write_text('x = 1\n')
-    (tmp_path / 'code' / '__pycache__' / 'm.cpython-311.pyc').write_bytes(
-        b'\xa7\r\r\n\0\0\0\0\xe3\0\0\0')
+    (tmp_path / 'code' / 'logo.png').write_bytes(b'\x89PNG\r\n\x1a\n\0\0\0\rIHDR')
     (tmp_path / 'partial.tiktoken').write_text('YQ== 0\n')  # b'a' alone
     (tmp_path / 'shared.tiktoken').write_text('YQ== 0\nYg== 0\n')
     (tmp_path / 'negative.tiktoken').write_text('YQ== -1\n')
@@ -399,8 +405,8 @@ def test_jsonl_and_gzip_records_split_like_the_same_documents_in_files(tmp_path,
     with gzip.open(tmp_path / 'docs.jsonl.gz', 'wt') as f:
         f.write('\n'.join(records) + '\n')
     outs = [prepare.prepare('d', data_dir=tmp_path / f'out_{name}', input_path=tmp_path / name,
-                            text_key='body', num_proc=2)
-            for name in ('docs.jsonl', 'docs.jsonl.gz', 'docs')]
+                            text_key=key, num_proc=2)
+            for name, key in (('docs.jsonl', 'body'), ('docs.jsonl.gz', 'body'), ('docs', None))]
     for split in prepare.SPLITS:  # the same distinct documents in the same order: the same splits
         assert (read_split(outs[0], split).tolist() == read_split(outs[1], split).tolist()
                 == read_split(outs[2], split).tolist())
