@@ -111,6 +111,8 @@ if compare and reference:
          "as B (reference)")
 if sum(map(bool, (loader, sample, whole))) > 1:
     stop("more than one of loader, sample and whole is set: give one")
+if target and not whole:
+    stop(f"target={target} times the val loss of whole runs only: add --whole=True, or drop it")
 if whole and nproc > 1:
     stop(f"whole runs train.py in one process, not nproc={nproc}: time torchrun's command as a "
          f"--reference instead")

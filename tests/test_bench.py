@@ -225,6 +225,9 @@ def test_bench_mistakes_fail_in_one_line(tmp_path):
                           (['--sample=out', '--loader=out'], "more than one of loader, sample and"),
                           (['--whole=True', '--loader=out'], "more than one of loader, sample and"),
                           (['--whole=True', '--nproc=2'], "whole runs train.py in one process"),
+                          # it timed nothing, silently
+                          (['--target=1.886'],
+                           "target=1.886 times the val loss of whole runs only"),
                           (['--sample=out', '--new_tokens=0'], "new_tokens=0 must be at least 1"),
                           (['--sample=out'],
                            "sample reads a run's out_dir and takes no train.py arguments"),
