@@ -83,7 +83,7 @@ def is_stdlib_code_dir(name):
     return name not in ('site-packages', '__pycache__', 'idle_test') and not name.startswith('test')
 
 
-def is_tools_own(name):
+def is_hidden_or_cache(name):
     # a folder given as --input may be a repository: .git's objects and caches are no one's text
     return name.startswith('.') or name == '__pycache__'
 
@@ -206,8 +206,8 @@ def source_items(name, input_path, text_key, work_dir):
     input_path = os.fspath(input_path)
     source = os.path.abspath(input_path)
     if os.path.isdir(input_path):
-        files = list(walk_files(input_path, keep_dir=lambda d: not is_tools_own(d),
-                                keep_file=lambda f: not is_tools_own(f)))
+        files = list(walk_files(input_path, keep_dir=lambda d: not is_hidden_or_cache(d),
+                                keep_file=lambda f: not is_hidden_or_cache(f)))
         if not files:
             raise PrepareError(f'input folder {input_path} has no files (hidden ones and '
                                f'__pycache__ are left out): put text files in it')
