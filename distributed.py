@@ -109,7 +109,13 @@ def usable_cpus(cgroup_root='/sys/fs/cgroup', proc_cgroup='/proc/self/cgroup'):
 def set_threads(threads):
     """torch's CPU threads in this process: threads where it is above 0, else torch's own count
     (OMP_NUM_THREADS where it is set, as torchrun sets 1; else the physical cores of its affinity)
-    capped by a container's CPU quota, which torch does not see (usable_cpus)."""
+    capped by a container's CPU quota, which torch does not see (usable_cpus). ValueError: more
+    threads than the machine has CPUs, which only wait for each other (and, thousands of them,
+    crash the process)."""
+    cpus = os.cpu_count() or 1
+    if threads > cpus:
+        raise ValueError(f"threads={threads} is more than this machine's {cpus} CPUs: use at "
+                         f"most {cpus}, or 0 for torch's own count")
     if not threads:
         threads = torch.get_num_threads()
         threads = threads if os.environ.get('OMP_NUM_THREADS') else min(threads, usable_cpus())

@@ -374,9 +374,9 @@ def main(config):
                            "for several)")
     try:
         device, device_type = distributed.resolve_device(config['device'])
+        distributed.set_threads(config['threads'])
     except ValueError as e:
         check(False, e)
-    distributed.set_threads(config['threads'])
     if busy := distributed.busy_warning(torch.get_num_threads(), distributed.cpu_use()):
         print(busy, file=sys.stderr)
     model, tok, source = load(config, device)

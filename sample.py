@@ -155,9 +155,9 @@ if __name__ == '__main__':
              f"existing folder")
     try:
         device, device_type = distributed.resolve_device(device)
+        distributed.set_threads(threads)
     except ValueError as e:
         fail(e)
-    distributed.set_threads(threads)
     if busy := distributed.busy_warning(torch.get_num_threads(), distributed.cpu_use()):
         print(busy, file=sys.stderr)
 

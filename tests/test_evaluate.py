@@ -344,6 +344,8 @@ def test_command_mistakes_are_one_line_with_exit_2(tiny_gpt2, bpe, task, tmp_pat
             ([f'--out_dir={tmp_path}', f'--tasks={task}'],
              f"error: checkpoint {tmp_path}/best.pt does not exist"),
             ([*gpt2, '--tasks='], "error: tasks='' names no task file"),
+            ([*gpt2, f'--tasks={task}', '--threads=100000'],  # a segmentation fault
+             "error: threads=100000 is more than this machine's"),
             ([*gpt2, f'--tasks={task}', '--tokenizer=char'],
              "error: tokenizer='char': with init_from use gpt2"),
             ([*gpt2, f'--tasks={task}', '--max_exampels=3'],

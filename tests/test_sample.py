@@ -85,6 +85,8 @@ def test_missing_checkpoint_is_a_one_line_error(tmp_path):
     (['--seed=18446744073709551615', '--num_samples=2'],
      "seed=18446744073709551615 is too large: sample i draws with seed + i, which must be below "
      "2**64"),
+    # a segmentation fault
+    (['--threads=100000'], f"threads=100000 is more than this machine's {os.cpu_count()} CPUs"),
     # export_hf was left undone, with exit code 0
     (['--export=w.pt', '--export_hf=hf'], "export and export_hf are both set: give one"),
     # a byte that is not UTF-8 on the command line (Python's surrogate escape)

@@ -283,6 +283,9 @@ def test_nanogpt_config_runs_unchanged(tmp_path, data_dir):
     (['--resume_from=x/last.pt'], "error: resume_from='x/last.pt' is read only by init_from=resume "
      "or auto, and init_from='scratch' ignores it: add --init_from=resume, or leave resume_from "
      "out"),
+    # thousands of OpenMP threads ended in a traceback from a fork that could not start
+    (['--threads=100000'], f"error: threads=100000 is more than this machine's {os.cpu_count()} "
+     f"CPUs: use at most {os.cpu_count()}, or 0 for torch's own count"),
     # a path with a typo
     (['--init_from=nowhere/model'], "error: init_from='nowhere/model' does not exist: use "
      "'scratch', 'resume', 'auto', a GPT-2 name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or the "
