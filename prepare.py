@@ -608,8 +608,9 @@ def prepare(name, data_dir=DATA_DIR, input_path=None, tokenizer=None, seed=1337,
         raise PrepareError(f'shard_size={shard_size} must be between 1 and 2**31-1 (the header '
                            f'holds an int32)')
     num_proc = os.cpu_count() if num_proc is None else num_proc
-    if num_proc < 1:
-        raise PrepareError(f'num_proc={num_proc} must be at least 1 (tokenizer processes)')
+    if not 1 <= num_proc <= os.cpu_count():  # more only wait for a CPU; thousands never start
+        raise PrepareError(f'num_proc={num_proc} must be from 1 to the {os.cpu_count()} CPUs of '
+                           f'this machine (tokenizer processes)')
     tokenizer = tokenizer or ('gpt2' if name == 'shakespeare' else 'char')
     # before reading anything, so a bad --tokenizer fails fast
     tok, bpe_vocab_size = given_tokenizer(tokenizer)

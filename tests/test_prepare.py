@@ -242,9 +242,12 @@ def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
     (['x', '--input', 'good.txt', '--tokenizer', 'negative.tiktoken'],
      r'negative.tiktoken is not a tiktoken ranks file \(rank -1 is outside 0 to 2\*\*32 - 2\)'),
     (['unknown_name'], 'pystdlib_char.*--input'),
-    (['x', '--input', 'good.txt', '--num_proc', '-1'], 'num_proc=-1 must be at least 1'),
+    (['x', '--input', 'good.txt', '--num_proc', '-1'], 'num_proc=-1 must be from 1 to the'),
     # refused as the message says, not read as num_proc=None (every CPU)
-    (['x', '--input', 'good.txt', '--num_proc', '0'], 'num_proc=0 must be at least 1'),
+    (['x', '--input', 'good.txt', '--num_proc', '0'], 'num_proc=0 must be from 1 to the'),
+    # a pool of that many processes never started, and prepare.py waited
+    (['x', '--input', 'good.txt', '--num_proc', '100000'],
+     f'num_proc=100000 must be from 1 to the {os.cpu_count()} CPUs of this machine'),
     (['x', '--input', 'null.jsonl'],
      "null.jsonl:2 has 'text': null, not a string: fix or drop that record"),
     (['x', '--input', 'number.jsonl'], "number.jsonl:1 has 'text': 42, not a string"),
