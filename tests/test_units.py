@@ -392,10 +392,14 @@ def test_usable_cpus_are_the_affinity_capped_by_every_cgroup_quota_above(tmp_pat
 
 def test_threads_are_the_key_s_else_torch_s_own_count_capped_by_a_container_s_quota(monkeypatch):
     """torch's own count: OMP_NUM_THREADS where set (torchrun sets 1), else its affinity's cores,
-    which a cgroup quota (usable_cpus) does not cap."""
+    which a cgroup quota (usable_cpus) does not cap; more threads than the machine's CPUs are
+    refused."""
     before = torch.get_num_threads()
     try:
         monkeypatch.delenv('OMP_NUM_THREADS')
+        monkeypatch.setattr(distributed.os, 'cpu_count', lambda: 8)
+        with pytest.raises(ValueError, match="threads=9 is more than this machine's 8 CPUs"):
+            distributed.set_threads(9)
         for own, usable, threads in ((4, 8, 4), (4, 2, 2)):
             torch.set_num_threads(own)
             monkeypatch.setattr(distributed, 'usable_cpus', lambda: usable)
