@@ -97,8 +97,9 @@ def configure(defaults, argv, choices=None, minimums=None):
     for arg in argv:
         if not arg.startswith('--'):
             if not arg.endswith('.py'):
+                hint = f": did you mean {arg}.py?" if os.path.isfile(arg + '.py') else ''
                 raise ConfigError(f"'{arg}' is neither a config file (*.py) nor a --key=value "
-                                  f"override")
+                                  f"override{hint}")
             try:
                 with open(arg) as f:
                     code = f.read()

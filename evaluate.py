@@ -377,8 +377,6 @@ def main(config):
         distributed.set_threads(config['threads'])
     except ValueError as e:
         check(False, e)
-    if busy := distributed.busy_warning(torch.get_num_threads(), distributed.cpu_use()):
-        print(busy, file=sys.stderr)
     model, tok, source = load(config, device)
     try:
         tasks = read_tasks(config['tasks'], tok.encode, model.config.block_size,
@@ -392,6 +390,9 @@ def main(config):
     except ValueError as e:
         check(False, e)
     autocast = precision.autocast(device_type, dtype)
+    # after every check: a mistake is one line
+    if busy := distributed.busy_warning(torch.get_num_threads(), distributed.cpu_use()):
+        print(busy, file=sys.stderr)
     print(f"evaluating {source} on {device} {dtype}", file=sys.stderr)
     for path, examples in tasks.items():
         start = time.perf_counter()

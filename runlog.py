@@ -296,9 +296,13 @@ def done(test, first_iter):
     that sums it up. first_iter: the iteration this session started from (0 unless it resumed)."""
     record(test)
     step, seconds, test_loss = test['step'], test['wall_seconds'], test['test_loss']
-    sessions = f"{step} iterations in {seconds:.0f} s" if not first_iter else (
-        f"iterations {first_iter + 1}-{step} in {seconds:.0f} s, all {step} iterations in "
-        f"{test['total_seconds']:.0f} s over every session")
+    every_session = f"all {step} iterations in {test['total_seconds']:.0f} s over every session"
+    if not first_iter:
+        sessions = f"{step} iterations in {seconds:.0f} s"
+    elif first_iter == step:  # a finished run started again: only its end was redone
+        sessions = f"no iterations left, {every_session}"
+    else:
+        sessions = f"iterations {first_iter + 1}-{step} in {seconds:.0f} s, {every_session}"
     tested = '' if test_loss is None else \
         (f", test loss {test_loss:.4f} ({test_loss / math.log(2):.3f} bits/token) with the best "
          f"weights")

@@ -158,8 +158,6 @@ if __name__ == '__main__':
         distributed.set_threads(threads)
     except ValueError as e:
         fail(e)
-    if busy := distributed.busy_warning(torch.get_num_threads(), distributed.cpu_use()):
-        print(busy, file=sys.stderr)
 
     if start.startswith('FILE:'):
         try:
@@ -216,6 +214,9 @@ if __name__ == '__main__':
         more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ''
         print(f"warning: prompt characters not in the vocabulary, encoded as id 0 (shown as "
               f"\ufffd): {', '.join(map(repr, unknown[:10]))}{more}", file=sys.stderr)
+    # after every check: a mistake is one line
+    if busy := distributed.busy_warning(torch.get_num_threads(), distributed.cpu_use()):
+        print(busy, file=sys.stderr)
     print(f"sampling {weights_name(ckpt_path, saved)} on {device} {dtype}", file=sys.stderr)
     for i in range(num_samples):
         with autocast:

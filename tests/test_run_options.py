@@ -123,3 +123,16 @@ def test_threads_and_the_cpus_they_run_on_are_recorded_and_said(tmp_path, data_d
     threads, used, stderr = run('key', '--threads=2')
     assert threads == 2 and used['usable'] == 1 and 0 <= used['busy'] <= 1
     assert 'warning: 2 threads, but 1 of the 1 CPUs this process may use are free' in stderr
+
+
+@pytest.mark.parametrize('args', [['sample.py'], ['evaluate.py', '--tasks=t.jsonl']])
+def test_a_mistake_on_a_busy_machine_is_still_one_line(tmp_path, args):
+    """Two threads on one CPU: the warning that they wait comes after every check, so a mistake
+    (no checkpoint in out_dir) is still its one line."""
+    cpus = sorted(os.sched_getaffinity(0))
+    result = subprocess.run([sys.executable, *args, f'--out_dir={tmp_path}', '--threads=2'],
+                            cwd=REPO, capture_output=True, text=True, timeout=120,
+                            preexec_fn=lambda: os.sched_setaffinity(0, cpus[:1]))
+    assert (result.returncode == 2 and result.stderr.count('\n') == 1
+            and result.stderr.startswith(f"error: checkpoint {tmp_path}/best.pt does not exist")
+            ), result.stderr

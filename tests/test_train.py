@@ -114,7 +114,8 @@ def test_an_overfit_run_resumes_on_its_batch_and_a_finished_one_started_again_en
     args = ('--overfit_one_batch=True', '--decay_lr=False', '--eval_interval=3', '--init_from=auto')
     assert 'overfit one batch: loss' in run_train(out, data_dir, *args, '--max_iters=3').stdout
     again = run_train(out, data_dir, *args, '--max_iters=3')
-    assert 'overfit one batch' not in again.stdout and 'done: ' in again.stdout
+    assert 'overfit one batch' not in again.stdout
+    assert 'done: no iterations left, all 3 iterations in ' in again.stdout
     # fewer iterations than it ran is another run's command: refused, as by init_from=resume, with
     # nothing written
     files = {name: sha(os.path.join(out, name)) for name in os.listdir(out)}

@@ -32,7 +32,7 @@ import precision
 import prepare
 import runlog
 from configurator import ConfigError, configure
-from conftest import DEVICES, OLD_CHECKPOINTS, epoch_batches
+from conftest import DEVICES, OLD_CHECKPOINTS, REPO, epoch_batches
 from model import GPT, GPTConfig
 
 
@@ -229,12 +229,19 @@ def test_configure_file_then_overrides(tmp_path):
     (['--compile=yes'], "cannot parse --compile=yes"),
     (['--compile=1'], "compile=1 has type int, expected bool"),
     (['--batch_size'], "has no value"),
-    (['nonsense'], "neither a config file"),
+    (['nonsense'], "nor a --key=value override$"),
     (['missing.py'], "cannot read config file missing.py"),
 ])
 def test_configure_errors(argv, message):
     with pytest.raises(ConfigError, match=message.replace('.', r'\.')):
         configure(DEFAULTS, argv)
+
+
+def test_a_config_file_named_without_py_is_suggested():
+    tiny = os.path.join(REPO, 'config', 'tiny')
+    with pytest.raises(ConfigError) as refusal:
+        configure(DEFAULTS, [tiny])
+    assert str(refusal.value).endswith(f"override: did you mean {tiny}.py?")
 
 
 @pytest.mark.parametrize('argv, message', [
