@@ -115,12 +115,12 @@ def read_cache(path):
         return {}
 
 
-def cached(key, measure, again=False):
+def cached(key, measure, again=False, store=True):
     """measure()'s JSON-able result, stored under key in the cache file; 'cached' says which run
     measured it (None: this one). Processes that get here at once take turns (a lock beside the
     file): the first measures, the others read its result, so runs started together agree (a
     resume needs the same dtype) and none is timed while another measures. again: measure anew and
-    replace what is stored."""
+    replace what is stored; store=False: a measurement for this run only."""
     folder = os.environ.get('HONESTGPT_CACHE',
                             os.path.join(os.path.expanduser('~'), '.cache', 'honestgpt'))
     path = os.path.join(folder, 'perf.json')
@@ -129,6 +129,8 @@ def cached(key, measure, again=False):
         if key in entries and not again:
             return entries[key] | {'cached': path}
         entries[key] = measure() | {'measured_at': time.strftime('%Y-%m-%dT%H:%M:%S%z')}
+        if not store:
+            return entries[key] | {'cached': None}
         try:
             checkpoint.write_json(path, entries)  # atomic: a reader never sees half a file
         except OSError:
@@ -205,11 +207,14 @@ def measure_flops(device, dtype, budget=0.02, last_budget=0.15):
         n *= 2
 
 
-def peak_flops(device, dtype, beaten=0.0, announce=lambda: None):
+def peak_flops(device, dtype, beaten=0.0, announce=lambda: None, busy=False):
     """(FLOP/s, how and when it was obtained) for a torch dtype: the datasheet on known GPUs, else
     measured once per machine. beaten: the FLOP/s a training step achieved, above the cached peak,
     which was then measured while other work ran: it is measured again, raised to at least beaten,
-    and cached anew. announce() is called just before a measurement, which takes seconds."""
+    and cached anew. busy: other work holds the CPUs this process's threads need
+    (distributed.busy_warning), so a measurement now reads low: it serves this run only, and the
+    next run measures again. announce() is called just before a measurement, which takes
+    seconds."""
     if torch.device(device).type == 'cuda':
         name = torch.cuda.get_device_name(device)
         peak = table_peak(name, dtype)
@@ -222,9 +227,10 @@ def peak_flops(device, dtype, beaten=0.0, announce=lambda: None):
         raised = (f"; a training step's {beaten / 1e9:,.1f} GFLOP/s, above it" if beaten > flops
                   else '')
         return {'flops': max(flops, beaten), 'how': how + raised}
-    entry = cached(f"peak {machine(device)} {dtype}", measure, again=beaten > 0)
-    return entry['flops'], (f"{entry['how']}, at {entry['measured_at']}"
-                            + (f" (cached in {entry['cached']})" if entry['cached'] else ''))
+    entry = cached(f"peak {machine(device)} {dtype}", measure, again=beaten > 0, store=not busy)
+    where = (f" (cached in {entry['cached']})" if entry['cached'] else
+             ' (not cached: other work kept the CPUs busy)' if busy else '')
+    return entry['flops'], f"{entry['how']}, at {entry['measured_at']}{where}"
 
 
 def reset_peak_memory(device):

@@ -22,7 +22,7 @@ import precision
 import runlog
 import tokenizer
 from configurator import ConfigError, configure
-from distributed import gather
+from distributed import busy_warning, gather
 from exits import check
 from model import GPT, GPTConfig
 from optim import OPTIMIZERS
@@ -189,8 +189,10 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
     dtype, _, muon_dtype, _ = settled  # and how each was chosen, for the session's record
     peak_flops, peak_how = float('nan'), ''
     if runlog.master:  # MFU's denominator: a known GPU's datasheet, else measured (once a machine)
+        # a CPU that other work keeps busy measures low: not cached
+        busy = device == 'cpu' and bool(busy_warning(torch.get_num_threads(), cpus))
         peak_flops, peak_how = perf.peak_flops(
-            device, precision.DTYPES[dtype],
+            device, precision.DTYPES[dtype], busy=busy,
             announce=lambda: log("measuring this machine's peak FLOP/s for MFU (once per machine "
                                  "and dtype: cached)"))
     session = session_record(c, sources, defaults, (data_meta, dataset_id), device, cpus, resumed,

@@ -294,6 +294,20 @@ def test_peak_flops_is_measured_once_per_machine(tmp_path, monkeypatch):
             == (flops, f"{how} (cached in {tmp_path / 'perf.json'})")) and announced == [1]
 
 
+def test_a_peak_measured_on_a_busy_cpu_serves_its_run_only(tmp_path, monkeypatch):
+    """Measured while other work held the CPUs, a peak reads low: cached, it made every later run's
+    MFU too high until a step beat it. The next run measures again, and caches a quiet one."""
+    monkeypatch.setenv('HONESTGPT_CACHE', str(tmp_path))
+    announced = []
+    for run in (1, 2):
+        flops, how = perf.peak_flops('cpu', torch.float32, busy=True,
+                                     announce=lambda: announced.append(run))
+        assert how.endswith(' (not cached: other work kept the CPUs busy)') and flops > 1e7
+    assert announced == [1, 2] and perf.read_cache(tmp_path / 'perf.json') == {}
+    perf.peak_flops('cpu', torch.float32, announce=lambda: announced.append(3))
+    assert announced == [1, 2, 3] and len(perf.read_cache(tmp_path / 'perf.json')) == 1
+
+
 @pytest.mark.slow
 def test_a_step_faster_than_the_cached_peak_has_it_measured_again(tmp_path, data_dir):
     """A peak measured while other work ran is too low, and was cached for good: MFU read 1301%. A

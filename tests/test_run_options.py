@@ -104,25 +104,33 @@ def test_tensorboard_and_wandb_receive_every_number_of_metrics_jsonl(tmp_path, d
 def test_threads_and_the_cpus_they_run_on_are_recorded_and_said(tmp_path, data_dir):
     """A run on one CPU (its affinity) takes one thread; the threads key takes more, and two threads
     on one CPU wait for each other: said once, with the fix. meta.json records the threads, the CPUs
-    this process may use and how busy other work kept them. Fresh interpreters: the fork server's
-    torch has its threads set."""
+    this process may use and how busy other work kept them. The peak FLOP/s measured then is this
+    run's only: it reads low. Fresh interpreters: the fork server's torch has its threads set."""
     cpus = sorted(os.sched_getaffinity(0))
     env = {k: v for k, v in os.environ.items() if k != 'OMP_NUM_THREADS'}
 
     def run(name, *args):
+        cache = tmp_path / f'cache-{name}'  # empty: the peak is measured
         result = subprocess.run([sys.executable, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}',
                                  f"--out_dir={tmp_path / name}", '--max_iters=1',
-                                 '--eval_interval=1', *args], cwd=REPO, env=env,
+                                 '--eval_interval=1', *args], cwd=REPO,
+                                env=env | {'HONESTGPT_CACHE': str(cache)},
                                 capture_output=True, text=True, timeout=300,
                                 preexec_fn=lambda: os.sched_setaffinity(0, cpus[:1]))
         assert result.returncode == 0, result.stderr
         meta = json.load(open(tmp_path / name / 'meta.json'))
-        return meta['hardware']['torch_threads'], meta['cpus'], result.stderr
-    threads, used, stderr = run('affinity')
+        peak_cached = any(key.startswith('peak ')
+                          for key in json.loads((cache / 'perf.json').read_text()))
+        assert meta['peak_flops']['how'].endswith(
+            '' if peak_cached else ' (not cached: other work kept the CPUs busy)')
+        return meta['hardware']['torch_threads'], meta['cpus'], result.stderr, peak_cached
+    threads, used, stderr, peak_cached = run('affinity')
     assert threads == used['usable'] == 1 and used['busy'] is None and 'warning: ' not in stderr
-    threads, used, stderr = run('key', '--threads=2')
+    assert peak_cached
+    threads, used, stderr, peak_cached = run('key', '--threads=2')
     assert threads == 2 and used['usable'] == 1 and 0 <= used['busy'] <= 1
     assert 'warning: 2 threads, but 1 of the 1 CPUs this process may use are free' in stderr
+    assert not peak_cached
 
 
 @pytest.mark.parametrize('args', [['sample.py'], ['evaluate.py', '--tasks=t.jsonl']])
