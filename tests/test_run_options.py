@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import data
 import datafiles
+import perf
 import report
 from conftest import REPO, RUN_CONFIG, read_metrics, run_train
 from model import GPT, GPTConfig
@@ -119,8 +120,7 @@ def test_threads_and_the_cpus_they_run_on_are_recorded_and_said(tmp_path, data_d
                                 preexec_fn=lambda: os.sched_setaffinity(0, cpus[:1]))
         assert result.returncode == 0, result.stderr
         meta = json.load(open(tmp_path / name / 'meta.json'))
-        peak_cached = any(key.startswith('peak ')
-                          for key in json.loads((cache / 'perf.json').read_text()))
+        peak_cached = any(key.startswith('peak ') for key in perf.read_cache(cache / 'perf.json'))
         assert meta['peak_flops']['how'].endswith(
             '' if peak_cached else ' (not cached: other work kept the CPUs busy)')
         return meta['hardware']['torch_threads'], meta['cpus'], result.stderr, peak_cached
