@@ -607,10 +607,11 @@ def prepare(name, data_dir=DATA_DIR, input_path=None, tokenizer=None, seed=1337,
     if not 0 < shard_size < 2**31:
         raise PrepareError(f'shard_size={shard_size} must be between 1 and 2**31-1 (the header '
                            f'holds an int32)')
-    num_proc = os.cpu_count() if num_proc is None else num_proc
-    if not 1 <= num_proc <= os.cpu_count():  # more only wait for a CPU; thousands never start
-        raise PrepareError(f'num_proc={num_proc} must be from 1 to the {os.cpu_count()} CPUs of '
-                           f'this machine (tokenizer processes)')
+    cpus = os.cpu_count() or 1
+    num_proc = cpus if num_proc is None else num_proc
+    if not 1 <= num_proc <= cpus:  # more only wait for a CPU; thousands never start
+        raise PrepareError(f'num_proc={num_proc} must be from 1 to the {cpus} CPUs of this '
+                           f'machine (tokenizer processes)')
     tokenizer = tokenizer or ('gpt2' if name == 'shakespeare' else 'char')
     # before reading anything, so a bad --tokenizer fails fast
     tok, bpe_vocab_size = given_tokenizer(tokenizer)
