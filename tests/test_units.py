@@ -29,6 +29,7 @@ import distributed
 import evaluate
 import perf
 import precision
+import preflight
 import prepare
 import runlog
 from configurator import ConfigError, configure
@@ -235,6 +236,25 @@ def test_configure_file_then_overrides(tmp_path):
 def test_configure_errors(argv, message):
     with pytest.raises(ConfigError, match=message.replace('.', r'\.')):
         configure(DEFAULTS, argv)
+
+
+def test_a_model_no_device_holds_is_refused_with_its_count_before_it_is_built(monkeypatch,
+                                                                               capsys):
+    """preflight.check_fits counts one block n_layer times: the whole model's count, each shape's
+    parts included, and a typo's 100,000 layers answered at once (the meta device built them for
+    minutes)."""
+    monkeypatch.setattr(preflight.perf, 'device_memory', lambda device: 2**10)
+    shape = dict(n_head=2, n_embd=16, block_size=8, vocab_size=20)
+    for config in (GPTConfig(n_layer=3, **shape),
+                   GPTConfig(n_layer=2, bias=True, tie_head=False, pos_emb='rope', qk_norm=True,
+                             **shape),
+                   GPTConfig(n_layer=100_000, **shape)):
+        with pytest.raises(SystemExit):
+            preflight.check_fits(config, 'cpu', False)
+        if config.n_layer < 100_000:
+            count = sum(p.numel() for p in GPT(config).parameters())
+            assert f"error: the model's {count:,} parameters need " in capsys.readouterr().err
+    assert "more than cpu's 0.0 GiB" in capsys.readouterr().err
 
 
 def test_a_config_file_named_without_py_is_suggested():
