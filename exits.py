@@ -19,7 +19,7 @@ import perf
 import report
 import runlog
 from configurator import fail, tell_torchrun
-from distributed import any_rank
+from distributed import any_rank, gather, sum_over_ranks
 from runlog import finish, log, record
 
 # SIGINT (Ctrl-C) or SIGTERM (a cluster's notice), once catch_stop_signals() has run
@@ -52,6 +52,25 @@ def abort(step, message):
     tell_torchrun(f"error: {message}")
     finish()
     sys.exit(1)
+
+
+def agree(step, loss_sum, accum, grad_norm, fault, writer, device):
+    """After a step's backward, before the optimizer steps: one all-reduce of this rank's loss_sum
+    (over its micro-batches) and of whether this rank got a stop signal, met a data fault (fault:
+    the loader's message, or None) or has a failed background save, then one host sync. Changed
+    data or a failed save on any rank ends the run here on every rank. Returns the mean loss over
+    every rank's micro-batches (accum of them), the gradient norm, and whether a rank was asked to
+    stop."""
+    flags = torch.tensor([stop_signal is not None, fault is not None,
+                          writer.failed() is not None], device=device).float()
+    loss_sum, stops, faults, failed_saves = sum_over_ranks(torch.cat([loss_sum.view(1), flags]))
+    synced = torch.stack([loss_sum / accum, grad_norm.float(), stops, faults, failed_saves])
+    loss, grad_norm, stops, faults, failed_saves = synced.tolist()
+    if failed_saves:
+        unsaved(writer.wait(), step, writer, device)
+    if faults:
+        data_fault(step, next(m for m in gather(fault) if m), writer)
+    return loss, grad_norm, stops
 
 
 def non_finite(step, loss, grad_norm, lr, starts):

@@ -241,16 +241,32 @@ def announce(session, config, resumed, num_params, flops_per_token):
             f"bitwise the run that would have continued")
 
 
-def train(entry, max_iters):
-    """Every log_interval iterations and at the last: the 'train' record (train.py's log_step
-    builds it) and its line."""
+def train(step, figures, speed, log_interval):
+    """After each iteration: once, the start-up estimate (speed: the run's perf.Speedometer); every
+    log_interval iterations and at the last, the 'train' record of the step's figures (loss, lr,
+    grad_norm, skips, scale, epoch) with the speed since the last line and the time left, and its
+    line; a step that beat the peak FLOP/s measured at start, and an idle device, each a line."""
+    seconds_per_iter, left = speed.startup_estimate(), speed.max_iters - step
+    if seconds_per_iter is not None:
+        estimate(step, seconds_per_iter, speed.accum_steps, left)
+    if step % log_interval and step != speed.max_iters:
+        return
+    interval = speed.interval(step)
+    if interval['new_peak']:  # MFU is against it from here on
+        new_peak(step, *interval['new_peak'])
+    entry = {'kind': 'train', 'step': step, 'time': time.time(), **figures,
+             'tokens_per_sec': interval['tokens_per_sec'], 'mfu': interval['mfu'],
+             'utilization': interval['utilization'],
+             'peak_mem_mb': perf.peak_memory_mb(speed.device), 'eta_seconds': interval['eta_seconds']}
     record(entry)
     utilization, eta = entry['utilization'], entry['eta_seconds']
-    log(f"iter {entry['step']}/{max_iters}: loss {entry['loss']:.4f}, lr {entry['lr']:.3e}, "
+    log(f"iter {step}/{speed.max_iters}: loss {entry['loss']:.4f}, lr {entry['lr']:.3e}, "
         f"grad norm {entry['grad_norm']:.3f}, {entry['tokens_per_sec']:,.0f} tok/s, "
         f"MFU {entry['mfu']:.1%}, {'' if utilization is None else f'util {utilization:.0%}, '}"
         f"mem {entry['peak_mem_mb']:,.0f} MB, ETA {'?' if eta is None else duration(eta)}"
         f"{', step skipped (float16 overflow)' if entry['skipped'] else ''}")
+    if interval['idle_warning']:  # advice, not a fault of the run
+        log(interval['idle_warning'])
 
 
 def evaluation(entry, tasks_line, best, best_iter, improved):

@@ -39,7 +39,7 @@ import runlog
 import sample
 import smoke
 from configurator import fail
-from distributed import gather, sum_over_ranks
+from distributed import gather
 from exits import abort, check
 from model import GPT
 from runlog import log, record
@@ -339,54 +339,17 @@ def train_step(micro_batches, accum=accum_steps):
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float('inf'))
     return loss_sum, grad_norm.full_tensor() if sharded else grad_norm, starts
 
-def agree_or_abort(loss_sum, grad_norm, starts, lr):
-    """One all-reduce for the loss, a stop signal, a data fault and a failed background save on any
-    rank, one host sync, and the checks that end the run before the optimizer steps: changed data, a
-    save that failed, a non-finite loss or gradient norm (float16's are the scaler's to skip).
-    Returns the mean loss, the gradient norm and whether a stop was asked."""
-    flags = torch.tensor([exits.stop_signal is not None, batches.fault is not None,
-                          writer.failed() is not None], device=device).float()
-    loss_sum, stops, faults, unsaved = sum_over_ranks(torch.cat([loss_sum.view(1), flags]))
-    synced = torch.stack([loss_sum / gradient_accumulation_steps, grad_norm.float(), stops, faults,
-                          unsaved])
-    loss, grad_norm, stops, faults, unsaved = synced.tolist()
-    if unsaved:
-        exits.unsaved(writer.wait(), progress.iter_num + 1, writer, device)
-    if faults:
-        exits.data_fault(progress.iter_num + 1, next(m for m in gather(batches.fault) if m), writer)
-    if not math.isfinite(loss) or not (math.isfinite(grad_norm) or scaler.is_enabled()):
-        step = progress.iter_num + 1
-        abort(step, exits.non_finite(step, loss, grad_norm, lr, starts))
-    return loss, grad_norm, stops
-
-def log_step(loss, grad_norm, lr, skipped, scale, profiler):
-    """The train line and record every log_interval, with the speed since the last and the time
-    left; once, the start-up estimate, the memory each rank holds and the profiled iteration's
-    phases."""
+def log_step(figures, profiler):
+    """The profiled iteration's phases, the memory each rank holds (once), then the train line and
+    record (runlog.train)."""
     if profiler:
         trace = os.path.join(out_dir, 'trace.json') if master else None
         record({'kind': 'profile', 'step': progress.iter_num,
                 'ms': perf.stop_profiler(profiler, device_type, trace)})
-    if progress.iter_num == start_iter + 1:  # what each rank holds: every rank gets here
+    if progress.iter_num == start_iter + 1:  # every rank gets here
         record({'kind': 'memory', 'step': progress.iter_num,
                 'ranks': gather(perf.memory_held(raw_model, optimizer, device))})
-    estimate = speed.startup_estimate()  # seconds per iteration, once
-    if estimate is not None:
-        runlog.estimate(progress.iter_num, estimate, accum_steps, max_iters - progress.iter_num)
-    if progress.iter_num % log_interval and progress.iter_num != max_iters:
-        return
-    interval = speed.interval(progress.iter_num)
-    if interval['new_peak']:  # a step beat the peak measured at start: MFU is against it now
-        runlog.new_peak(progress.iter_num, *interval['new_peak'])
-    runlog.train({'kind': 'train', 'step': progress.iter_num, 'time': time.time(), 'loss': loss,
-                  'lr': lr, 'grad_norm': grad_norm, 'tokens_per_sec': interval['tokens_per_sec'],
-                  'mfu': interval['mfu'], 'utilization': interval['utilization'],
-                  'peak_mem_mb': perf.peak_memory_mb(device),
-                  'eta_seconds': interval['eta_seconds'], 'skipped': skipped,
-                  'skipped_total': progress.skipped_steps, 'scale': scale,
-                  'epoch': train_sampler.epoch}, max_iters)
-    if interval['idle_warning']:  # a log line: advice, not a fault of the run
-        log(interval['idle_warning'])
+    runlog.train(progress.iter_num, figures, speed, log_interval)
 
 def split_loss(split, model):
     """model's mean loss over a split's evaluation windows. A shard changed under the run ends the
@@ -422,18 +385,15 @@ def evaluate_and_choose_saves():
     return ['last.pt'] if always_save_checkpoint else []
 
 def save(names, rng):
-    """Write names (best.pt before last.pt: a kill in between leaves last.pt older, never ahead of
-    best.pt), then agree with the other ranks on how it went: a save that failed anywhere (a full
-    disk) ends every rank here, with every file on disk whole. Logs and returns the seconds it
-    took."""
-    assert rng is not None, ("an iteration that saves gathers the RNG states: add its reason to "
-                             "the rng line")
+    """Write names (best.pt before last.pt: a kill in between never leaves last.pt ahead of best.pt)
+    once the last background write has ended; a save that failed on any rank (a full disk) ends
+    every rank here, with every file on disk whole. Returns the seconds it took."""
+    assert rng is not None, "an iteration that saves gathers the RNG states: add it to rng's line"
     start = time.time()
-    # the last background write, on every rank (and rank 0's removals) before new shards
-    exits.unsaved(writer.wait(), progress.iter_num, writer, device)
+    exits.unsaved(writer.wait(), progress.iter_num, writer, device)  # before new shards
     progress.train_seconds = seconds_before + time.time() - t_start
-    run = run_record | {'log_bytes': runlog.log_bytes()}
-    failed = checkpoint.save(names, out_dir, parts, rng, progress, run, sharded, writer)
+    failed = checkpoint.save(names, out_dir, parts, rng, progress,
+                             run_record | {'log_bytes': runlog.log_bytes()}, sharded, writer)
     exits.unsaved(failed, progress.iter_num, writer, device)
     seconds = time.time() - start
     log(f"saved {' and '.join(names)} in {seconds:.2f} s"
@@ -453,10 +413,15 @@ if smoke_stopped:  # as the loop stops: last.pt (here the state before the first
     exits.exit_on_signal(progress.iter_num, world_size)
 while progress.iter_num < max_iters:
     # the step
+    step = progress.iter_num + 1  # the iteration under way
     lr = optimizer.param_groups[0]['lr']  # AdamW's, learning_rate's schedule
-    profiler = perf.start_profiler(device_type) if progress.iter_num + 1 == profile_iter else None
+    profiler = perf.start_profiler(device_type) if step == profile_iter else None
     loss_sum, grad_norm, starts = train_step(micro_batches)
-    loss, grad_norm, stops = agree_or_abort(loss_sum, grad_norm, starts, lr)
+    loss, grad_norm, stops = exits.agree(step, loss_sum, gradient_accumulation_steps, grad_norm,
+                                         batches.fault, writer, device)
+    # float16's non-finite gradients are the scaler's to skip
+    if not math.isfinite(loss) or not (math.isfinite(grad_norm) or scaler.is_enabled()):
+        abort(step, exits.non_finite(step, loss, grad_norm, lr, starts))
     first_loss = loss if first_loss is None else first_loss  # for overfit_one_batch's last line
     # float16 overflow: the scaler skips it
     skipped = scaler.is_enabled() and not math.isfinite(grad_norm)
@@ -485,7 +450,9 @@ while progress.iter_num < max_iters:
            else None)
 
     # logging
-    log_step(loss, grad_norm, lr, skipped, scale, profiler)
+    log_step({'loss': loss, 'lr': lr, 'grad_norm': grad_norm, 'skipped': skipped,
+              'skipped_total': progress.skipped_steps, 'scale': scale,
+              'epoch': train_sampler.epoch}, profiler)
 
     # evaluation and saving
     saves = evaluate_and_choose_saves() if evaluating else []
