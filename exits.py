@@ -153,9 +153,11 @@ def catch_stop_signals():
     signal.signal(signal.SIGTERM, request_stop)
 
 
-def exit_on_signal(step, world_size):
-    """The run stops for a signal (on any rank) once last.pt holds step: a stop record, the line
-    that says how to resume, the report, and exit code 128 + the signal's number."""
+def exit_on_signal(step, world_size, writer, device):
+    """The run stops for a signal (on any rank) once last.pt holds step (writer: the run's
+    checkpoint.Writer, whose write in flight ends first): a stop record, the line that says how to
+    resume, the report, and exit code 128 + the signal's number."""
+    unsaved(writer.wait(), step, writer, device)
     signum = stop_signal or signal.SIGTERM  # a rank stopping for another's signal
     name = signal.Signals(signum).name
     record({'kind': 'stop', 'step': step, 'time': time.time(), 'signal': name})

@@ -255,9 +255,8 @@ def train(step, figures, speed, log_interval):
     if interval['new_peak']:  # MFU is against it from here on
         new_peak(step, *interval['new_peak'])
     entry = {'kind': 'train', 'step': step, 'time': time.time(), **figures,
-             'tokens_per_sec': interval['tokens_per_sec'], 'mfu': interval['mfu'],
-             'utilization': interval['utilization'],
-             'peak_mem_mb': perf.peak_memory_mb(speed.device), 'eta_seconds': interval['eta_seconds']}
+             **{k: interval[k] for k in ('tokens_per_sec', 'mfu', 'utilization', 'eta_seconds')},
+             'peak_mem_mb': perf.peak_memory_mb(speed.device)}
     record(entry)
     utilization, eta = entry['utilization'], entry['eta_seconds']
     log(f"iter {step}/{speed.max_iters}: loss {entry['loss']:.4f}, lr {entry['lr']:.3e}, "
@@ -269,15 +268,20 @@ def train(step, figures, speed, log_interval):
         log(interval['idle_warning'])
 
 
-def evaluation(entry, tasks_line, best, best_iter, improved):
-    """At each evaluation: the 'eval' record and its line. tasks_line: evaluate.tasks_line's;
-    best: the best so far by best_by, reached at best_iter; improved: this evaluation set it."""
-    record(entry)
-    train_loss, val_loss, ema_val = entry['train_loss'], entry['val_loss'], entry['ema_val_loss']
-    log(f"eval {entry['step']}: train {train_loss:.4f}, val {val_loss:.4f} "
+def evaluation(progress, figures, tasks_line, best_by, improved):
+    """At each evaluation: the 'eval' record of its figures (train_loss, val_loss, ema_val_loss, the
+    tasks' accuracies) and the best so far (progress: the run's checkpoint.Progress, by best_by),
+    and its line. tasks_line: evaluate.tasks_line's; improved: this evaluation set the best."""
+    train_loss, val_loss, ema_val = (figures['train_loss'], figures['val_loss'],
+                                     figures['ema_val_loss'])
+    record({'kind': 'eval', 'step': progress.iter_num, **figures,
+            'best_val_loss': progress.best_val_loss, 'val_bits_per_token': val_loss / math.log(2)})
+    best = progress.best_val_loss if best_by == 'val_loss' else progress.best_acc_norm
+    log(f"eval {progress.iter_num}: train {train_loss:.4f}, val {val_loss:.4f} "
         f"(gap {val_loss - train_loss:+.4f})"
         f"{'' if ema_val is None else f', EMA val {ema_val:.4f}'}"
-        f"{tasks_line}, best {best:.4f} at {best_iter}{' *saved best.pt' if improved else ''}")
+        f"{tasks_line}, best {best:.4f} at {progress.best_iter}"
+        f"{' *saved best.pt' if improved else ''}")
 
 
 def estimate(step, seconds_per_iter, accum_steps, left):

@@ -373,13 +373,9 @@ def evaluate_and_choose_saves():
                                               batch_size, device, autocast, rank, world_size)
     improved = progress.new_best(val_loss if ema_val_loss is None else ema_val_loss, acc_norm,
                                  best_by)
-    best = progress.best_val_loss if best_by == 'val_loss' else progress.best_acc_norm
-    runlog.evaluation({'kind': 'eval', 'step': progress.iter_num, 'train_loss': train_loss,
-                       'val_loss': val_loss, 'ema_val_loss': ema_val_loss,
-                       'best_val_loss': progress.best_val_loss,
-                       'val_bits_per_token': val_loss / math.log(2),
-                       **evaluate.task_fields(accuracy)},
-                      evaluate.tasks_line(accuracy), best, progress.best_iter, improved)
+    runlog.evaluation(progress, {'train_loss': train_loss, 'val_loss': val_loss,
+                                 'ema_val_loss': ema_val_loss, **evaluate.task_fields(accuracy)},
+                      evaluate.tasks_line(accuracy), best_by, improved)
     if improved:
         return ['best.pt', 'last.pt']
     return ['last.pt'] if always_save_checkpoint else []
@@ -409,8 +405,7 @@ perf.reset_peak_memory(device)  # the loop's peak, not the smoke test's or the F
 t_start, save_seconds, first_loss = time.time(), 0.0, None
 if smoke_stopped:  # as the loop stops: last.pt (here the state before the first step), then exit
     save(['last.pt'], gather(checkpoint.rng_state(device)))
-    exits.unsaved(writer.wait(), progress.iter_num, writer, device)
-    exits.exit_on_signal(progress.iter_num, world_size)
+    exits.exit_on_signal(progress.iter_num, world_size, writer, device)
 while progress.iter_num < max_iters:
     # the step
     step = progress.iter_num + 1  # the iteration under way
@@ -419,12 +414,10 @@ while progress.iter_num < max_iters:
     loss_sum, grad_norm, starts = train_step(micro_batches)
     loss, grad_norm, stops = exits.agree(step, loss_sum, gradient_accumulation_steps, grad_norm,
                                          batches.fault, writer, device)
-    # float16's non-finite gradients are the scaler's to skip
-    if not math.isfinite(loss) or not (math.isfinite(grad_norm) or scaler.is_enabled()):
+    skipped = scaler.is_enabled() and not math.isfinite(grad_norm)  # float16: the scaler skips it
+    if not math.isfinite(loss) or not (math.isfinite(grad_norm) or skipped):
         abort(step, exits.non_finite(step, loss, grad_norm, lr, starts))
     first_loss = loss if first_loss is None else first_loss  # for overfit_one_batch's last line
-    # float16 overflow: the scaler skips it
-    skipped = scaler.is_enabled() and not math.isfinite(grad_norm)
     scale = scaler.get_scale() if scaler.is_enabled() else 1.0
     with record_function('optimizer'):
         scaler.step(optimizer)
@@ -471,8 +464,7 @@ while progress.iter_num < max_iters:
 
     # stopping
     if stops:  # every rank saw the same count: all saved above and stop here
-        exits.unsaved(writer.wait(), progress.iter_num, writer, device)
-        exits.exit_on_signal(progress.iter_num, world_size)
+        exits.exit_on_signal(progress.iter_num, world_size, writer, device)
     if stopping_early:
         what = 'val loss' if best_by == 'val_loss' else best_by
         log(f"early stop: no better {what} in {patience} evaluations since iteration "
