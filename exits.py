@@ -59,8 +59,8 @@ def agree(step, loss_sum, accum, grad_norm, fault, writer, device):
     (over its micro-batches) and of whether this rank got a stop signal, met a data fault (fault:
     the loader's message, or None) or has a failed background save, then one host sync. Changed
     data or a failed save on any rank ends the run here on every rank. Returns the mean loss over
-    every rank's micro-batches (accum of them), the gradient norm, and whether a rank was asked to
-    stop."""
+    every rank's micro-batches (accum: their count, all ranks'), the gradient norm, and whether a
+    rank was asked to stop."""
     flags = torch.tensor([stop_signal is not None, fault is not None,
                           writer.failed() is not None], device=device).float()
     loss_sum, stops, faults, failed_saves = sum_over_ranks(torch.cat([loss_sum.view(1), flags]))

@@ -193,7 +193,6 @@ if 'test' not in splits and test_eval:
 init = preflight.start(config, config_sources, defaults, model_config, data_meta, dataset_id,
                        splits, device, sharded, cpus)
 tasks, resuming, ckpt, ckpt_path = init.tasks, init.resuming, init.ckpt, init.ckpt_path
-pretrained = init.pretrained
 model_config, dtype, muon_dtype = init.model_config, init.dtype, init.muon_dtype
 autocast = precision.autocast(device_type, dtype)
 
@@ -282,7 +281,7 @@ ema_eval_model = (torch.compile(ema.module) if compile else ema.module) if ema e
 if ddp and not sharded:  # buffers (rope's tables) are not broadcast in every forward: none changes
     model = distributed.data_parallel(model, [local_rank] if device_type == 'cuda' else None)
 run_record = {'config': config, 'model_args': dataclasses.asdict(model_config),
-              'dataset': dataset_id, 'pretrained': pretrained, 'dtype': dtype,
+              'dataset': dataset_id, 'pretrained': init.pretrained, 'dtype': dtype,
               'muon_dtype': muon_dtype}  # in every checkpoint, beside the state
 # the run folder: created only now that the config, data and checkpoint are known to be good; an
 # out_dir that cannot be written stops every rank here
@@ -346,7 +345,7 @@ def log_step(figures, profiler):
         trace = os.path.join(out_dir, 'trace.json') if master else None
         record({'kind': 'profile', 'step': progress.iter_num,
                 'ms': perf.stop_profiler(profiler, device_type, trace)})
-    if progress.iter_num == start_iter + 1:  # every rank gets here
+    if progress.iter_num == start_iter + 1:  # a gather: every rank gets here
         record({'kind': 'memory', 'step': progress.iter_num,
                 'ranks': gather(perf.memory_held(raw_model, optimizer, device))})
     runlog.train(progress.iter_num, figures, speed, log_interval)
@@ -383,10 +382,11 @@ def evaluate_and_choose_saves():
 def save(names, rng):
     """Write names (best.pt before last.pt: a kill in between never leaves last.pt ahead of best.pt)
     once the last background write has ended; a save that failed on any rank (a full disk) ends
-    every rank here, with every file on disk whole. Returns the seconds it took."""
+    every rank here, with every file on disk whole. Logs and returns the seconds it took."""
     assert rng is not None, "an iteration that saves gathers the RNG states: add it to rng's line"
     start = time.time()
-    exits.unsaved(writer.wait(), progress.iter_num, writer, device)  # before new shards
+    # the last background write, on every rank (and rank 0's removals) before new shards
+    exits.unsaved(writer.wait(), progress.iter_num, writer, device)
     progress.train_seconds = seconds_before + time.time() - t_start
     failed = checkpoint.save(names, out_dir, parts, rng, progress,
                              run_record | {'log_bytes': runlog.log_bytes()}, sharded, writer)
