@@ -270,8 +270,9 @@ def train(step, figures, speed, log_interval):
 
 def evaluation(progress, figures, tasks_line, best_by, improved):
     """At each evaluation: the 'eval' record of its figures (train_loss, val_loss, ema_val_loss, the
-    tasks' accuracies) and the best so far (progress: the run's checkpoint.Progress, by best_by),
-    and its line. tasks_line: evaluate.tasks_line's; improved: this evaluation set the best."""
+    tasks' accuracies, the seconds it took) and the best so far (progress: the run's
+    checkpoint.Progress, by best_by), and its line. tasks_line: evaluate.tasks_line's; improved:
+    this evaluation set the best."""
     train_loss, val_loss, ema_val = (figures['train_loss'], figures['val_loss'],
                                      figures['ema_val_loss'])
     record({'kind': 'eval', 'step': progress.iter_num, **figures,
@@ -312,8 +313,9 @@ def done(test, first_iter):
     """The end of a run that completed: the 'test' record (step, best_iter and best_by: best.pt's
     iteration and what chose it, best_val_loss: its val loss, best_acc_norm: its tasks' mean
     acc_norm (best_by='acc_norm'), ema: whether those are the EMA's, test_loss or None,
-    wall_seconds and save_seconds of this session, total_seconds of every session), and the line
-    that sums it up. first_iter: the iteration this session started from (0 unless it resumed)."""
+    wall_seconds, and the eval_seconds and save_seconds within it, of this session, total_seconds
+    of every session), and the line that sums it up. first_iter: the iteration this session
+    started from (0 unless it resumed)."""
     record(test)
     step, seconds, test_loss = test['step'], test['wall_seconds'], test['test_loss']
     every_session = f"all {step} iterations in {test['total_seconds']:.0f} s over every session"
@@ -331,8 +333,9 @@ def done(test, first_iter):
             if test['best_by'] == 'val_loss' else
             f"best acc_norm{whose} {test['best_acc_norm']:.4f} at iteration {test['best_iter']}, "
             f"val loss{whose} {test['best_val_loss']:.4f} there")
-    log(f"done: {sessions} (checkpoint saves {test['save_seconds'] / seconds:.1%} of this "
-        f"session), {best}{tested}; checkpoints in {run_dir}")
+    log(f"done: {sessions} (evaluations {test['eval_seconds'] / seconds:.1%} and checkpoint "
+        f"saves {test['save_seconds'] / seconds:.1%} of this session), {best}{tested}; "
+        f"checkpoints in {run_dir}")
 
 
 def finish():

@@ -362,7 +362,8 @@ def evaluate_and_choose_saves():
     """Train and val loss (and the EMA's val loss), each task's accuracy, the best so far (by
     best_by: the EMA's val loss when there is one), and which files to write: best.pt at a new best,
     last.pt at every evaluation (without always_save_checkpoint only with a new best.pt, so that
-    init_from=auto resumes from there)."""
+    init_from=auto resumes from there). Returns those names and the seconds it took."""
+    start = time.time()
     train_loss, val_loss = split_loss('train', eval_model), split_loss('val', eval_model)
     ema_val_loss = split_loss('val', ema_eval_model) if ema else None
     if ema and sharded:  # FSDP leaves the root's weights gathered after a forward: the update
@@ -372,12 +373,14 @@ def evaluate_and_choose_saves():
                                               batch_size, device, autocast, rank, world_size)
     improved = progress.new_best(val_loss if ema_val_loss is None else ema_val_loss, acc_norm,
                                  best_by)
+    seconds = time.time() - start
     runlog.evaluation(progress, {'train_loss': train_loss, 'val_loss': val_loss,
-                                 'ema_val_loss': ema_val_loss, **evaluate.task_fields(accuracy)},
+                                 'ema_val_loss': ema_val_loss, **evaluate.task_fields(accuracy),
+                                 'seconds': seconds},
                       evaluate.tasks_line(accuracy), best_by, improved)
     if improved:
-        return ['best.pt', 'last.pt']
-    return ['last.pt'] if always_save_checkpoint else []
+        return ['best.pt', 'last.pt'], seconds
+    return ['last.pt'] if always_save_checkpoint else [], seconds
 
 def save(names, rng):
     """Write names (best.pt before last.pt: a kill in between never leaves last.pt ahead of best.pt)
@@ -402,7 +405,7 @@ if smoke_steps and progress.iter_num == 0:  # steps on one batch must lower its 
     speed.clock.clear()  # its micro-batches and time are not the run's
     speed.restart(progress.iter_num)
 perf.reset_peak_memory(device)  # the loop's peak, not the smoke test's or the FLOP/s measurement's
-t_start, save_seconds, first_loss = time.time(), 0.0, None
+t_start, eval_seconds, save_seconds, first_loss = time.time(), 0.0, 0.0, None
 if smoke_stopped:  # as the loop stops: last.pt (here the state before the first step), then exit
     save(['last.pt'], gather(checkpoint.rng_state(device)))
     exits.exit_on_signal(progress.iter_num, world_size, writer, device)
@@ -448,7 +451,8 @@ while progress.iter_num < max_iters:
               'epoch': train_sampler.epoch}, profiler)
 
     # evaluation and saving
-    saves = evaluate_and_choose_saves() if evaluating else []
+    saves, seconds = evaluate_and_choose_saves() if evaluating else ([], 0.0)
+    eval_seconds += seconds
     stopping_early = evaluating and patience > 0 and progress.evals_since_best >= patience
     run_ends = progress.iter_num == max_iters or stops or stopping_early
     if (run_ends or interval) and 'last.pt' not in saves:
@@ -487,7 +491,8 @@ runlog.done({'kind': 'test', 'step': progress.iter_num, 'best_iter': progress.be
              'best_by': best_by, 'best_val_loss': progress.best_val_loss,
              'best_acc_norm': progress.best_acc_norm if best_by == 'acc_norm' else None,
              'ema': bool(ema), 'test_loss': test_loss, 'wall_seconds': session_seconds,
-             'save_seconds': save_seconds, 'total_seconds': seconds_before + session_seconds},
+             'eval_seconds': eval_seconds, 'save_seconds': save_seconds,
+             'total_seconds': seconds_before + session_seconds},
             start_iter)
 if sample_tokens and (master or sharded):  # a sharded model's forward needs every rank
     sample.run_end_sample(best_model, data_meta['tokenizer'], sample_tokens, seed, device, autocast,

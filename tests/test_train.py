@@ -44,8 +44,13 @@ def test_run_learns_and_records_everything(tmp_path, data_dir, device):
     test = read_metrics(out, 'test')[0]
     assert (test['best_iter'] == min(evals, key=lambda e: e['val_loss'])['step']
             and math.isfinite(test['test_loss']))
-    # the save cost is measured, inside the run's time
+    # the save and evaluation costs are measured, inside the run's time: the evaluations' is the
+    # sum of each eval record's
     assert 0 < test['save_seconds'] < test['wall_seconds']
+    assert 0 < test['eval_seconds'] == pytest.approx(sum(e['seconds'] for e in evals))
+    assert test['eval_seconds'] + test['save_seconds'] < test['wall_seconds']
+    assert (f"(evaluations {test['eval_seconds'] / test['wall_seconds']:.1%} and checkpoint saves "
+            in result.stdout)
     assert ('best val loss' in result.stdout and 'test loss' in result.stdout
             and 'a sample from the best weights' in result.stdout)
     # the run directory: resolved config with sources, run metadata, state_dict-only checkpoints
