@@ -338,6 +338,10 @@ def throughput_lines(records, train, config, meta):
     compute_hours = seconds / 3600 * world_size
     lines.append(f"- wall time {seconds / 3600:.2f} h ({seconds:,.0f} s), {what}; "
                  f"{compute_hours:.2f} compute hours ({world_size} process(es))")
+    evals = [r['seconds'] for r in records if r['kind'] == 'eval' and 'seconds' in r]
+    if evals:  # what eval_interval and eval_iters cost
+        lines.append(f"- {len(evals)} evaluation(s): {sum(evals):,.1f} s, "
+                     f"{sum(evals) / seconds:.1%} of the wall time")
     cost_per_hour = config.get('cost_per_hour', {}).get('value')
     if cost_per_hour:
         lines.append(f"- estimated cost {compute_hours * cost_per_hour:,.2f} ({cost_per_hour} per "

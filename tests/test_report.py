@@ -54,6 +54,9 @@ def test_finished_run(finished):
     assert f"test loss {test['test_loss']:.4f}" in text
     report_seconds, done_seconds = seconds_said(finished)
     assert report_seconds == done_seconds
+    eval_seconds = sum(e['seconds'] for e in read_metrics(finished, 'eval'))
+    assert (f"- 2 evaluation(s): {eval_seconds:,.1f} s, "
+            f"{eval_seconds / test['total_seconds']:.1%} of the wall time" in text)
     assert '| max_iters | **20** | command line |' in text and '| beta1 | 0.9 | default |' in text
     # a finished run has nothing left at its max_iters: the command raises it alone, and says that
     # the rate stays at min_lr (README's Resume)
