@@ -309,13 +309,17 @@ def new_peak(step, flops, how):
         checkpoint.write_json(path, meta | {'peak_flops': {'per_process': flops, 'how': how}})
 
 
-def done(test, first_iter):
-    """The end of a run that completed: the 'test' record (step, best_iter and best_by: best.pt's
-    iteration and what chose it, best_val_loss: its val loss, best_acc_norm: its tasks' mean
-    acc_norm (best_by='acc_norm'), ema: whether those are the EMA's, test_loss or None,
-    wall_seconds, and the eval_seconds and save_seconds within it, of this session, total_seconds
-    of every session), and the line that sums it up. first_iter: the iteration this session
-    started from (0 unless it resumed)."""
+def done(progress, best_by, figures, first_iter):
+    """The end of a run that completed: the 'test' record and the line that sums it up. The record
+    holds the step, best_iter and best_by (best.pt's iteration and what chose it), best_val_loss
+    (its val loss) and best_acc_norm (its tasks' mean acc_norm, best_by='acc_norm'), from progress
+    (the run's checkpoint.Progress), and the figures: ema (whether those are the EMA's), test_loss
+    or None, wall_seconds and the eval_seconds and save_seconds within it, of this session, and
+    total_seconds of every session. first_iter: the iteration this session started from (0 unless
+    it resumed)."""
+    test = {'kind': 'test', 'step': progress.iter_num, 'best_iter': progress.best_iter,
+            'best_by': best_by, 'best_val_loss': progress.best_val_loss,
+            'best_acc_norm': progress.best_acc_norm if best_by == 'acc_norm' else None, **figures}
     record(test)
     step, seconds, test_loss = test['step'], test['wall_seconds'], test['test_loss']
     every_session = f"all {step} iterations in {test['total_seconds']:.0f} s over every session"

@@ -487,13 +487,10 @@ if progress.best_iter > 0 and (test_eval or sample_tokens):
     checkpoint.load_weights(checkpoint.load(best), best, raw_model, ema=ema)
 best_model = ema.module if ema else raw_model  # the weights best.pt was chosen by
 test_loss = split_loss('test', ema_eval_model if ema else eval_model) if test_eval else None
-runlog.done({'kind': 'test', 'step': progress.iter_num, 'best_iter': progress.best_iter,
-             'best_by': best_by, 'best_val_loss': progress.best_val_loss,
-             'best_acc_norm': progress.best_acc_norm if best_by == 'acc_norm' else None,
-             'ema': bool(ema), 'test_loss': test_loss, 'wall_seconds': session_seconds,
-             'eval_seconds': eval_seconds, 'save_seconds': save_seconds,
-             'total_seconds': seconds_before + session_seconds},
-            start_iter)
+runlog.done(progress, best_by, {'ema': bool(ema), 'test_loss': test_loss,
+                                'wall_seconds': session_seconds, 'eval_seconds': eval_seconds,
+                                'save_seconds': save_seconds,
+                                'total_seconds': seconds_before + session_seconds}, start_iter)
 if sample_tokens and (master or sharded):  # a sharded model's forward needs every rank
     sample.run_end_sample(best_model, data_meta['tokenizer'], sample_tokens, seed, device, autocast,
                           sharded)

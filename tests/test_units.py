@@ -535,11 +535,10 @@ def test_times_left_read_in_one_set_of_units():
 def test_the_done_line_says_whose_val_loss_best_pt_has(capsys, monkeypatch):
     # under ema_decay best_val_loss is the EMA's val loss; the eval lines show the raw weights' too
     monkeypatch.setattr(runlog, 'files', {name: io.StringIO() for name in runlog.LOGS})
-    test = {'kind': 'test', 'step': 40, 'best_iter': 20, 'best_by': 'acc_norm',
-            'best_val_loss': 2.5, 'best_acc_norm': 0.75, 'ema': True, 'test_loss': None,
-            'wall_seconds': 10.0, 'eval_seconds': 2.0, 'save_seconds': 1.0,
-            'total_seconds': 10.0}
-    runlog.done(test, 0)
+    progress = checkpoint.Progress(iter_num=40, best_iter=20, best_val_loss=2.5, best_acc_norm=0.75)
+    runlog.done(progress, 'acc_norm', {'ema': True, 'test_loss': None, 'wall_seconds': 10.0,
+                                       'eval_seconds': 2.0, 'save_seconds': 1.0,
+                                       'total_seconds': 10.0}, 0)
     assert ("best acc_norm (the EMA of the weights) 0.7500 at iteration 20, val loss (the EMA of "
             "the weights) 2.5000 there;" in capsys.readouterr().out)
 
