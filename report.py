@@ -129,8 +129,8 @@ def leakage(evals):
 
 def wall_seconds(records):
     """(seconds, what they are), or None without timestamps. A run that completed: its last 'test'
-    record's total_seconds, the figure of train.log's done line (eval and test records carry no
-    time, so timestamps would miss the last evaluation and save). Otherwise the sum over (re)starts
+    record's total_seconds, the figure of train.log's done line (test records carry no time, so
+    timestamps would miss the last save). Otherwise the sum over (re)starts
     of the time from each start record to the last timed record before the next start: the time
     between a kill and its resume is not counted."""
     end = last_event(records)
@@ -338,10 +338,11 @@ def throughput_lines(records, train, config, meta):
     compute_hours = seconds / 3600 * world_size
     lines.append(f"- wall time {seconds / 3600:.2f} h ({seconds:,.0f} s), {what}; "
                  f"{compute_hours:.2f} compute hours ({world_size} process(es))")
-    evals = [r['seconds'] for r in records if r['kind'] == 'eval' and 'seconds' in r]
-    if evals:  # what eval_interval and eval_iters cost
+    evals = [r.get('seconds') for r in records if r['kind'] == 'eval']
+    if evals and None not in evals and seconds > 0:  # timed (older runs' are not)
         lines.append(f"- {len(evals)} evaluation(s): {sum(evals):,.1f} s, "
-                     f"{sum(evals) / seconds:.1%} of the wall time")
+                     f"{sum(evals) / seconds:.1%} of the wall time (eval_interval, eval_iters, "
+                     f"eval_tasks)")
     cost_per_hour = config.get('cost_per_hour', {}).get('value')
     if cost_per_hour:
         lines.append(f"- estimated cost {compute_hours * cost_per_hour:,.2f} ({cost_per_hour} per "

@@ -270,12 +270,12 @@ def train(step, figures, speed, log_interval):
 
 def evaluation(progress, figures, tasks_line, best_by, improved):
     """At each evaluation: the 'eval' record of its figures (train_loss, val_loss, ema_val_loss, the
-    tasks' accuracies, the seconds it took) and the best so far (progress: the run's
-    checkpoint.Progress, by best_by), and its line. tasks_line: evaluate.tasks_line's; improved:
-    this evaluation set the best."""
+    tasks' accuracies, the seconds it took), best_val_loss and val_bits_per_token, and its line
+    with the best so far by best_by (progress: the run's checkpoint.Progress). tasks_line:
+    evaluate.tasks_line's; improved: this evaluation set the best."""
     train_loss, val_loss, ema_val = (figures['train_loss'], figures['val_loss'],
                                      figures['ema_val_loss'])
-    record({'kind': 'eval', 'step': progress.iter_num, **figures,
+    record({'kind': 'eval', 'step': progress.iter_num, 'time': time.time(), **figures,
             'best_val_loss': progress.best_val_loss, 'val_bits_per_token': val_loss / math.log(2)})
     best = progress.best_val_loss if best_by == 'val_loss' else progress.best_acc_norm
     log(f"eval {progress.iter_num}: train {train_loss:.4f}, val {val_loss:.4f} "

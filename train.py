@@ -451,8 +451,8 @@ while progress.iter_num < max_iters:
               'epoch': train_sampler.epoch}, profiler)
 
     # evaluation and saving
-    saves, seconds = evaluate_and_choose_saves() if evaluating else ([], 0.0)
-    eval_seconds += seconds
+    saves, eval_took = evaluate_and_choose_saves() if evaluating else ([], 0.0)
+    eval_seconds += eval_took
     stopping_early = evaluating and patience > 0 and progress.evals_since_best >= patience
     run_ends = progress.iter_num == max_iters or stops or stopping_early
     if (run_ends or interval) and 'last.pt' not in saves:

@@ -340,6 +340,18 @@ def test_wall_time_is_the_done_line_s_once_a_run_completes():
     assert report.wall_seconds([{'kind': 'eval', 'step': 4}]) is None
 
 
+def test_the_evaluations_share_counts_a_run_killed_before_its_first_train_line():
+    # an eval record has its time: a run killed in its second evaluation, before a train line, has
+    # a wall time, and its evaluations' share is of it; older runs' untimed evaluations say nothing
+    start = {'kind': 'start', 'step': 0, 'time': 100.0}
+    evals = [{'kind': 'eval', 'step': 0, 'time': 130.0, 'seconds': 30.0}]
+    lines = report.throughput_lines([start] + evals, [], {'resolved': {'device': 'cpu'}}, {})
+    assert '- 1 evaluation(s): 30.0 s, 100.0% of the wall time (eval_interval' in '\n'.join(lines)
+    untimed = [start, {'kind': 'eval', 'step': 0, 'time': 130.0}] + evals
+    lines = report.throughput_lines(untimed, [], {'resolved': {'device': 'cpu'}}, {})
+    assert not any('evaluation(s)' in line for line in lines)
+
+
 def test_fit_and_leakage_reads():
     def evals(*pairs):
         return [{'step': 10 * (i + 1), 'train_loss': t, 'val_loss': v}

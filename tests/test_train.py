@@ -48,6 +48,7 @@ def test_run_learns_and_records_everything(tmp_path, data_dir, device):
     # sum of each eval record's
     assert 0 < test['save_seconds'] < test['wall_seconds']
     assert 0 < test['eval_seconds'] == pytest.approx(sum(e['seconds'] for e in evals))
+    assert all(e['seconds'] > 0 and steps[e['step'] - 1]['time'] < e['time'] for e in evals)
     assert test['eval_seconds'] + test['save_seconds'] < test['wall_seconds']
     assert (f"(evaluations {test['eval_seconds'] / test['wall_seconds']:.1%} and checkpoint saves "
             in result.stdout)
