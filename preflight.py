@@ -36,6 +36,25 @@ AT_LEAST_ONE = ('eval_interval', 'log_interval', 'gradient_accumulation_steps', 
                 'max_iters', 'max_consecutive_skips', 'init_scale')  # every other number: >= 0
 
 
+def unread(c):
+    """{key: (the setting that reads it, the flag that sets that)} of the keys c never reads."""
+    keys = {}
+    if c['optimizer'] != 'muon':
+        keys |= dict.fromkeys(('muon_lr', 'muon_momentum', 'muon_dtype'),
+                              ("optimizer='muon'", '--optimizer=muon'))
+    if c['lr_schedule'] != 'wsd':
+        keys['wsd_decay_frac'] = ("lr_schedule='wsd'", '--lr_schedule=wsd')
+    if c['dtype'] in ('float32', 'bfloat16'):  # 'auto' may be float16 (a GPU without bfloat16)
+        keys |= dict.fromkeys(('init_scale', 'max_consecutive_skips'),
+                              ("dtype='float16'", '--dtype=float16'))
+    if not c['wandb_log']:
+        keys |= dict.fromkeys(('wandb_project', 'wandb_run_name'),
+                              ('wandb_log', '--wandb_log=True'))
+    if not c['eval_tasks']:
+        keys['eval_tasks_examples'] = ('eval_tasks', '--eval_tasks=TASK.jsonl')
+    return keys
+
+
 def settings(defaults, argv, world_size, ddp):
     """(config, where each key came from, GPTConfig) of the command line over train.py's defaults,
     with every setting checked on its own and against the others; ddp: under torchrun."""
@@ -93,6 +112,13 @@ def settings(defaults, argv, world_size, ddp):
     check(not (ddp and c['parallel'] == 'fsdp' and c['optimizer'] == 'muon'),
           "optimizer='muon' does not work with parallel='fsdp' (Muon orthogonalizes whole "
           "matrices, FSDP shards them): use parallel='ddp' or optimizer='adamw'")
+    # a key typed on the command line that the run never reads: a sweep over muon_lr with
+    # optimizer='adamw' trains one run again and again. Said, not refused: a command built from a
+    # base list may carry one (and a config file may serve several settings: not said)
+    for key, (reader, flag) in unread(c).items():
+        if sources[key] == 'command line':
+            log(f"warning: {key}={c[key]!r} is read only with {reader}, so this run ignores it: "
+                f"add {flag}, or leave {key} out")
     missing = runlog.missing_package(c)  # tensorboard_log's or wandb_log's
     check(not missing, missing)
     return config, sources, model_config

@@ -306,6 +306,20 @@ def test_mistakes_are_one_line_exit_2_nothing_written(tmp_path, data_dir, args, 
     assert not (tmp_path / 'never').exists()
 
 
+def test_a_key_typed_that_the_run_never_reads_is_said_and_a_config_file_s_is_not(tmp_path,
+                                                                                 data_dir):
+    # a sweep over --muon_lr with optimizer='adamw' would train one run again and again; a config
+    # file serves several settings (shakespeare_char_fast.py's Muon keys under --optimizer=adamw)
+    config = tmp_path / 'muon.py'
+    config.write_text("muon_lr = 0.05\nwsd_decay_frac = 0.5\n")
+    result = run_train(str(tmp_path / 'run'), data_dir, str(config), '--dtype=float32',
+                       '--init_scale=1024', '--max_iters=2', '--eval_interval=2')
+    warnings = [line for line in result.stdout.splitlines() if line.startswith('warning:')]
+    assert warnings == ["warning: init_scale=1024.0 is read only with dtype='float16', so this "
+                        "run ignores it: add --dtype=float16, or leave init_scale out"]
+    assert warnings[0] in open(tmp_path / 'run' / 'train.log').read()
+
+
 @pytest.mark.slow
 def test_zero_learning_rate_without_warmup_runs(tmp_path, data_dir):
     out = str(tmp_path / 'lr0')
