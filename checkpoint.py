@@ -276,12 +276,12 @@ def changed_settings(ckpt, config, defaults):
             if ckpt['config'].get(k, defaults[k]) != config[k]}
 
 
-def why_not_resume(ckpt, config, defaults):
+def why_not_resume(ckpt, config, defaults, unread=()):
     """Why this config may not resume the checkpoint ('was trained with other settings (...)'), or
-    ''."""
+    ''. unread: keys neither run reads (preflight.unread's), which may change."""
     changed = [f"{k}={old!r} there, {new!r} here"
                for k, (old, new) in changed_settings(ckpt, config, defaults).items()
-               if k not in RESUMABLE]
+               if k not in RESUMABLE and k not in unread]
     return f"was trained with other settings ({'; '.join(changed)})" if changed else ''
 
 

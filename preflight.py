@@ -42,7 +42,10 @@ def unread(c):
     if c['optimizer'] != 'muon':
         keys |= dict.fromkeys(('muon_lr', 'muon_momentum', 'muon_dtype'),
                               ("optimizer='muon'", '--optimizer=muon'))
-    if c['lr_schedule'] != 'wsd':
+    if not c['decay_lr']:  # a constant rate
+        keys |= dict.fromkeys(('lr_schedule', 'wsd_decay_frac', 'warmup_iters', 'lr_decay_iters',
+                               'min_lr'), ('decay_lr', '--decay_lr=True'))
+    elif c['lr_schedule'] != 'wsd':
         keys['wsd_decay_frac'] = ("lr_schedule='wsd'", '--lr_schedule=wsd')
     if c['dtype'] in ('float32', 'bfloat16'):  # 'auto' may be float16 (a GPU without bfloat16)
         keys |= dict.fromkeys(('init_scale', 'max_consecutive_skips'),
@@ -198,7 +201,9 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
             config[key] = ckpt['config'][key]
             sources[key] = f"fit_batch, as the run in {ckpt_path} found it"
     if resuming:
-        why = (checkpoint.why_not_resume(ckpt, config, defaults)
+        # a key neither run reads (muon_dtype under AdamW) changes nothing: it may come or go
+        unread_by_both = unread(config).keys() & unread(defaults | ckpt['config']).keys()
+        why = (checkpoint.why_not_resume(ckpt, config, defaults, unread_by_both)
                or datafiles.data_change(ckpt['dataset'], dataset_id, splits))
         check(not why,
               f"{ckpt_path} {why}: use the checkpoint's settings and data, or a new out_dir")

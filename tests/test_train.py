@@ -15,6 +15,7 @@ import torch
 
 import forked
 import perf
+import preflight
 from conftest import DEVICES, PROBE, REPO, RUN_CONFIG, ok, read_metrics, run_train
 from model import GPT, GPTConfig
 
@@ -306,18 +307,43 @@ def test_mistakes_are_one_line_exit_2_nothing_written(tmp_path, data_dir, args, 
     assert not (tmp_path / 'never').exists()
 
 
-def test_a_key_typed_that_the_run_never_reads_is_said_and_a_config_file_s_is_not(tmp_path,
-                                                                                 data_dir):
+def test_a_key_typed_that_the_run_never_reads_is_said_and_may_go_on_resume(tmp_path, data_dir):
     # a sweep over --muon_lr with optimizer='adamw' would train one run again and again; a config
     # file serves several settings (shakespeare_char_fast.py's Muon keys under --optimizer=adamw)
     config = tmp_path / 'muon.py'
     config.write_text("muon_lr = 0.05\nwsd_decay_frac = 0.5\n")
-    result = run_train(str(tmp_path / 'run'), data_dir, str(config), '--dtype=float32',
-                       '--init_scale=1024', '--max_iters=2', '--eval_interval=2')
+    out = str(tmp_path / 'run')
+    result = run_train(out, data_dir, str(config), '--dtype=float32', '--init_scale=1024',
+                       '--muon_dtype=float32', '--max_iters=2', '--eval_interval=2')
     warnings = [line for line in result.stdout.splitlines() if line.startswith('warning:')]
-    assert warnings == ["warning: init_scale=1024.0 is read only with dtype='float16', so this "
-                        "run ignores it: add --dtype=float16, or leave init_scale out"]
-    assert warnings[0] in open(tmp_path / 'run' / 'train.log').read()
+    assert warnings == [
+        "warning: muon_dtype='float32' is read only with optimizer='muon', so this run ignores it: "
+        "add --optimizer=muon, or leave muon_dtype out",
+        "warning: init_scale=1024.0 is read only with dtype='float16', so this run ignores it: add "
+        "--dtype=float16, or leave init_scale out"]
+    assert warnings[0] in open(os.path.join(out, 'train.log')).read()
+    # as the line says: left out, they change nothing, and the resume goes on
+    run_train(out, data_dir, '--dtype=float32', '--init_from=resume', '--max_iters=4',
+              '--eval_interval=2')
+    assert [r['step'] for r in read_metrics(out, 'train')] == [1, 2, 3, 4]
+
+
+def test_unread_names_the_keys_each_setting_leaves_unread():
+    base = {'optimizer': 'muon', 'decay_lr': True, 'lr_schedule': 'wsd', 'dtype': 'auto',
+            'wandb_log': True, 'eval_tasks': 'task.jsonl'}
+    assert preflight.unread(base) == {}  # 'auto' may be float16
+    assert set(preflight.unread(base | {'optimizer': 'adamw'})) == {
+        'muon_lr', 'muon_momentum', 'muon_dtype'}
+    assert preflight.unread(base | {'lr_schedule': 'cosine'}) == {
+        'wsd_decay_frac': ("lr_schedule='wsd'", '--lr_schedule=wsd')}
+    assert set(preflight.unread(base | {'decay_lr': False})) == {
+        'lr_schedule', 'wsd_decay_frac', 'warmup_iters', 'lr_decay_iters', 'min_lr'}
+    for dtype in ('float32', 'bfloat16'):
+        assert set(preflight.unread(base | {'dtype': dtype})) == {'init_scale',
+                                                                   'max_consecutive_skips'}
+    assert set(preflight.unread(base | {'wandb_log': False})) == {'wandb_project',
+                                                                  'wandb_run_name'}
+    assert set(preflight.unread(base | {'eval_tasks': ''})) == {'eval_tasks_examples'}
 
 
 @pytest.mark.slow
