@@ -130,9 +130,9 @@ def leakage(evals):
 def wall_seconds(records):
     """(seconds, what they are), or None without timestamps. A run that completed: its last 'test'
     record's total_seconds, the figure of train.log's done line (test records carry no time, so
-    timestamps would miss the last save). Otherwise the sum over (re)starts
-    of the time from each start record to the last timed record before the next start: the time
-    between a kill and its resume is not counted."""
+    timestamps would miss the last save). Otherwise the sum over (re)starts of the time from each
+    start record to the last timed record before the next start: the time between a kill and its
+    resume is not counted."""
     end = last_event(records)
     if end and end['kind'] == 'test':
         return (end['total_seconds'], "the training loop's in every session, evaluations and "

@@ -323,9 +323,10 @@ def test_train_further_follows_the_schedule(tmp_path, max_iters, decay_iters, sc
 
 
 def test_wall_time_is_the_done_line_s_once_a_run_completes():
-    """Eval and test records carry no time: the last evaluation, its save and the test evaluation
-    come after the last timestamp, so a completed run's time is its test record's total_seconds
-    (train.log's done line), and only a run without one falls back to timestamps."""
+    """Test records carry no time: the last save and the test evaluation come after the last
+    timestamp, so a completed run's time is its test record's total_seconds (train.log's done
+    line), and only a run without one falls back to timestamps (eval records here are untimed, as
+    older runs' are)."""
     timed = ([{'kind': 'start', 'step': 0, 'time': 100.0}]
              + [{'kind': 'train', 'step': s, 'time': 100.0 + s} for s in (1, 2)]
              + [{'kind': 'start', 'step': 2, 'time': 900.0}]
