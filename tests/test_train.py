@@ -307,6 +307,7 @@ def test_mistakes_are_one_line_exit_2_nothing_written(tmp_path, data_dir, args, 
     assert not (tmp_path / 'never').exists()
 
 
+@pytest.mark.slow
 def test_a_key_typed_that_the_run_never_reads_is_said_and_may_go_on_resume(tmp_path, data_dir):
     # a sweep over --muon_lr with optimizer='adamw' would train one run again and again; a config
     # file serves several settings (shakespeare_char_fast.py's Muon keys under --optimizer=adamw)
