@@ -366,11 +366,11 @@ def evaluate_and_choose_saves():
     start = time.time()
     train_loss, val_loss = split_loss('train', eval_model), split_loss('val', eval_model)
     ema_val_loss = split_loss('val', ema_eval_model) if ema else None
-    if ema and sharded:  # FSDP leaves the root's weights gathered after a forward: the update
-        ema.module.reshard()  # must reach the shards
     # the weights best.pt is chosen by: the EMA's when there is one
     accuracy, acc_norm = evaluate.score_tasks(ema_eval_model if ema else eval_model, tasks,
                                               batch_size, device, autocast, rank, world_size)
+    if ema and sharded:  # FSDP leaves the root's weights gathered after a forward: the EMA's
+        ema.module.reshard()  # next update must reach the shards
     improved = progress.new_best(val_loss if ema_val_loss is None else ema_val_loss, acc_norm,
                                  best_by)
     seconds = time.time() - start

@@ -13,6 +13,7 @@ import datafiles
 import forked
 from conftest import ok, read_metrics, run_train, torchrun
 from model import GPT, GPTConfig
+from test_evaluate import toy_task
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: the 'not slow' tier skips them
 
@@ -85,12 +86,16 @@ def test_fsdp_matches_one_process_resumes_exactly_and_checkpoints_activations(tm
 
 def test_fsdp_ema_updates_its_shards_after_an_evaluation_that_saves_nothing(tmp_path, data_dir):
     # learning_rate 0: no evaluation after the first is better, so none saves (a save would reshard
-    # the EMA's weights that its evaluation gathered)
+    # the EMA's weights that its evaluation gathered); a task scored on the EMA's weights is its
+    # last forward there
     out = str(tmp_path / 'fsdp')
     ok(torchrun(out, data_dir, *SAME, '--parallel=fsdp', '--ema_decay=0.8', '--learning_rate=0',
                 '--always_save_checkpoint=False', '--max_iters=4', '--lr_decay_iters=4',
-                '--warmup_iters=1', '--eval_interval=1'))
-    assert [e['step'] for e in read_metrics(out, 'eval')] == [1, 2, 3, 4]
+                '--warmup_iters=1', '--eval_interval=1',
+                f"--eval_tasks={toy_task(tmp_path / 'toy_task.jsonl')}"))
+    evals = read_metrics(out, 'eval')
+    assert [e['step'] for e in evals] == [1, 2, 3, 4] and all(e['toy_task/examples'] == 13
+                                                             for e in evals)
 
 
 def test_exported_state_dict_gives_the_runs_own_val_loss(tmp_path, data_dir):
