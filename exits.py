@@ -136,14 +136,15 @@ def out_of_memory(error):
 
 def catch_stop_signals():
     """From now on SIGINT and SIGTERM set stop_signal, and the loop saves last.pt after the step
-    under way and exits; a Ctrl-C after either exits at once (every checkpoint on disk is whole,
-    written atomically)."""
+    under way and exits; a Ctrl-C after either kills the process at once (every checkpoint on disk
+    is whole, written atomically)."""
     def request_stop(signum, frame):
         global stop_signal
-        if signum == signal.SIGINT and stop_signal is not None:  # after Ctrl-C or SIGTERM
-            os._exit(130)
         if stop_signal is None:
             stop_signal = signum
+            # a handler runs only between Python's bytecodes, not inside a long kernel (a large
+            # model's forward): the next Ctrl-C gets the default action, which ends the process
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             # os.write: print() may be in the middle of a line, and a handler must not re-enter it
             if runlog.master:
                 again = f" (Ctrl-C{' again' if signum == signal.SIGINT else ''} to stop at once)"

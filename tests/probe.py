@@ -15,7 +15,9 @@ PROBE_OOM=N          training forwards of more than N windows raise torch.OutOfM
 PROBE_GRAPHS=DIR     counts the graphs that torch.compile hands to inductor into DIR/graphs.RANK
 PROBE_HOLD_SAVE=N    the N-th write of last.pt (torch.save's, or a link to best.pt) stops for 60
                      s once its temp file (last.pt.PID.tmp) is whole, before the rename, and says
-                     so on stderr: a kill then lands mid-write
+                     so on stderr: a kill then lands mid-write. A stop signal heard meanwhile ends
+                     the wait in a kernel of minutes, which gives Python's signal handlers no turn
+                     (as a large model's forward would), and says so
 PROBE_SAVE_DELAY=S   torch.save waits S seconds before it writes: with async_save, training goes on
                      meanwhile
 PROBE_LOGGERS=FILE   stands in for wandb and TensorBoard (the tensorboard package and
@@ -163,7 +165,15 @@ if 'PROBE_HOLD_SAVE' in os.environ:
                 if f:  # the temp file holds the whole checkpoint; the rename has not happened
                     f.flush()
                 print(f'probe: holding the write of {name}', file=sys.stderr, flush=True)
-                time.sleep(60)
+                stop_heard = lambda: sys.modules['exits'].stop_signal is not None
+                deadline = time.time() + 60
+                while time.time() < deadline and not stop_heard():
+                    time.sleep(0.01)
+                if stop_heard():
+                    n = 3072  # about 120 products of n x n (n^3 multiply-adds each): minutes
+                    matrix = torch.full((n, n), 1 / n)
+                    print('probe: in a long kernel', file=sys.stderr, flush=True)
+                    torch.linalg.matrix_power(matrix, 2 ** 62 - 1)
 
     def holding_save(obj, f, *args, **kwargs):
         torch_save(obj, f, *args, **kwargs)
