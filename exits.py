@@ -154,16 +154,18 @@ def catch_stop_signals():
     signal.signal(signal.SIGTERM, request_stop)
 
 
-def exit_on_signal(step, world_size, writer, device):
+def exit_on_signal(step, max_iters, world_size, writer, device):
     """The run stops for a signal (on any rank) once last.pt holds step (writer: the run's
     checkpoint.Writer, whose write in flight ends first): a stop record, the line that says how to
-    resume, the report, and exit code 128 + the signal's number."""
+    resume (at max_iters, init_from=auto, which does the end a stop left), the report, and exit
+    code 128 + the signal's number."""
     unsaved(writer.wait(), step, writer, device)
     signum = stop_signal or signal.SIGTERM  # a rank stopping for another's signal
     name = signal.Signals(signum).name
     record({'kind': 'stop', 'step': step, 'time': time.time(), 'signal': name})
     if runlog.master:  # run_dir is rank 0's
-        resume = report.resume_command({'command': sys.argv, 'world_size': world_size}, True)
+        resume = report.resume_command({'command': sys.argv, 'world_size': world_size}, True,
+                                       ended=step == max_iters)
         log(f"stopped by {name} at iteration {step}: {os.path.join(runlog.run_dir, 'last.pt')} "
             f"holds it; resume with: {resume}")
     finish()

@@ -86,8 +86,9 @@ def status(records, max_iters):
     if end['kind'] == 'abort':
         return 'aborted', f"at iteration {end['step']}: {end['message']}"
     if end['kind'] == 'stop':
+        left = "its end (test split, sample) left" if end['step'] == max_iters else "resume it"
         return 'stopped', (f"by {end['signal']} at iteration {end['step']} of {max_iters}: last.pt "
-                           f"holds it, resume it")
+                           f"holds it, {left}")
     return ('early-stopped' if end['step'] < max_iters else 'finished',
             f"at iteration {end['step']} of {max_iters}")
 
@@ -164,11 +165,12 @@ def grad_spikes(train):
     return spikes
 
 
-def resume_command(meta, has_last, settings=None):
+def resume_command(meta, has_last, settings=None, ended=False):
     """train.py's command to continue the run: from out_dir's last.pt if there is one (whatever the
     run itself started from), else init_from=auto, which redoes the run from scratch or from its
     resume_from. settings ({key: value}) replace the command's own --key=... (a resumed run's
-    command holds those of its resume)."""
+    command holds those of its resume). ended: last.pt holds max_iters, which init_from=resume
+    refuses (nothing to train) and auto takes to do the end (test split, sample) a stop left."""
     settings = settings or {}
     dropped = ['init_from', 'resume_from'] if has_last else ['init_from']
     args = [a for a in meta['command'][1:]
@@ -177,7 +179,7 @@ def resume_command(meta, has_last, settings=None):
     launcher = (['python'] if world_size == 1
                 else ['torchrun', '--standalone', f'--nproc_per_node={world_size}'])
     return shlex.join(launcher + [meta['command'][0], *args,
-                                  f"--init_from={'resume' if has_last else 'auto'}",
+                                  f"--init_from={'resume' if has_last and not ended else 'auto'}",
                                   *(f'--{k}={v}' for k, v in settings.items())])
 
 
@@ -386,7 +388,8 @@ def write_report(out_dir):
         settings, how = train_further(config, out_dir)
         command = resume_command(meta, has_last, settings)
     else:
-        command = resume_command(meta, has_last)
+        ended = word == 'stopped' and last_event(records)['step'] == config['max_iters']['value']
+        command = resume_command(meta, has_last, ended=ended)
         how = (f"{'Resume' if has_last else 'No last.pt yet: redo'} the run (from the directory it "
                f"was started in):")
     lines += ["- curves: curves.png", "", how, "", f"    {command}", ""]

@@ -408,7 +408,7 @@ perf.reset_peak_memory(device)  # the loop's peak, not the smoke test's or the F
 t_start, eval_seconds, save_seconds, first_loss = time.time(), 0.0, 0.0, None
 if smoke_stopped:  # as the loop stops: last.pt (here the state before the first step), then exit
     save(['last.pt'], gather(checkpoint.rng_state(device)))
-    exits.exit_on_signal(progress.iter_num, world_size, writer, device)
+    exits.exit_on_signal(progress.iter_num, max_iters, world_size, writer, device)
 while progress.iter_num < max_iters:
     # the step
     step = progress.iter_num + 1  # the iteration under way
@@ -468,7 +468,7 @@ while progress.iter_num < max_iters:
 
     # stopping
     if stops:  # every rank saw the same count: all saved above and stop here
-        exits.exit_on_signal(progress.iter_num, world_size, writer, device)
+        exits.exit_on_signal(progress.iter_num, max_iters, world_size, writer, device)
     if stopping_early:
         what = 'val loss' if best_by == 'val_loss' else best_by
         log(f"early stop: no better {what} in {patience} evaluations since iteration "
@@ -478,6 +478,9 @@ while progress.iter_num < max_iters:
 # -----------------------------------------------------------------------------
 # the end: the best weights on the test split, a sample, the report
 exits.unsaved(writer.wait(), progress.iter_num, writer, device)
+# a stop heard in the last evaluation or save leaves the end (test split, sample) to init_from=auto
+if distributed.any_rank(exits.stop_signal is not None, device):
+    exits.exit_on_signal(progress.iter_num, max_iters, world_size, writer, device)
 session_seconds = time.time() - t_start
 if overfit_one_batch and first_loss is not None:  # None: a finished run resumed, no step taken
     log(f"overfit one batch: loss {first_loss:.4f} -> {loss:.4f}")

@@ -25,20 +25,20 @@ def trajectory(out_dir):
     return [(r['step'], r['loss'], r['lr'], r['grad_norm']) for r in read_metrics(out_dir, 'train')]
 
 
-def reached(out_dir, step):
-    """Whether metrics.jsonl has a training record at or past step."""
+def reached(out_dir, step, kind='train'):
+    """Whether metrics.jsonl has a record of kind at or past step."""
     try:
         with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
             return any(json.loads(line).get('step', 0) >= step for line in f if line.endswith('\n')
-                       and '"train"' in line)
+                       and f'"{kind}"' in line)
     except FileNotFoundError:
         return False
 
 
-def wait_for_step(out_dir, step, proc, timeout=120):
+def wait_for_step(out_dir, step, proc, timeout=120, kind='train'):
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
-        if reached(out_dir, step):
+        if reached(out_dir, step, kind):
             return
         time.sleep(0.05)
     raise AssertionError(f"{out_dir} never reached step {step}")
@@ -154,6 +154,30 @@ def test_a_stop_during_the_smoke_test_stops_the_run_before_its_first_step(tmp_pa
         assert proc.returncode == 0, stderr
     assert [r['passed'] for r in read_metrics(out, 'smoke')] == [True]
     assert trajectory(out) == trajectory(straight) and len(trajectory(out)) == 30
+
+
+def test_a_stop_after_the_last_step_leaves_the_end_to_init_from_auto(tmp_path, data_dir):
+    # SIGTERM once the last evaluation is recorded, while its saves are under way (each waits 2 s:
+    # tests/probe.py): the run stops there, not after its test split and sample, and the command
+    # it prints is init_from=auto's (resume refuses a run at max_iters), which does only the end
+    out = str(tmp_path / 'run')
+    args = [*ARGS, '--max_iters=10', '--lr_decay_iters=10', '--eval_interval=10',
+            '--test_eval=True', '--sample_tokens=8', '--write_report=True']
+    proc = start([PROBE, *train_cmd(out, data_dir, *args)],
+                 env={**os.environ, 'PROBE_SAVE_DELAY': '2'})
+    wait_for_step(out, 10, proc, kind='eval')
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr
+    assert [r['step'] for r in read_metrics(out, 'stop')] == [10] and not read_metrics(out, 'test')
+    resume = stdout.split('resume with: ')[1].splitlines()[0]
+    assert resume.endswith(' --init_from=auto'), resume
+    assert 'last.pt holds it, its end (test split, sample) left' in open(
+        os.path.join(out, 'report.md')).read()
+    end = start(train_cmd(out, data_dir, *args, '--init_from=auto'))
+    stdout, stderr = end.communicate(timeout=120)
+    assert end.returncode == 0, stderr
+    assert len(read_metrics(out, 'test')) == 1 and len(trajectory(out)) == 10
 
 
 def test_two_ranks_stop_together_on_sigterm_and_resume_bitwise(tmp_path, data_dir):

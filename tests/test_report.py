@@ -183,17 +183,21 @@ def test_logs_kept_whole_lose_a_line_a_kill_cut_short(tmp_path):
             and (tmp_path / 'train.log').read_bytes() == b'')
 
 
-def test_a_run_stopped_by_a_signal(finished, tmp_path):
+@pytest.mark.parametrize('step, left, init_from', [
+    (10, 'resume it', 'resume'),
+    # after the last step: resume refuses a run at max_iters, auto does the end it left
+    (20, 'its end (test split, sample) left', 'auto')])
+def test_a_run_stopped_by_a_signal(finished, tmp_path, step, left, init_from):
     out = str(tmp_path / 'stopped')
     shutil.copytree(finished, out)
-    records = ([r for r in read_metrics(out) if r['kind'] != 'test']
-               + [{'kind': 'stop', 'step': 20, 'time': 0.0, 'signal': 'SIGTERM'}])
+    records = ([r for r in read_metrics(out) if r['kind'] != 'test' and r.get('step', 0) <= step]
+               + [{'kind': 'stop', 'step': step, 'time': 0.0, 'signal': 'SIGTERM'}])
     with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:
         f.write(''.join(json.dumps(r) + '\n' for r in records))
     report.write_report(out)
     text = read_report(out)
-    assert ('Status: **stopped**: by SIGTERM at iteration 20 of 20' in text
-            and '--init_from=resume' in text)
+    assert (f'Status: **stopped**: by SIGTERM at iteration {step} of 20: last.pt holds it, {left}'
+            in text and text.rstrip().endswith(f' --init_from={init_from}'))
 
 
 def train_record(step, time):
