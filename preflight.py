@@ -234,8 +234,11 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
 
 
 def check_out_dir(out_dir, may_hold_a_checkpoint):
-    """Refuses an out_dir that holds a checkpoint (unless the run may resume it) or a dataset (a
-    mistyped out_dir, or data_dir's: the run's meta.json would replace the dataset's)."""
+    """Refuses an out_dir that is a file, or holds a checkpoint (unless the run may resume it) or
+    a dataset (a mistyped out_dir, or data_dir's: the run's meta.json would replace the
+    dataset's)."""
+    check(os.path.isdir(out_dir) or not os.path.exists(out_dir),
+          f"out_dir '{out_dir}' is a file: name a folder (a new one is created)")
     holds_one = any(os.path.exists(os.path.join(out_dir, f)) for f in ('last.pt', 'best.pt'))
     check(may_hold_a_checkpoint or not holds_one,
           f"out_dir '{out_dir}' already holds a checkpoint: resume it (init_from=resume or auto), "

@@ -154,6 +154,15 @@ def test_an_out_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path, data
         assert not os.path.exists(out)
 
 
+def test_an_out_dir_that_is_a_file_is_refused_before_anything_is_built(tmp_path, data_dir):
+    out = tmp_path / 'notes'
+    out.write_text('mine')
+    result = run_train(str(out), data_dir, *ARGS, check=False)
+    assert result.returncode == 2 and result.stderr == (
+        f"error: out_dir '{out}' is a file: name a folder (a new one is created)\n")
+    assert 'building the model' not in result.stdout and out.read_text() == 'mine'
+
+
 # in the training process the change is met at the next read; a loader worker has read ahead.
 # Truncated: while the save of 10 is still written in the background (async_save, torch.save
 # delayed 2 s): the line names the iteration last.pt holds once it is whole
