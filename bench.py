@@ -482,7 +482,7 @@ if 'ratio' in report:
     print(f"tokens/s {ratio['of']}: {ratio['tokens_per_sec']:.3f} (rounds "
           f"{min(ratio['rounds']):.3f}-{max(ratio['rounds']):.3f})")
 if profile and nproc > 1:
-    print("no profile: it runs one process (nproc=1)")
+    print(f"no profile: it needs one process, and this ran {nproc} (nproc=1 profiles)")
 with open(json, 'w') as f:
     dump(report, f, indent=1)
 print(f"all figures: {json}")
