@@ -478,8 +478,10 @@ while progress.iter_num < max_iters:
 # -----------------------------------------------------------------------------
 # the end: the best weights on the test split, a sample, the report
 exits.unsaved(writer.wait(), progress.iter_num, writer, device)
-# a stop heard in the last evaluation or save leaves the end (test split, sample) to init_from=auto
-if distributed.any_rank(exits.stop_signal is not None, device):
+# a stop heard in this session's last evaluation or save leaves the end (test split, sample) to
+# init_from=auto; an early stop ends as it would have (auto would train on to the next evaluation)
+ran_to_max_iters = progress.iter_num == max_iters and start_iter < max_iters
+if ran_to_max_iters and distributed.any_rank(exits.stop_signal is not None, device):
     exits.exit_on_signal(progress.iter_num, max_iters, world_size, writer, device)
 session_seconds = time.time() - t_start
 if overfit_one_batch and first_loss is not None:  # None: a finished run resumed, no step taken

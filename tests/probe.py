@@ -13,11 +13,12 @@ PROBE_DTYPES=DIR     writes the dtypes the linear layers returned in training fo
 PROBE_OOM=N          training forwards of more than N windows raise torch.OutOfMemoryError (in
                      attention), as a device too small for them would
 PROBE_GRAPHS=DIR     counts the graphs that torch.compile hands to inductor into DIR/graphs.RANK
-PROBE_HOLD_SAVE=N    the N-th write of last.pt (torch.save's, or a link to best.pt) stops for 60
-                     s once its temp file (last.pt.PID.tmp) is whole, before the rename, and says
-                     so on stderr: a kill then lands mid-write. A stop signal heard meanwhile ends
-                     the wait in a kernel of minutes, which gives Python's signal handlers no turn
-                     (as a large model's forward would), and says so
+PROBE_HOLD_SAVE=N[:kernel]  the N-th write of last.pt (torch.save's, or a link to best.pt) stops
+                     once its temp file (last.pt.PID.tmp) is whole, before the rename, and says so
+                     on stderr (a kill then lands mid-write), until the run hears a stop signal,
+                     60 s at most; with ':kernel', a stop heard then runs a kernel of minutes,
+                     which gives Python's signal handlers no turn (as a large model's forward
+                     would), and says so
 PROBE_SAVE_DELAY=S   torch.save waits S seconds before it writes: with async_save, training goes on
                      meanwhile
 PROBE_LOGGERS=FILE   stands in for wandb and TensorBoard (the tensorboard package and
@@ -161,7 +162,8 @@ if 'PROBE_HOLD_SAVE' in os.environ:
     def hold_last(name, f=None):
         if re.fullmatch(r'.*/last\.pt\.\d+\.tmp', name):
             last_writes.append(name)
-            if len(last_writes) == int(os.environ['PROBE_HOLD_SAVE']):
+            at, _, then = os.environ['PROBE_HOLD_SAVE'].partition(':')
+            if len(last_writes) == int(at):
                 if f:  # the temp file holds the whole checkpoint; the rename has not happened
                     f.flush()
                 print(f'probe: holding the write of {name}', file=sys.stderr, flush=True)
@@ -169,7 +171,7 @@ if 'PROBE_HOLD_SAVE' in os.environ:
                 deadline = time.time() + 60
                 while time.time() < deadline and not stop_heard():
                     time.sleep(0.01)
-                if stop_heard():
+                if stop_heard() and then == 'kernel':
                     n = 3072  # about 120 products of n x n (n^3 multiply-adds each): minutes
                     matrix = torch.full((n, n), 1 / n)
                     print('probe: in a long kernel', file=sys.stderr, flush=True)

@@ -25,20 +25,20 @@ def trajectory(out_dir):
     return [(r['step'], r['loss'], r['lr'], r['grad_norm']) for r in read_metrics(out_dir, 'train')]
 
 
-def reached(out_dir, step, kind='train'):
-    """Whether metrics.jsonl has a record of kind at or past step."""
+def reached(out_dir, step):
+    """Whether metrics.jsonl has a training record at or past step."""
     try:
         with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
             return any(json.loads(line).get('step', 0) >= step for line in f if line.endswith('\n')
-                       and f'"{kind}"' in line)
+                       and '"train"' in line)
     except FileNotFoundError:
         return False
 
 
-def wait_for_step(out_dir, step, proc, timeout=120, kind='train'):
+def wait_for_step(out_dir, step, proc, timeout=120):
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
-        if reached(out_dir, step, kind):
+        if reached(out_dir, step):
             return
         time.sleep(0.05)
     raise AssertionError(f"{out_dir} never reached step {step}")
@@ -115,7 +115,7 @@ def test_ctrl_c_after_a_stop_signal_exits_at_once_with_whole_checkpoints(tmp_pat
     # signal waits for an iteration that does not end, however fast this CPU, and the Ctrl-C comes
     # once the first has been heard, in a kernel of minutes where no Python handler can run
     proc = start([PROBE, *train_cmd(out, data_dir, *ARGS, '--checkpoint_interval=1')],
-                 env={**os.environ, 'PROBE_HOLD_SAVE': '3'})
+                 env={**os.environ, 'PROBE_HOLD_SAVE': '3:kernel'})
     wait_for_stderr(proc, 'probe: holding the write of')
     proc.send_signal(first, group=first == signal.SIGINT)
     wait_for_stderr(proc, f'{first.name}: saving last.pt after the iteration under way')
@@ -157,15 +157,15 @@ def test_a_stop_during_the_smoke_test_stops_the_run_before_its_first_step(tmp_pa
 
 
 def test_a_stop_after_the_last_step_leaves_the_end_to_init_from_auto(tmp_path, data_dir):
-    # SIGTERM once the last evaluation is recorded, while its saves are under way (each waits 2 s:
-    # tests/probe.py): the run stops there, not after its test split and sample, and the command
-    # it prints is init_from=auto's (resume refuses a run at max_iters), which does only the end
+    # SIGTERM while the last evaluation's save of last.pt is held (tests/probe.py): the run stops
+    # there, not after its test split and sample, and the command it prints is init_from=auto's
+    # (resume refuses a run at max_iters), which does only the end
     out = str(tmp_path / 'run')
     args = [*ARGS, '--max_iters=10', '--lr_decay_iters=10', '--eval_interval=10',
             '--test_eval=True', '--sample_tokens=8', '--write_report=True']
     proc = start([PROBE, *train_cmd(out, data_dir, *args)],
-                 env={**os.environ, 'PROBE_SAVE_DELAY': '2'})
-    wait_for_step(out, 10, proc, kind='eval')
+                 env={**os.environ, 'PROBE_HOLD_SAVE': '1'})
+    wait_for_stderr(proc, 'probe: holding the write of')
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 143, stderr
