@@ -2,6 +2,7 @@
 always_save_checkpoint=False, eval_iters=0 (the whole split), and what TensorBoard and wandb
 receive."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -55,8 +56,8 @@ def test_patience_stops_early_and_without_always_save_last_pt_follows_each_best(
 
 def test_eval_iters_0_evaluates_the_whole_split(tmp_path, data_dir):
     out = str(tmp_path / 'run')
-    run_train(out, data_dir, '--eval_iters=0', '--max_iters=2', '--eval_interval=2',
-              '--dtype=float32')
+    result = run_train(out, data_dir, '--eval_iters=0', '--max_iters=2', '--eval_interval=2',
+                       '--dtype=float32')
     ckpt = torch.load(os.path.join(out, 'last.pt'), weights_only=True)
     model = GPT(GPTConfig(**ckpt['model_args']))
     model.load_state_dict(ckpt['model'])
@@ -74,6 +75,11 @@ def test_eval_iters_0_evaluates_the_whole_split(tmp_path, data_dir):
     # windows left out moves the mean by ~1e-5
     assert read_metrics(out, 'eval')[-1]['val_loss'] == pytest.approx(loss_sum / (len(tokens) - 1),
                                                                       rel=1e-6)
+    # the train split whole too, said at the start with each split's windows
+    train = data.TokenWindows(datafiles.open_dataset(data_dir, 'toy')[1]['train'], 32)
+    assert (f"eval_iters=0: every evaluation reads the train split whole "
+            f"({math.ceil((train.num_tokens - 1) / 32):,} windows) and val "
+            f"({len(range(0, len(tokens) - 1, 32)):,})") in result.stdout
 
 
 def test_tensorboard_and_wandb_receive_every_number_of_metrics_jsonl(tmp_path, data_dir):
