@@ -326,7 +326,12 @@ def describe(name, result):
 def load_pretrained(source, tokenizer_spec, device):
     """(GPT in eval mode on device, tokenizer.Tokenizer) of GPT-2 weights and a tiktoken tokenizer
     of their vocabulary."""
-    tok = tokenizers.gpt2() if tokenizer_spec == 'gpt2' else tokenizers.ranks_file(tokenizer_spec)
+    try:
+        tok = (tokenizers.gpt2() if tokenizer_spec == 'gpt2'
+               else tokenizers.ranks_file(tokenizer_spec))
+    except tokenizers.TokenizerError as e:  # offline: GPT-2's ranks, written once, serve as well
+        raise tokenizers.TokenizerError(f"{e}, or pass --tokenizer=gpt2.tiktoken (README.md, "
+                                        f"Finetune GPT-2)") from None
     # all the positions, the weights' vocabulary
     model_args, state, _ = hf.load_gpt2(source, None, None)
     if model_args['vocab_size'] != tok.vocab_size:

@@ -162,10 +162,6 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
                                         c['eval_tasks_examples'], tok.unknown)
     except (evaluate.TaskError, tokenizer.TokenizerError) as e:
         check(False, e)
-    if c['eval_iters'] == 0:  # train's loss too, a mere check of the fit: on large data, hours
-        windows = {s: -(-(splits[s].num_tokens - 1) // c['block_size']) for s in ('train', 'val')}
-        log(f"eval_iters=0: every evaluation reads the train split whole ({windows['train']:,} "
-            f"windows) and val ({windows['val']:,}); eval_iters=N reads N batches of each")
     last = os.path.join(c['out_dir'], 'last.pt')
     if c['init_from'] == 'auto':  # the command a scheduler repeats: out_dir's own last.pt once
         # there is one, else the resume_from it was given (which must exist), else scratch
@@ -219,6 +215,10 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
               f"leaves nothing to do: raise max_iters (README, Resume, says what the learning rate "
               f"does then)")
 
+    if c['eval_iters'] == 0:  # train's loss too, a mere check of the fit: on large data, hours
+        windows = {s: -(-(splits[s].num_tokens - 1) // c['block_size']) for s in ('train', 'val')}
+        log(f"eval_iters=0: every evaluation reads the train split whole ({windows['train']:,} "
+            f"windows) and val ({windows['val']:,}); eval_iters=N reads N batches of each")
     resumed = (ckpt_path, ckpt) if resuming else None
     settled = dtypes(c, model_config, resumed, device, sharded)
     dtype, _, muon_dtype, _ = settled  # and how each was chosen, for the session's record

@@ -128,8 +128,7 @@ def gpt2():
     except Exception:
         raise TokenizerError('could not load the gpt2 tokenizer (tiktoken needs a one-time '
                              'download; offline?): run once where tiktoken can download, with '
-                             'the same TIKTOKEN_CACHE_DIR, or use a gpt2.tiktoken ranks file '
-                             "(README.md, Finetune GPT-2; evaluate.py's --tokenizer)") from None
+                             'the same TIKTOKEN_CACHE_DIR') from None
     return Tokenizer({'kind': 'tiktoken', 'encoding': 'gpt2', 'pat_str': GPT2_PAT_STR,
                       'eot_id': enc.eot_token}, enc=enc)
 

@@ -180,6 +180,23 @@ def test_a_stop_after_the_last_step_leaves_the_end_to_init_from_auto(tmp_path, d
     assert len(read_metrics(out, 'test')) == 1 and len(trajectory(out)) == 10
 
 
+def test_a_stop_in_an_early_stops_evaluation_ends_the_run_as_an_early_stop(tmp_path, data_dir):
+    # learning_rate 0: the evaluation at 10 is no better than 5's, and patience=1 ends the run
+    # there; a SIGTERM while that save is held changes nothing (a resume would train on to the next
+    # evaluation): the run does its end and exits 0
+    out = str(tmp_path / 'run')
+    args = [*ARGS, '--max_iters=20', '--lr_decay_iters=20', '--eval_interval=5', '--patience=1',
+            '--learning_rate=0', '--test_eval=True']
+    proc = start([PROBE, *train_cmd(out, data_dir, *args)],
+                 env={**os.environ, 'PROBE_HOLD_SAVE': '2'})
+    wait_for_stderr(proc, 'probe: holding the write of')
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and 'early stop: no better val loss' in stdout, stderr
+    assert not read_metrics(out, 'stop') and len(read_metrics(out, 'test')) == 1
+    assert trajectory(out)[-1][0] == 10
+
+
 def test_two_ranks_stop_together_on_sigterm_and_resume_bitwise(tmp_path, data_dir):
     # the stop near 40, an evaluation at 100 in the resumed part
     args = [*ARGS, '--gradient_accumulation_steps=2', '--max_iters=120', '--lr_decay_iters=120']
