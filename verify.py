@@ -186,7 +186,8 @@ def main(config, sources):
         fail(f"{start_path} and {end_path} come from sessions with other settings "
              f"({', '.join(changed)}): name two checkpoints of one session")
     run_steps = train_records(run_dir, first + 1, last)
-    world_size = len(start_ckpt['rng'])  # a state per process
+    # a state per process: the end's session's count, which may have resumed start on another
+    world_size = len(end_ckpt['rng'])
     replay_parent = os.path.dirname(os.path.abspath(run_dir))  # beside the run: /tmp may be small
     with tempfile.TemporaryDirectory(prefix='verify-', dir=replay_parent) as replay_dir:
         resume_from = start_path

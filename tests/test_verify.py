@@ -89,6 +89,12 @@ def test_a_two_rank_run_verifies_under_torchrun(tmp_path, data_dir):
     assert result.returncode == 0, result.stderr
     assert 'on 2 process(es)' in result.stderr, result.stderr
     assert result.stdout.startswith('reproduced: iterations 11-20'), result.stdout
+    # resumed on one process: its session is replayed on one, from the 2 ranks' checkpoint
+    run_train(run, data_dir, *ARGS, '--gradient_accumulation_steps=2', '--smoke_steps=30',
+              '--init_from=resume', '--max_iters=30')
+    result = verify(run)
+    assert result.returncode == 0 and 'on 1 process(es)' in result.stderr, result.stderr
+    assert result.stdout.startswith('reproduced: iterations 21-30'), result.stdout
 
 
 def test_too_few_kept_checkpoints_is_one_line(tmp_path, data_dir):
