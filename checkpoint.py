@@ -381,6 +381,13 @@ def kept_checkpoints(out_dir, up_to=None):
     return [kept[iteration] for iteration in sorted(kept)]
 
 
+def shards_named(path):
+    """The shards folder a checkpoint file points to, or None where the file holds the state
+    itself: read memory-mapped (torch.save's zip format, every version's here), so a whole state is
+    not read for it."""
+    return torch.load(path, map_location='cpu', weights_only=True, mmap=True).get('shards')
+
+
 def save(names, out_dir, parts, rng, progress, run, sharded, writer):
     """Write each of names (best.pt, last.pt, ...) into out_dir, holding state(), through writer
     (Writer: at once, or in the background). Every rank calls it: in fsdp mode each first writes its
@@ -516,13 +523,15 @@ class Writer:
             for path in kept_checkpoints(self.out_dir, up_to=ckpt['iter_num'])[:-self.keep]:
                 with contextlib.suppress(OSError):  # one left behind harms nothing
                     os.remove(path)
-        if 'shards' in ckpt:  # then the shards folders no checkpoint names
+        # then the shards folders no checkpoint names (also after a resume on one process, which
+        # writes its state into the file)
+        folders = [f for f in os.listdir(self.out_dir) if f.startswith('shards-')]
+        if folders:
             named = [os.path.join(self.out_dir, n) for n in ('best.pt', 'last.pt', 'stable.pt')]
-            in_use = {load(path)['shards'] for path in named + kept_checkpoints(self.out_dir)
+            in_use = {shards_named(path) for path in named + kept_checkpoints(self.out_dir)
                       if os.path.exists(path)}
-            for folder in os.listdir(self.out_dir):
-                if folder.startswith('shards-') and folder not in in_use:
-                    shutil.rmtree(os.path.join(self.out_dir, folder))
+            for folder in set(folders) - in_use:
+                shutil.rmtree(os.path.join(self.out_dir, folder))
         return None
 
     def _write_in_background(self, ckpt, names, shards_written):

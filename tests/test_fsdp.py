@@ -98,6 +98,18 @@ def test_fsdp_ema_updates_its_shards_after_an_evaluation_that_saves_nothing(tmp_
                                                              for e in evals)
 
 
+def test_a_resume_on_one_process_removes_the_shards_no_checkpoint_names(tmp_path, data_dir):
+    out = str(tmp_path / 'fsdp')
+    args = [*SAME, '--parallel=fsdp', '--keep_checkpoints=1', '--always_save_checkpoint=False']
+    ok(torchrun(out, data_dir, *args, '--max_iters=20'))
+    assert sorted(f for f in os.listdir(out) if f.startswith('shards-')) == ['shards-20']
+    # one process writes its state into the files: best.pt, last.pt and the kept checkpoint of 30
+    # name no folder, and the run's last write removes shards-20
+    run_train(out, data_dir, *args, '--init_from=resume')
+    assert torch.load(os.path.join(out, 'best.pt'), weights_only=True)['iter_num'] == 30
+    assert not [f for f in os.listdir(out) if f.startswith('shards-')]
+
+
 def test_exported_state_dict_gives_the_runs_own_val_loss(tmp_path, data_dir):
     out = str(tmp_path / 'fsdp')
     # with an EMA, sample.py gathers the EMA's shards: the raw weights' are gathered in test_ddp.py
