@@ -79,6 +79,10 @@ def last_event(records):
 def status(records, max_iters):
     """(one word, the rest of the sentence)."""
     end = last_event(records)
+    smoke = next((r for r in reversed(records) if r['kind'] == 'smoke'), None)
+    if end is None and smoke and not smoke['passed']:  # smoke.py's line, exit 2, before a step
+        return 'failed', ("its smoke test, before the first step: the settings do not learn on one "
+                          "batch (train.log's error line says why)")
     if end is None or end['kind'] in ('train', 'eval'):
         last_step = max((r['step'] for r in records if 'step' in r), default=0)
         return 'incomplete', (f"the run did not finish (killed or still running?) at iteration "
@@ -392,6 +396,8 @@ def write_report(out_dir):
         command = resume_command(meta, has_last, ended=ended)
         how = (f"{'Resume' if has_last else 'No last.pt yet: redo'} the run (from the directory it "
                f"was started in):")
+        if word == 'failed':
+            how = "Change what train.log's error line names, then redo the run:"
     lines += ["- curves: curves.png", "", how, "", f"    {command}", ""]
     with open(os.path.join(out_dir, 'report.md'), 'w') as f:
         f.write('\n'.join(lines))

@@ -200,6 +200,21 @@ def test_a_run_stopped_by_a_signal(finished, tmp_path, step, left, init_from):
             in text and text.rstrip().endswith(f' --init_from={init_from}'))
 
 
+def test_a_run_whose_smoke_test_failed(finished, tmp_path):
+    # smoke.py records its verdict, then ends the run in one line (exit 2): no step was taken
+    out = str(tmp_path / 'failed')
+    shutil.copytree(finished, out)
+    records = [r for r in read_metrics(out) if r['kind'] not in ('train', 'eval', 'test')]
+    records.append({'kind': 'smoke', 'step': 0, 'steps': 3, 'max_steps': 30, 'first_loss': 3.3,
+                    'last_loss': float('nan'), 'seconds': 0.1, 'passed': False})
+    with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:
+        f.write(''.join(json.dumps(r) + '\n' for r in records))
+    report.write_report(out)
+    text = read_report(out)
+    assert 'Status: **failed**: its smoke test, before the first step' in text
+    assert "Change what train.log's error line names, then redo the run:" in text
+
+
 def train_record(step, time):
     # step 12 overflowed in float16 (skipped, its norm inf); step 25's gradient norm spiked
     return {'kind': 'train', 'step': step, 'loss': 2.0, 'lr': 1e-3,
