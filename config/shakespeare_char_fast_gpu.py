@@ -5,7 +5,7 @@
 # 2250 against 80 s (docs/benchmarks.md, GPU). It overfits near the end, as nanoGPT's does:
 # best.pt keeps the best. Not tuned on a GPU.
 # Prepare first: python prepare.py shakespeare_char [--input input.txt]
-out_dir = 'out-shakespeare-char-fast'
+out_dir = 'out-shakespeare-char-fast-gpu'
 dataset = 'shakespeare_char'
 eval_interval = 250
 eval_iters = 200
