@@ -62,7 +62,7 @@ profile = True
 # write that iteration's chrome trace (chrome://tracing, ui.perfetto.dev) here; with compare,
 # NAME_A.json, NAME_B.json
 trace = ''
-json = ''  # write every figure to this file too; '' writes bench.json in the runs' temporary folder
+json = ''  # every figure to this file, the runs' folder beside it; '': bench.json in a temp one
 loader = ''  # a run's out_dir: time its train loader alone (is the data path ever the bottleneck?)
 sample = ''  # a run's out_dir: time generate() on its model, with the KV cache and without
 # run each setting as a user runs it (its own iterations, evaluations and end-of-run extras; no
@@ -129,8 +129,9 @@ try:
 except ValueError as e:  # an unclosed quote
     stop(f"compare={compare!r} cannot be split into arguments ({e}): quote it as a shell would")
 names = list(settings) + (['reference'] if reference else [])
-# loader and sample run nothing: a folder only for their default json
-folder = None if (loader or sample) and json else tempfile.mkdtemp(prefix='bench-')
+# loader and sample run nothing: a folder only for their default json; the runs' beside json's
+folder = None if (loader or sample) and json else tempfile.mkdtemp(
+    prefix='bench-', dir=os.path.dirname(os.path.abspath(json)) if json else None)
 json = json or os.path.join(folder, 'bench.json')
 
 

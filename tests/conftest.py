@@ -1,9 +1,11 @@
 """Shared fixtures: a small generated corpus, prepared once, and a way to run train.py as users
 do."""
+import atexit
 import base64
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,8 +20,10 @@ import forked
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # measurements that train.py caches per machine (peak FLOP/s, the dtype 'auto' picks) go to a folder
 # of this session's, inherited by every train.py the tests start: the user's ~/.cache stays
-# untouched
-os.environ.setdefault('HONESTGPT_CACHE', tempfile.mkdtemp(prefix='honestgpt-cache-'))
+# untouched, and the folder is removed when the session ends
+if 'HONESTGPT_CACHE' not in os.environ:
+    os.environ['HONESTGPT_CACHE'] = tempfile.mkdtemp(prefix='honestgpt-cache-')
+    atexit.register(shutil.rmtree, os.environ['HONESTGPT_CACHE'], ignore_errors=True)
 # one thread in every process the tests start: the test models gain nothing from a second, tests run
 # some runs side by side, and a run resumed on another thread count sums in another order (bitwise
 # comparisons need the same count)
