@@ -121,9 +121,11 @@ if (loader or sample) and train_args:  # they rebuild what the run used, from it
     stop(f"{'loader' if loader else 'sample'} reads a run's out_dir and takes no train.py "
          f"arguments: drop {shlex.join(train_args)}")
 for key, path in (('json', json), ('trace', trace)):  # known before the runs, not after them
-    if path and (os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path)))):
-        stop(f"{key}={path} is a folder, or in one that does not exist: name a file in an existing "
-             f"folder")
+    parent = os.path.dirname(os.path.abspath(path))
+    writable = os.path.isdir(parent) and os.access(parent, os.W_OK)
+    if path and (os.path.isdir(path) or not writable):
+        stop(f"{key}={path} is a folder, or in one that does not exist or cannot be written: name "
+             f"a file in a folder of yours")
 try:
     settings = {'A': train_args} | ({'B': train_args + shlex.split(compare)} if compare else {})
 except ValueError as e:  # an unclosed quote

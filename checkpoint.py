@@ -528,10 +528,13 @@ class Writer:
         folders = [f for f in os.listdir(self.out_dir) if f.startswith('shards-')]
         if folders:
             named = [os.path.join(self.out_dir, n) for n in ('best.pt', 'last.pt', 'stable.pt')]
-            in_use = {shards_named(path) for path in named + kept_checkpoints(self.out_dir)
-                      if os.path.exists(path)}
-            for folder in set(folders) - in_use:
-                shutil.rmtree(os.path.join(self.out_dir, folder))
+            try:
+                in_use = {shards_named(path) for path in named + kept_checkpoints(self.out_dir)
+                          if os.path.exists(path)}
+            except Exception:  # a file torch cannot read (truncated) may name any: keep them all
+                in_use = set(folders)
+            for folder in set(folders) - in_use:  # one left behind harms nothing
+                shutil.rmtree(os.path.join(self.out_dir, folder), ignore_errors=True)
         return None
 
     def _write_in_background(self, ckpt, names, shards_written):

@@ -846,6 +846,18 @@ def test_one_state_saved_under_two_names_is_written_once_and_each_name_replaced_
     assert not list(tmp_path.glob('*.tmp'))
 
 
+def test_shards_folders_no_checkpoint_names_go_and_an_unreadable_checkpoint_keeps_them(tmp_path):
+    for folder in ('shards-10', 'shards-20'):
+        (tmp_path / folder).mkdir()
+    writer = checkpoint.Writer(str(tmp_path), keep=0, background=False, last_saved=0)
+    (tmp_path / 'last.pt').write_bytes(b'PK cut short')  # a truncated file may name shards-10
+    assert writer.write({'iter_num': 20, 'shards': 'shards-20'}, ['best.pt']) is None
+    assert sorted(p.name for p in tmp_path.glob('shards-*')) == ['shards-10', 'shards-20']
+    # a whole last.pt, holding its state itself: shards-10 is no checkpoint's, shards-20 best.pt's
+    assert writer.write({'iter_num': 30, 'model': torch.zeros(2)}, ['last.pt']) is None
+    assert [p.name for p in tmp_path.glob('shards-*')] == ['shards-20']
+
+
 def test_a_background_write_copies_tied_weights_once_and_reports_any_failure(tmp_path):
     from model import GPT, GPTConfig
     state = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=16)).state_dict()
