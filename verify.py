@@ -14,6 +14,7 @@ first divergence and what differs between the run's machine (its meta.json) and 
 it only drifted), 1 when not, 2 for bad input.
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -47,16 +48,21 @@ def read_json(path):
         fail(f"cannot read {path} ({e}): point out_dir at a run's folder")
 
 
-def train_records(run_dir, first, last):
-    """{step: train record} of a run's metrics.jsonl for steps first..last."""
+def run_records(run_dir):
+    """The records of a run's metrics.jsonl."""
     path = os.path.join(run_dir, 'metrics.jsonl')
     try:  # as report.py reads them: a last line a kill cut short never happened
-        records = report.read_records(path)
+        return report.read_records(path)
     except OSError as e:
         fail(f"cannot read {path} ({e.strerror}): point out_dir at a run's folder")
     except report.ReportError as e:
         fail(e)
-    return {r['step']: r for r in records if r['kind'] == 'train' and first <= r['step'] <= last}
+
+
+def train_records(run_dir, first, last):
+    """{step: train record} of a run's metrics.jsonl for steps first..last."""
+    return {r['step']: r for r in run_records(run_dir)
+            if r['kind'] == 'train' and first <= r['step'] <= last}
 
 
 def same(a, b):
@@ -186,8 +192,16 @@ def main(config, sources):
         fail(f"{start_path} and {end_path} come from sessions with other settings "
              f"({', '.join(changed)}): name two checkpoints of one session")
     run_steps = train_records(run_dir, first + 1, last)
-    # a state per process: the end's session's count, which may have resumed start on another
+    # a state per process: the end's session's, which may have resumed start on another count; a
+    # session between them on another count cannot be replayed on the end's
     world_size = len(end_ckpt['rng'])
+    starts = [(r['step'], r.get('world_size', world_size))  # older runs' records lack the count
+              for r in run_records(run_dir) if r['kind'] == 'start']
+    for (step, count), (next_step, _) in zip(starts, starts[1:] + [(math.inf, None)]):
+        if step < last and next_step > first and count != world_size:
+            fail(f"iterations {max(step, first) + 1}-{min(next_step, last)} ran on {count} "
+                 f"process(es), the session that wrote {end_path} on {world_size}: name "
+                 f"checkpoints of sessions on one number of processes")
     replay_parent = os.path.dirname(os.path.abspath(run_dir))  # beside the run: /tmp may be small
     with tempfile.TemporaryDirectory(prefix='verify-', dir=replay_parent) as replay_dir:
         resume_from = start_path

@@ -89,12 +89,20 @@ def test_a_two_rank_run_verifies_under_torchrun(tmp_path, data_dir):
     assert result.returncode == 0, result.stderr
     assert 'on 2 process(es)' in result.stderr, result.stderr
     assert result.stdout.startswith('reproduced: iterations 11-20'), result.stdout
-    # resumed on one process: its session is replayed on one, from the 2 ranks' checkpoint
+    # resumed on one process: its session is replayed on one, from the 2 ranks' checkpoint; a
+    # replay from 10 (a copy the resume does not remove) would run 11-20 on one too, where the run
+    # had 2
+    start, end = os.path.join(run, 'early.pt'), os.path.join(run, 'ckpt-000030.pt')
+    shutil.copy(os.path.join(run, 'ckpt-000010.pt'), start)
     run_train(run, data_dir, *ARGS, '--gradient_accumulation_steps=2', '--smoke_steps=30',
               '--init_from=resume', '--max_iters=30')
     result = verify(run)
     assert result.returncode == 0 and 'on 1 process(es)' in result.stderr, result.stderr
     assert result.stdout.startswith('reproduced: iterations 21-30'), result.stdout
+    result = forked.run('verify.py', f'--start={start}', f'--end={end}')
+    assert result.returncode == 2 and result.stderr == (
+        f"error: iterations 11-20 ran on 2 process(es), the session that wrote {end} on 1: name "
+        f"checkpoints of sessions on one number of processes\n")
 
 
 def test_too_few_kept_checkpoints_is_one_line(tmp_path, data_dir):
