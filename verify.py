@@ -59,10 +59,9 @@ def run_records(run_dir):
         fail(e)
 
 
-def train_records(run_dir, first, last):
-    """{step: train record} of a run's metrics.jsonl for steps first..last."""
-    return {r['step']: r for r in run_records(run_dir)
-            if r['kind'] == 'train' and first <= r['step'] <= last}
+def train_records(records, first, last):
+    """{step: train record} of a run's records for steps first..last."""
+    return {r['step']: r for r in records if r['kind'] == 'train' and first <= r['step'] <= last}
 
 
 def same(a, b):
@@ -191,12 +190,13 @@ def main(config, sources):
     if changed:
         fail(f"{start_path} and {end_path} come from sessions with other settings "
              f"({', '.join(changed)}): name two checkpoints of one session")
-    run_steps = train_records(run_dir, first + 1, last)
+    records = run_records(run_dir)
+    run_steps = train_records(records, first + 1, last)
     # a state per process: the end's session's, which may have resumed start on another count; a
     # session between them on another count cannot be replayed on the end's
     world_size = len(end_ckpt['rng'])
     starts = [(r['step'], r.get('world_size', world_size))  # older runs' records lack the count
-              for r in run_records(run_dir) if r['kind'] == 'start']
+              for r in records if r['kind'] == 'start']
     for (step, count), (next_step, _) in zip(starts, starts[1:] + [(math.inf, None)]):
         if step < last and next_step > first and count != world_size:
             fail(f"iterations {max(step, first) + 1}-{min(next_step, last)} ran on {count} "
@@ -226,7 +226,7 @@ def main(config, sources):
                 fail(f"the replay did not start: {errors[0].removeprefix('error: ')}")
             print(f"not verified: the replay failed ({errors[0]})")
             sys.exit(1)
-        replay_steps = train_records(replay_dir, first + 1, last)
+        replay_steps = train_records(run_records(replay_dir), first + 1, last)
         replay_meta = read_json(os.path.join(replay_dir, 'meta.json'))
         replayed_path = os.path.join(replay_dir, 'last.pt')
         replayed = checkpoint.load(replayed_path)
