@@ -7,11 +7,12 @@ run recorded:
 
 It resumes from start with the settings of the session that wrote end (its checkpoint holds them;
 start's must match) in a temporary folder, under torchrun with the run's number of processes where
-it had several, trains to end's iteration, and compares each step's loss, gradient norm and learning
-rate with the run's metrics.jsonl, then the whole state with end's. One verdict: reproduced, or the
-first divergence and what differs between the run's machine (its meta.json) and this one. Exit code
-0 when reproduced (or, for a GPU run without deterministic=True, which cannot repeat bitwise, when
-it only drifted), 1 when not, 2 for bad input.
+it had several, trains to end's iteration, and compares what each step and evaluation computed
+with the run's metrics.jsonl, then every entry of end's checkpoint but its config and times. One
+verdict: reproduced, or the first divergence and what differs between the run's machine (its
+meta.json) and this one. Exit code 0 when reproduced (or, for a GPU run without
+deterministic=True, which cannot repeat bitwise, when it only drifted), 1 when not, 2 for bad
+input.
 """
 import json
 import math
@@ -37,7 +38,15 @@ end = ''  # the checkpoint to replay to, in out_dir; '' the latest kept one
 # the replay's own: a temporary folder, no extras at its end, no loggers
 REPLAY = {'test_eval': False, 'sample_tokens': 0, 'write_report': False, 'keep_checkpoints': 0,
           'wandb_log': False, 'tensorboard_log': False, 'profile_iter': 0, 'smoke_steps': 0}
-FIGURES = ('loss', 'grad_norm', 'lr')  # of each train record
+# what a replay computes again: each train record's FIGURES, an eval record's all but NOT_FIGURES
+FIGURES = ('loss', 'grad_norm', 'lr', 'scale', 'skipped_total', 'epoch')
+NOT_FIGURES = ('kind', 'step', 'time', 'seconds')
+# a checkpoint's entries that say where and when it was written, not what state it holds
+WHERE_AND_WHEN = ('config', 'log_bytes', 'train_seconds', 'shards')
+# what no kernel's order of addition can change: a difference there is no drift
+COUNTERS = ('iter_num', 'scheduler', 'scaler', 'sampler', 'rng')
+# the loop's counters an evaluation sets (checkpoint.Progress.new_best)
+BEST = ('best_val_loss', 'best_acc_norm', 'best_iter', 'evals_since_best')
 
 
 def read_json(path):
@@ -59,9 +68,16 @@ def run_records(run_dir):
         fail(e)
 
 
-def train_records(records, first, last):
-    """{step: train record} of a run's records for steps first..last."""
-    return {r['step']: r for r in records if r['kind'] == 'train' and first <= r['step'] <= last}
+def computed(records, first, last):
+    """{(step, kind): {figure: value}} of the train and eval records of steps first..last: what a
+    replay computes again (a train record's FIGURES; an eval record's losses, accuracies, bests)."""
+    found = {}
+    for r in records:
+        if r['kind'] == 'train' and first <= r['step'] <= last:
+            found[r['step'], 'train'] = {f: r.get(f) for f in FIGURES}
+        elif r['kind'] == 'eval' and first <= r['step'] <= last:
+            found[r['step'], 'eval'] = {f: v for f, v in r.items() if f not in NOT_FIGURES}
+    return found
 
 
 def same(a, b):
@@ -71,60 +87,62 @@ def same(a, b):
 
 def first_divergence(run, replay):
     """(step, figure, run's value, replay's value) of the first figure that differs, or None."""
-    for step in sorted(replay):
-        for figure in FIGURES:
-            if step in run and not same(run[step][figure], replay[step][figure]):
-                return step, figure, run[step][figure], replay[step][figure]
+    for key in sorted(replay):
+        for figure, value in replay[key].items():
+            if key in run and not same(run[key].get(figure), value):
+                return key[0], figure, run[key].get(figure), value
     return None
 
 
 def largest_drift(run, replay):
-    """The largest relative difference of any figure over the replayed steps."""
-    return max((abs(run[s][f] - replay[s][f]) / max(abs(run[s][f]), 1e-30)
-                for s in replay if s in run for f in FIGURES), default=0.0)
+    """The largest relative difference of any number over the replayed records."""
+    pairs = [(run[k][f], v) for k in replay if k in run for f, v in replay[k].items()]
+    return max((abs(a - b) / max(abs(a), 1e-30) for a, b in pairs  # floats, not inf or NaN
+                if isinstance(a, float) and isinstance(b, float) and math.isfinite(a - b)),
+               default=0.0)
 
 
-def tensors(state, prefix):
-    """{name: tensor} of every tensor in a nested state (dicts and lists)."""
-    if isinstance(state, torch.Tensor):
-        return {prefix: state}
+def leaves(state, prefix):
+    """{name: value} of every tensor and plain value in a nested state (dicts, lists, tuples)."""
     if isinstance(state, dict):
         pairs = state.items()
     elif isinstance(state, (list, tuple)):
         pairs = enumerate(state)
     else:
-        return {}
+        return {prefix: state}
     found = {}
     for key, value in pairs:
-        found |= tensors(value, f"{prefix}.{key}")
+        found |= leaves(value, f"{prefix}.{key}")
     return found
 
 
-def counters_difference(expected, replayed):
-    """'' when two checkpoints hold the same schedule, loss scale, data position and RNG states,
-    else which differs: no kernel's order of addition can explain that."""
-    for part in ('scheduler', 'scaler', 'sampler', 'rng'):
-        if expected[part] != replayed[part]:
-            return f"the {part} state differs"
+def state_difference(expected, replayed, keys):
+    """'' when two checkpoints hold the same values under keys, else the first that differs (a
+    tensor: by how much)."""
+    for key in keys:
+        a, b = leaves(expected.get(key), key), leaves(replayed.get(key), key)
+        for name in list(a) + [name for name in b if name not in a]:
+            ran, here = a.get(name), b.get(name)
+            if name not in a or name not in b:
+                return f"{name} is in {'the run' if name in a else 'the replay'} only"
+            if isinstance(ran, torch.Tensor) and isinstance(here, torch.Tensor):
+                if ran.shape != here.shape:
+                    return f"{name} is shaped {list(ran.shape)} in the run, {list(here.shape)} here"
+                if not torch.equal(ran, here):
+                    diff = (ran.double() - here.double()).abs().max().item()
+                    return f"{name} differs (largest difference {diff:.3g})"
+            elif (isinstance(ran, torch.Tensor) or isinstance(here, torch.Tensor)
+                  or not same(ran, here)):
+                return f"{name} differs ({ran!r} in the run, {here!r} here)"
     return ''
 
 
-def weights_difference(expected_path, replayed_path, expected, replayed):
-    """'' when two checkpoints hold the same weights, optimizer state and EMA (a sharded run's:
-    its gathered weights), else the first tensor that differs and by how much."""
-    if 'shards' in expected:
-        expected, replayed = (
-            {'model': sample.load_model(p, 'cpu', raw_weights=True)[0].state_dict()}
-            for p in (expected_path, replayed_path))
-    for part in ('model', 'optimizer', 'ema'):
-        a, b = tensors(expected.get(part, {}), part), tensors(replayed.get(part, {}), part)
-        for name in a:
-            if name not in b or a[name].shape != b[name].shape:
-                return f"{name} is missing or shaped otherwise in the replay"
-            if not torch.equal(a[name], b[name]):
-                diff = (a[name].double() - b[name].double()).abs().max().item()
-                return f"{name} differs (largest difference {diff:.3g})"
-    return ''
+def gathered(path, ckpt):
+    """A checkpoint's entries with its weights in place: a sharded run's gathered model (its
+    optimizer state and EMA stay in the shards)."""
+    if 'shards' not in ckpt:
+        return ckpt
+    return {**ckpt, 'model': sample.load_model(path, 'cpu', raw_weights=True)[0].state_dict()}
 
 
 def machine_differences(run_meta, replay_meta):
@@ -191,7 +209,7 @@ def main(config, sources):
         fail(f"{start_path} and {end_path} come from sessions with other settings "
              f"({', '.join(changed)}): name two checkpoints of one session")
     records = run_records(run_dir)
-    run_steps = train_records(records, first + 1, last)
+    run_figures = computed(records, first + 1, last)
     # a state per process: the end's session's, which may have resumed start on another count; a
     # session between them on another count cannot be replayed on the end's
     world_size = len(end_ckpt['rng'])
@@ -226,35 +244,43 @@ def main(config, sources):
                 fail(f"the replay did not start: {errors[0].removeprefix('error: ')}")
             print(f"not verified: the replay failed ({errors[0]})")
             sys.exit(1)
-        replay_steps = train_records(run_records(replay_dir), first + 1, last)
+        replay_figures = computed(run_records(replay_dir), first + 1, last)
         replay_meta = read_json(os.path.join(replay_dir, 'meta.json'))
         replayed_path = os.path.join(replay_dir, 'last.pt')
-        replayed = checkpoint.load(replayed_path)
-        counters = counters_difference(end_ckpt, replayed)
-        weights = weights_difference(end_path, replayed_path, end_ckpt, replayed)
-    compared = [step for step in replay_steps if step in run_steps]
-    divergence = first_divergence(run_steps, replay_steps)
-    if not compared:
+        replayed = gathered(replayed_path, checkpoint.load(replayed_path))
+        expected = gathered(end_path, end_ckpt)
+    counters = state_difference(expected, replayed, COUNTERS)
+    # the rest may drift on a GPU; the replay evaluates at its last iteration, which the run did
+    # only where it logged an evaluation there
+    skipped = WHERE_AND_WHEN + COUNTERS + (() if (last, 'eval') in run_figures else BEST)
+    rest = [key for key in {**expected, **replayed} if key not in skipped]
+    weights = state_difference(expected, replayed, rest)
+    compared = [key for key in replay_figures if key in run_figures]
+    steps = sum(kind == 'train' for _, kind in compared)
+    divergence = first_divergence(run_figures, replay_figures)
+    if not steps:
         print(f"not verified: {run_dir}/metrics.jsonl holds no train record of iterations "
               f"{first + 1}-{last}")
         sys.exit(1)
-    state = 'the gathered weights and the counters' if 'shards' in end_ckpt else 'the state'
+    state = 'the gathered weights and the rest' if 'shards' in end_ckpt else 'the state'
     if divergence is None and not counters and not weights:
-        print(f"reproduced: iterations {first + 1}-{last}, {len(compared)} logged steps, every "
-              f"loss, gradient norm and learning rate equal, and {state} equal to {end_path}'s")
+        print(f"reproduced: iterations {first + 1}-{last}, {steps} logged steps and "
+              f"{len(compared) - steps} evaluation(s), every figure they computed equal (loss, "
+              f"gradient norm, learning rate, ...), and {state} equal to {end_path}'s")
         return
     on_gpu = str(run_meta.get('device', '')).startswith('cuda')
     if on_gpu and not settings.get('deterministic') and not counters:
         print(f"drifted, as a GPU run without deterministic=True does (its kernels add in varying "
               f"order): the largest relative difference over iterations {first + 1}-{last} is "
-              f"{largest_drift(run_steps, replay_steps):.3g}; train with deterministic=True to "
+              f"{largest_drift(run_figures, replay_figures):.3g}; train with deterministic=True to "
               f"verify bitwise")
         return
     if divergence:
         step, figure, ran, here = divergence
-        size = abs(ran - here) / max(abs(ran), 1e-30)
-        print(f"diverged at iteration {step}: {figure} {ran!r} in the run, {here!r} here "
-              f"(relative difference {size:.3g})")
+        size = ''
+        if all(isinstance(value, (int, float)) for value in (ran, here)):
+            size = f" (relative difference {abs(ran - here) / max(abs(ran), 1e-30):.3g})"
+        print(f"diverged at iteration {step}: {figure} {ran!r} in the run, {here!r} here{size}")
     for difference in (counters, weights):
         if difference:
             print(f"diverged in the state at iteration {last}: {difference}")

@@ -60,6 +60,38 @@ def test_a_run_verifies_and_an_edited_weight_and_logged_loss_are_named(tmp_path,
     assert lines[2] == "this machine matches the run's (hardware and versions in meta.json)"
 
 
+def test_evaluations_and_the_loops_counters_are_compared_too(tmp_path, data_dir):
+    run = str(tmp_path / 'run')
+    run_train(run, data_dir, *ARGS, '--checkpoint_interval=5', '--keep_checkpoints=4')
+    # the replay evaluates at its last iteration, 15, which the run only saved at: its best so
+    # far is not the run's, and not compared
+    result = forked.run('verify.py', f'--start={run}/ckpt-000005.pt', f'--end={run}/ckpt-000015.pt')
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith('reproduced: iterations 6-15, 10 logged steps and 1 '
+                                    'evaluation(s)'), result.stdout
+    # the evaluation at 20: its logged val loss, and the evaluations without a new best in the
+    # checkpoint it wrote
+    with open(os.path.join(run, 'metrics.jsonl')) as f:
+        records = [json.loads(line) for line in f]
+    [evaluation] = [r for r in records if r['kind'] == 'eval' and r['step'] == 20]
+    logged = evaluation['val_loss']
+    evaluation['val_loss'] = math.nextafter(logged, math.inf)
+    with open(os.path.join(run, 'metrics.jsonl'), 'w') as f:
+        f.writelines(json.dumps(r) + '\n' for r in records)
+    later = os.path.join(run, 'ckpt-000020.pt')
+    ckpt = torch.load(later, weights_only=True)
+    ckpt['evals_since_best'] += 1
+    torch.save(ckpt, later)
+    result = verify(run)
+    assert result.returncode == 1, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"diverged at iteration 20: val_loss "
+                               f"{evaluation['val_loss']!r} in the run, {logged!r} here")
+    assert lines[1] == (f"diverged in the state at iteration 20: evals_since_best differs "
+                        f"({ckpt['evals_since_best']} in the run, "
+                        f"{ckpt['evals_since_best'] - 1} here)"), result.stdout
+
+
 @pytest.mark.parametrize('device', DEVICES)
 def test_a_gpu_run_without_deterministic_drifts_and_says_by_how_much(tmp_path, data_dir, device):
     run = str(tmp_path / 'run')
