@@ -200,11 +200,34 @@ def load(path, resumable=False):
                               f"such as a bare state_dict): pass the best.pt or last.pt of a run")
     if migrated := migrate(ckpt, path):
         ckpt['migrated'] = migrated
+    if 'shards' in ckpt:
+        check_shards(path, ckpt['shards'])
     if resumable and 'scheduler' not in ckpt:
         raise CheckpointError(f"checkpoint {path} holds weights only (sample.py --export writes "
                               f"those), no training state to resume: resume from a run's last.pt, "
                               f"best.pt or stable.pt")
     return ckpt
+
+
+def check_shards(path, shards):
+    """A sharded run's checkpoint at path keeps its weights in the folder shards beside it: that
+    folder must hold DCP's metadata and every file it names, whole (a copy of last.pt alone, or a
+    copy cut short, would fail inside DCP's load with a traceback per rank)."""
+    import torch.distributed.checkpoint as dcp  # imported only for sharded checkpoints: ~1 s
+    folder = os.path.join(os.path.dirname(path), shards)
+    try:
+        metadata = dcp.FileSystemReader(folder).read_metadata()
+        ends = {}  # {file: the end of its last tensor}
+        for info in metadata.storage_data.values():
+            file = info.relative_path
+            ends[file] = max(ends.get(file, 0), info.offset + info.length)
+        for name, end in ends.items():
+            if os.path.getsize(os.path.join(folder, name)) < end:
+                raise OSError(f"{name} is cut short")
+    except Exception as e:  # a missing or unreadable .metadata or file; a foreign folder
+        raise CheckpointError(f"{path} keeps its weights in {folder}, which is missing or "
+                              f"incomplete ({e}): copy that folder beside it whole, or use "
+                              f"another checkpoint")
 
 
 def migrate(ckpt, path):

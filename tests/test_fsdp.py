@@ -3,6 +3,7 @@ sharded checkpoints, an exported single-file state_dict, and activation checkpoi
 recomputes every block and changes no loss."""
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -138,6 +139,22 @@ def test_exported_state_dict_gives_the_runs_own_val_loss(tmp_path, data_dir):
             count += (y != data.IGNORE_INDEX).sum().item()
     # recomputed with a plain GPT: the same windows, the same sums
     assert abs(loss_sum / count - read_metrics(out, 'eval')[-1]['ema_val_loss']) < 1e-5
+    # last.pt copied without its shards folder, or with a shard cut short: one line each, from
+    # sample.py as from a resume, before anything is built
+    alone, cut = str(tmp_path / 'alone'), str(tmp_path / 'cut')
+    os.makedirs(alone)
+    shutil.copy(os.path.join(out, 'last.pt'), alone)
+    shutil.copytree(out, cut)
+    shards = os.path.join(cut, torch.load(f'{cut}/last.pt', weights_only=True)['shards'])
+    shard = os.path.join(shards, sorted(f for f in os.listdir(shards) if f.endswith('.distcp'))[0])
+    os.truncate(shard, os.path.getsize(shard) // 2)
+    for run, why in ((alone, 'No such file'), (cut, 'is cut short')):
+        for result in (forked.run('sample.py', f'--ckpt={run}/last.pt'),
+                       run_train(run, data_dir, *SAME, '--parallel=fsdp', '--ema_decay=0.8',
+                                 '--init_from=resume', check=False)):
+            assert result.returncode == 2 and result.stderr.startswith(
+                f"error: {run}/last.pt keeps its weights in {run}/shards-"), result.stderr
+            assert why in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
 
 
 def test_activation_checkpointing_recomputes_every_block_and_changes_no_loss(tmp_path, data_dir):
