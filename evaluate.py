@@ -173,7 +173,16 @@ def read_tasks(paths, encode, block_size, max_examples=0, unknown=None):
     if not names:
         raise TaskError(f"no task file in tasks='{paths}': name one or more jsonl files, "
                         f"comma-separated")
+    for i, path in enumerate(names):  # metrics.jsonl names a task's scores by task_name
+        if task_name(path) in map(task_name, names[:i]):
+            raise TaskError(f"two task files in tasks='{paths}' are named '{task_name(path)}': "
+                            f"their scores would share one name; rename one, or name it once")
     return {path: read_task(path, encode, block_size, max_examples, unknown) for path in names}
+
+
+def task_name(path):
+    """What a task is called in logs and metrics: its file's name without folder or extension."""
+    return os.path.splitext(os.path.basename(path))[0]
 
 # -----------------------------------------------------------------------------
 # scoring
@@ -274,11 +283,11 @@ def score(model, examples, batch_size, device, autocast, rank=0, world_size=1):
 
 
 def score_tasks(model, tasks, batch_size, device, autocast, rank=0, world_size=1):
-    """score() of each task ({path: examples}, as read_tasks gives them), named by its file without
-    folder or extension, and the mean acc_norm over the tasks (0.0 without any): what train.py
-    records at every evaluation, and what best_by='acc_norm' compares."""
-    accuracy = {os.path.splitext(os.path.basename(path))[0]:
-                score(model, examples, batch_size, device, autocast, rank, world_size)
+    """score() of each task ({path: examples}, as read_tasks gives them), by task_name, and the mean
+    acc_norm over the tasks (0.0 without any): what train.py records at every evaluation, and what
+    best_by='acc_norm' compares."""
+    accuracy = {task_name(path): score(model, examples, batch_size, device, autocast, rank,
+                                       world_size)
                 for path, examples in tasks.items()}
     return accuracy, (sum(a['acc_norm'] for a in accuracy.values()) / len(accuracy) if accuracy
                       else 0.0)

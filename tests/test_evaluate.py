@@ -210,7 +210,7 @@ def test_a_bad_line_is_named_with_its_file_and_line(tmp_path, line, message):
             and '\n' not in str(e.value))
 
 
-def test_a_file_without_examples_or_a_missing_one_is_an_error(tmp_path):
+def test_an_empty_or_missing_task_file_or_two_of_one_name_are_errors(tmp_path):
     (tmp_path / 'empty.jsonl').write_text('\n\n')
     for name, message in (('empty.jsonl', 'holds no examples'),
                           ('none.jsonl', 'cannot read the task file')):
@@ -218,6 +218,14 @@ def test_a_file_without_examples_or_a_missing_one_is_an_error(tmp_path):
             evaluate.read_task(str(tmp_path / name), list, 8)
     with pytest.raises(evaluate.TaskError, match='no task file'):
         evaluate.read_tasks(' , ', list, 8)
+    # two files of one name (or one named twice) would share one name in metrics.jsonl
+    (tmp_path / 'other').mkdir()
+    (tmp_path / 'other' / 'empty.jsonl').write_text('\n')
+    for paths in (f'{tmp_path}/empty.jsonl,{tmp_path}/other/empty.jsonl',
+                  f'{tmp_path}/none.jsonl, {tmp_path}/none.jsonl'):
+        with pytest.raises(evaluate.TaskError, match="two task files in tasks='.*' are named "
+                                                     "'(empty|none)': their scores would share"):
+            evaluate.read_tasks(paths, list, 8)
 
 
 def test_characters_a_char_vocabulary_lacks_are_named_once_per_task_file(tmp_path, capsys):
