@@ -136,6 +136,21 @@ def read_tensors(path):
                       f"again") from None
 
 
+def read_config(path):
+    """A Hugging Face GPT-2 config.json, as a dict; anything else (a train.py run's config.json
+    beside a .safetensors, a damaged file) is refused."""
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise HFError(f"cannot read {path} ({e}): restore it from the model's files") from None
+    n_head = config.get('n_head', 1) if isinstance(config, dict) else None
+    if type(n_head) is not int or n_head < 1:
+        raise HFError(f"{path} is not a Hugging Face GPT-2 config.json (a dict whose n_head is a "
+                      f"positive integer): put the weights in a folder with their own config.json")
+    return config
+
+
 def load_gpt2(source, block_size, vocab_size):
     """GPT-2 weights as (model_args for GPTConfig, state_dict for GPT, a record of where they came
     from). The shape comes from the weights; block_size crops the position embedding, as a finetune
@@ -143,10 +158,7 @@ def load_gpt2(source, block_size, vocab_size):
     either: the weights' own (evaluate.py checks its tokenizer itself). dropout is left to the
     caller."""
     config_path, weights_path = find_files(source)
-    hf_config = {}
-    if config_path:
-        with open(config_path) as f:
-            hf_config = json.load(f)
+    hf_config = read_config(config_path) if config_path else {}
     tensors = {re.sub(r'^transformer\.', '', k): v for k, v in read_tensors(weights_path).items()}
     # OpenAI's files also hold each layer's causal mask as attn.bias / attn.masked_bias: buffers,
     # not weights

@@ -168,6 +168,16 @@ def test_load_errors_are_one_line(tiny_gpt2, tmp_path, monkeypatch):
                                                         'layer_norm_epsilon': 1e-6}
     json.dump(config, open(broken / 'config.json', 'w'))
     assert "layer_norm_epsilon=1e-06; activation_function='relu'" in refusal(str(broken))
+    # a config.json that is not GPT-2's: damaged, or a train.py run's beside a lone .safetensors
+    (broken / 'config.json').write_text('{bad')
+    assert refusal(str(broken)).startswith(f"cannot read {broken}/config.json (Expecting")
+    lone = tmp_path / 'run' / 'model.safetensors'
+    lone.parent.mkdir()
+    shutil.copy(os.path.join(tiny_gpt2, 'model.safetensors'), lone)
+    json.dump({'n_head': {'value': 4, 'source': 'default'}}, open(lone.parent / 'config.json', 'w'))
+    assert refusal(str(lone)) == (
+        f"{lone.parent}/config.json is not a Hugging Face GPT-2 config.json (a dict whose n_head is "
+        f"a positive integer): put the weights in a folder with their own config.json")
     monkeypatch.setitem(sys.modules, 'huggingface_hub', None)  # as if not installed
     assert 'pip install huggingface_hub' in refusal('gpt2')
 
