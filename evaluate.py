@@ -373,8 +373,9 @@ def load(config, device):
                                    f"checkpoint is evaluated with its run's tokenizer; leave "
                                    f"tokenizer unset")
     path = config['ckpt'] or os.path.join(config['out_dir'], 'best.pt')
-    check(os.path.isfile(path), f"checkpoint {path} does not exist: set out_dir to a run's folder, "
-                                f"ckpt to a .pt file, or init_from to GPT-2 weights")
+    state = 'is a folder' if os.path.isdir(path) else 'does not exist'
+    check(os.path.isfile(path), f"checkpoint {path} {state}: set out_dir to a run's folder, ckpt "
+                                f"to a .pt file, or init_from to GPT-2 weights")
     try:
         model, saved = sample.load_model(path, device, config['raw_weights'])
         tok = tokenizers.load(saved['dataset']['tokenizer'])

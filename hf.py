@@ -274,7 +274,13 @@ def export_gpt2(model, folder, eot_id=None, tokenizer_files=None):
     except OSError as e:  # a file in the way
         raise HFError(f"cannot make {parent} for the export ({e.strerror}): pick another "
                       f"path") from None
-    work = tempfile.mkdtemp(prefix=f'.{os.path.basename(os.path.abspath(folder))}.', dir=parent)
+    try:
+        work = tempfile.mkdtemp(prefix=f'.{os.path.basename(os.path.abspath(folder))}.', dir=parent)
+    except OSError as e:  # a folder not ours to write
+        raise HFError(f"cannot write in {parent} ({e.strerror}): pick another path") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(work, 0o777 & ~umask)  # mkdtemp's folder is its owner's alone; save_pretrained's not
     try:
         save_file({'transformer.' + k: v for k, v in tensors.items()},
                   os.path.join(work, 'model.safetensors'),
@@ -287,6 +293,10 @@ def export_gpt2(model, folder, eot_id=None, tokenizer_files=None):
             with open(os.path.join(work, name), 'rb') as f:
                 os.fsync(f.fileno())
         os.replace(work, folder)  # atomic; replaces an empty folder
+    except OSError as e:  # a full disk: nothing is left behind
+        shutil.rmtree(work, ignore_errors=True)
+        raise HFError(f"cannot write {folder} ({e.strerror or e}): free space, or pick another "
+                      f"path") from None
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise

@@ -173,8 +173,9 @@ if __name__ == '__main__':
 
     ckpt_path = ckpt or os.path.join(out_dir, 'best.pt')
     if not os.path.isfile(ckpt_path):
-        fail(f"checkpoint {ckpt_path} does not exist: set out_dir to a run's folder, or ckpt to a "
-             f".pt file")
+        state = 'is a folder' if os.path.isdir(ckpt_path) else 'does not exist'
+        fail(f"checkpoint {ckpt_path} {state}: set out_dir to a run's folder, or ckpt to a .pt "
+             f"file")
     try:
         # an export stays on the CPU: its tensors must load anywhere; a large run's shards may not
         # fit a GPU
@@ -182,10 +183,14 @@ if __name__ == '__main__':
     except checkpoint.CheckpointError as e:
         fail(e)
     if export:
-        checkpoint.save_file({'format': checkpoint.FORMAT, 'model': model.state_dict(),
-                              'model_args': saved['model_args'],
-                              'dataset': saved['dataset'], 'config': saved['config'],
-                              'iter_num': saved['iter_num']}, export)
+        try:
+            checkpoint.save_file({'format': checkpoint.FORMAT, 'model': model.state_dict(),
+                                  'model_args': saved['model_args'],
+                                  'dataset': saved['dataset'], 'config': saved['config'],
+                                  'iter_num': saved['iter_num']}, export)
+        except OSError as e:  # a folder not ours to write, a full disk: nothing is left there
+            fail(f"cannot write {export} ({e.strerror or e}): name a file in a folder you can "
+                 f"write, with room for the weights")
         print(f"wrote the weights of {weights_name(ckpt_path, saved)} to {export}", file=sys.stderr)
         sys.exit(0)
     if export_hf:

@@ -271,6 +271,13 @@ def test_export_of_a_trained_run_generates_greedily_like_sample_py(data_dir, tmp
     again = sample(f'--export_hf={export}')  # never over an existing export
     assert (again.returncode == 2 and again.stderr.count('\n') == 1
             and 'not an empty folder' in again.stderr)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(export).st_mode & 0o777 == 0o777 & ~umask  # as save_pretrained's: readable
+    unwritable = sample('--export_hf=/proc/hf')
+    assert (unwritable.returncode == 2 and unwritable.stderr.startswith(
+        'error: cannot write in /proc (') and unwritable.stderr.endswith(
+        '): pick another path\n')), unwritable.stderr
     greedy = sample('--top_k=1', '--num_samples=1', '--max_new_tokens=24', '--dtype=float32')
     assert greedy.returncode == 0, greedy.stderr
     theirs = AutoModelForCausalLM.from_pretrained(export).eval()
