@@ -323,6 +323,7 @@ class GPT(nn.Module):
         lr_scale's multiple of both rates; the groups at 1x come first (train.py logs group 0's
         rate). Another optimizer goes here: build it, add it to the list, its name to optim.py's
         OPTIMIZERS and its keys to train.py."""
+        assert optimizer in ('adamw', 'muon'), f"configure_optimizers has no {optimizer!r}: add it"
         def decays(name, p):
             return p.dim() >= 2 and not name.startswith(('wte.', 'wpe.'))
         muon = self.muon_params() if optimizer == 'muon' else []
