@@ -80,6 +80,10 @@ class Progress:
         self.evals_since_best = 0 if improved else self.evals_since_best + 1
         return improved
 
+    def out_of_patience(self, patience):
+        """Whether patience (> 0) evaluations have passed without a new best: the run stops."""
+        return patience > 0 and self.evals_since_best >= patience
+
 
 class CheckpointError(Exception):
     pass
@@ -301,10 +305,12 @@ def changed_settings(ckpt, config, defaults):
 
 def why_not_resume(ckpt, config, defaults, unread=()):
     """Why this config may not resume the checkpoint ('was trained with other settings (...)'), or
-    ''. unread: keys neither run reads (preflight.unread's), which may change."""
+    ''. unread: keys neither run reads (preflight.unread's), which may change. Under
+    best_by='acc_norm' the tasks may not: the best so far is their mean."""
+    chooses_best = ('eval_tasks', 'eval_tasks_examples') if config['best_by'] == 'acc_norm' else ()
     changed = [f"{k}={old!r} there, {new!r} here"
                for k, (old, new) in changed_settings(ckpt, config, defaults).items()
-               if k not in RESUMABLE and k not in unread]
+               if (k not in RESUMABLE or k in chooses_best) and k not in unread]
     return f"was trained with other settings ({'; '.join(changed)})" if changed else ''
 
 
@@ -402,6 +408,54 @@ def kept_checkpoints(out_dir, up_to=None):
         if match and (up_to is None or int(match[1]) <= up_to):
             kept[int(match[1])] = path
     return [kept[iteration] for iteration in sorted(kept)]
+
+
+def saved_state(path):
+    """A checkpoint file's loop counters (a dict of Progress's fields and 'shards'), read
+    memory-mapped, or None where it is missing or unreadable."""
+    try:
+        ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
+    except Exception:  # missing, truncated, not a checkpoint: holds no iteration of this run
+        return None
+    names = [field.name for field in dataclasses.fields(Progress)] + ['shards']
+    return {name: ckpt.get(name) for name in names} if isinstance(ckpt, dict) else None
+
+
+def branch(out_dir, path, ckpt):
+    """A resume from path, a checkpoint other than out_dir's last.pt (stable.pt, a kept one, another
+    run's): out_dir's checkpoints of later iterations, and a best.pt that is not of path's best
+    evaluation, belong to a continuation this session replaces (its logs are cut too): removed.
+    last.pt becomes a second name of path (a stop before the first save resumes it again), and
+    best.pt of a checkpoint of path's best evaluation where one is kept (path, a ckpt-ITER.pt, its
+    folder's best.pt); a sharded checkpoint of another folder, whose shards are there, of neither.
+    Returns the names removed, each with its iteration."""
+    def is_best(file):  # the state at path's best evaluation: its iteration, and its val loss
+        saved = saved_state(file)
+        return saved and (saved['iter_num'], saved['best_val_loss']) == (ckpt['best_iter'],
+                                                                         ckpt['best_val_loss'])
+    removed = []
+    names = ['best.pt', 'last.pt', 'stable.pt'] + [os.path.basename(p)
+                                                   for p in kept_checkpoints(out_dir)]
+    for file in (os.path.join(out_dir, name) for name in names):
+        saved = saved_state(file)
+        if saved is None or os.path.samefile(file, path):
+            continue
+        if saved['iter_num'] > ckpt['iter_num'] or (file.endswith('best.pt') and not is_best(file)):
+            os.remove(file)
+            removed.append(f"{os.path.basename(file)} ({saved['iter_num']})")
+    folder = os.path.dirname(path)
+    if 'shards' in ckpt and os.path.realpath(folder) != os.path.realpath(out_dir):
+        return removed
+    last, best = os.path.join(out_dir, 'last.pt'), os.path.join(out_dir, 'best.pt')
+    if not (os.path.exists(last) and os.path.samefile(last, path)):
+        link_file(path, last)
+    kept = [path] + [os.path.join(f, n) for f in (out_dir, folder)
+                     for n in (f"ckpt-{ckpt['best_iter']:06d}.pt", 'best.pt')]
+    found = [file for file in kept if ckpt['best_iter'] and not os.path.exists(best)
+             and is_best(file)]
+    if found:
+        link_file(found[0], best)
+    return removed
 
 
 def shards_named(path):

@@ -294,8 +294,10 @@ def loss_lines(evals, test, split_rule):
                      f"{best_ema['step']}; best.pt holds the EMA{held}, which sample.py and "
                      f"evaluate.py use")
     if test and test.get('test_loss') is not None:
-        lines.append(f"- test loss {loss_text(test['test_loss'])} with the best weights (iteration "
-                     f"{test['best_iter']})")
+        tested = test.get('tested_iter', test['best_iter'])  # older runs' records lack it
+        whose = 'the best' if tested == test['best_iter'] else 'the last'
+        lines.append(f"- test loss {loss_text(test['test_loss'])} with {whose} weights (iteration "
+                     f"{tested})")
         if (test['test_loss'] < (1 - LEAK_BELOW) * best_val['val_loss']
                 and split_rule.startswith('contiguous')):
             lines.append("- test loss sits well below val loss: with a single text, test is its "
@@ -391,6 +393,9 @@ def write_report(out_dir):
     if word == 'finished':  # nothing left to do at this max_iters: the command must raise it
         settings, how = train_further(config, out_dir)
         command = resume_command(meta, has_last, settings)
+    elif word == 'early-stopped' and has_last:  # nor at this patience (auto redoes the end)
+        command = resume_command(meta, has_last, {'patience': 2 * config['patience']['value']})
+        how = "Train on past the early stop (from the directory it was started in), more patient:"
     else:
         ended = word == 'stopped' and last_event(records)['step'] == config['max_iters']['value']
         command = resume_command(meta, has_last, ended=ended)

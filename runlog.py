@@ -147,7 +147,8 @@ def open_run(out_dir, resumed, config, sources, session):
     been moved), the logs keep what it had logged and lose what came after, since those steps are
     redone; from one in another folder they stay whole; a new run cuts them all (one stopped here
     before its first checkpoint). Temp files a killed save left are dropped: never read, safe to
-    remove."""
+    remove. Resumed from another checkpoint than out_dir's last.pt, checkpoint.branch makes
+    out_dir's checkpoints those of the run as it now goes on."""
     global run_dir, with_report, tensorboard, wandb
     run_dir, with_report = out_dir, config['write_report']
     here = resumed and os.path.realpath(os.path.dirname(resumed[0])) == os.path.realpath(out_dir)
@@ -161,6 +162,11 @@ def open_run(out_dir, resumed, config, sources, session):
         files['train.log'].write(''.join(line + '\n' for line in early_lines))
         for path in glob.glob(os.path.join(glob.escape(out_dir), '*.tmp')):
             os.remove(path)
+        last = os.path.join(out_dir, 'last.pt')
+        if resumed and not (os.path.exists(last) and os.path.samefile(last, resumed[0])):
+            if removed := checkpoint.branch(out_dir, *resumed):
+                log(f"resuming from {resumed[0]}, not last.pt: removed {', '.join(removed)}, "
+                    f"of the continuation this session replaces")
         settings = {k: {'value': config[k], 'source': sources[k]} for k in config}
         resolved = {'device': session['device'], 'dtype': session['dtype']}
         checkpoint.write_json(os.path.join(out_dir, 'config.json'),
@@ -315,9 +321,9 @@ def done(progress, best_by, figures, first_iter):
     holds the step, best_iter and best_by (best.pt's iteration and what chose it), best_val_loss
     (its val loss) and best_acc_norm (its tasks' mean acc_norm, best_by='acc_norm'), from progress
     (the run's checkpoint.Progress), and the figures: ema (whether those are the EMA's), test_loss
-    or None, wall_seconds and the eval_seconds and save_seconds within it, of this session, and
-    total_seconds of every session. first_iter: the iteration this session started from (0 unless
-    it resumed)."""
+    or None and tested_iter (the iteration of the weights it and the sample took), wall_seconds
+    and the eval_seconds and save_seconds within it, of this session, and total_seconds of every
+    session. first_iter: the iteration this session started from (0 unless it resumed)."""
     test = {'kind': 'test', 'step': progress.iter_num, 'best_iter': progress.best_iter,
             'best_by': best_by, 'best_val_loss': progress.best_val_loss,
             'best_acc_norm': progress.best_acc_norm if best_by == 'acc_norm' else None, **figures}
@@ -330,9 +336,11 @@ def done(progress, best_by, figures, first_iter):
         sessions = f"no iterations left, {every_session}"
     else:
         sessions = f"iterations {first_iter + 1}-{step} in {seconds:.0f} s, {every_session}"
+    weights = 'the best weights' if test['tested_iter'] == test['best_iter'] else 'the last weights'
+    if test['tested_iter'] != test['best_iter'] and test['best_iter']:
+        weights += f" (no file holds those of iteration {test['best_iter']})"
     tested = '' if test_loss is None else \
-        (f", test loss {test_loss:.4f} ({test_loss / math.log(2):.3f} bits/token) with the best "
-         f"weights")
+        (f", test loss {test_loss:.4f} ({test_loss / math.log(2):.3f} bits/token) with {weights}")
     whose = ' (the EMA of the weights)' if test['ema'] else ''
     best = (f"best val loss{whose} {test['best_val_loss']:.4f} at iteration {test['best_iter']}"
             if test['best_by'] == 'val_loss' else

@@ -409,7 +409,7 @@ t_start, eval_seconds, save_seconds, first_loss = time.time(), 0.0, 0.0, None
 if smoke_stopped:  # as the loop stops: last.pt (here the state before the first step), then exit
     save(['last.pt'], gather(checkpoint.rng_state(device)))
     exits.exit_on_signal(progress.iter_num, max_iters, world_size, writer, device)
-while progress.iter_num < max_iters:
+while progress.iter_num < max_iters and not progress.out_of_patience(patience):
     # the step
     step = progress.iter_num + 1  # the iteration under way
     lr = optimizer.param_groups[0]['lr']  # AdamW's, learning_rate's schedule
@@ -453,7 +453,7 @@ while progress.iter_num < max_iters:
     # evaluation and saving
     saves, eval_took = evaluate_and_choose_saves() if evaluating else ([], 0.0)
     eval_seconds += eval_took
-    stopping_early = evaluating and patience > 0 and progress.evals_since_best >= patience
+    stopping_early = evaluating and progress.out_of_patience(patience)
     run_ends = progress.iter_num == max_iters or stops or stopping_early
     if (run_ends or interval) and 'last.pt' not in saves:
         saves.append('last.pt')
@@ -487,14 +487,18 @@ session_seconds = time.time() - t_start
 if overfit_one_batch and first_loss is not None:  # None: a finished run resumed, no step taken
     log(f"overfit one batch: loss {first_loss:.4f} -> {loss:.4f}")
 best = os.path.join(out_dir, 'best.pt')
-# last.pt holds the trained weights: now load the best
-if progress.best_iter > 0 and (test_eval or sample_tokens):
+# last.pt holds the trained weights: now load the best, where a file holds them (a resume from
+# another checkpoint may have found none: checkpoint.branch)
+tested_iter = progress.iter_num  # the weights the test split and the sample take
+held = (checkpoint.saved_state(best) or {}).get('iter_num')
+if progress.best_iter > 0 and held == progress.best_iter and (test_eval or sample_tokens):
     checkpoint.load_weights(checkpoint.load(best), best, raw_model, ema=ema)
+    tested_iter = progress.best_iter
 best_model = ema.module if ema else raw_model  # the weights best.pt was chosen by
 test_loss = split_loss('test', ema_eval_model if ema else eval_model) if test_eval else None
 runlog.done(progress, best_by, {'ema': bool(ema), 'test_loss': test_loss,
-                                'wall_seconds': session_seconds, 'eval_seconds': eval_seconds,
-                                'save_seconds': save_seconds,
+                                'tested_iter': tested_iter, 'wall_seconds': session_seconds,
+                                'eval_seconds': eval_seconds, 'save_seconds': save_seconds,
                                 'total_seconds': seconds_before + session_seconds}, start_iter)
 if sample_tokens and (master or sharded):  # a sharded model's forward needs every rank
     sample.run_end_sample(best_model, data_meta['tokenizer'], sample_tokens, seed, device, autocast,

@@ -279,6 +279,13 @@ def test_diagnoses_from_made_up_metrics(tmp_path):
     # no last.pt: init_from=auto redoes the run from what it started from
     assert ('torchrun --standalone --nproc_per_node=2 train.py config/tiny.py --resume_from=x.pt '
             '--init_from=auto' in text)
+    # with last.pt: a resume at this patience is refused, auto redoes the end: patience is raised
+    config['patience'] = {'value': 3, 'source': 'command line'}
+    open(os.path.join(out, 'last.pt'), 'w').close()
+    text = made_up_report(out, config, meta, records)
+    assert ('Train on past the early stop (from the directory it was started in), more patient:\n\n'
+            '    torchrun --standalone --nproc_per_node=2 train.py config/tiny.py --init_from=resume '
+            '--patience=6\n' in text), text
 
 
 def test_tasks_added_on_resume_are_reported_from_the_evaluations_that_scored_them(tmp_path):

@@ -204,6 +204,24 @@ def test_a_run_folder_moved_after_a_kill_resumes_with_each_step_logged_once(tmp_
     assert [r['step'] for r in read_metrics(moved, 'train')] == list(range(1, 13))
 
 
+def test_a_resume_whose_best_weights_no_file_holds_tests_the_last_and_says_so(tmp_path, data_dir):
+    out, source, branch = (str(tmp_path / name) for name in ('run', 'source', 'branch'))
+    run_train(out, data_dir, '--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10',
+              '--checkpoint_interval=5', '--keep_checkpoints=4')
+    # iteration 15's state alone, in a folder of its own: its best, 10, is in no file there; made
+    # a val loss the session's evaluation at 16 cannot beat
+    os.makedirs(source)
+    ckpt = torch.load(os.path.join(out, 'ckpt-000015.pt'), weights_only=True)
+    torch.save({**ckpt, 'best_val_loss': 0.0}, os.path.join(source, 'at15.pt'))
+    result = run_train(branch, data_dir, '--max_iters=16', '--lr_decay_iters=20',
+                       '--eval_interval=10', '--init_from=resume',
+                       f'--resume_from={source}/at15.pt', '--test_eval=True')
+    assert not os.path.exists(os.path.join(branch, 'best.pt'))
+    [test] = read_metrics(branch, 'test')
+    assert test['best_iter'] == 10 and test['tested_iter'] == 16
+    assert ' with the last weights (no file holds those of iteration 10); ' in result.stdout
+
+
 def test_refuses_mismatched_or_corrupt_checkpoints(tmp_path, data_dir):
     out = str(tmp_path / 'run')
     run_train(out, data_dir, '--max_iters=10', '--lr_decay_iters=10', '--eval_interval=10')

@@ -52,6 +52,17 @@ def test_patience_stops_early_and_without_always_save_last_pt_follows_each_best(
     report.write_report(out)
     assert ('Status: **early-stopped**: at iteration 6 of 20'
             in open(os.path.join(out, 'report.md')).read())
+    # at this patience there is nothing to do: a resume is refused, auto redoes only the end
+    same = ['--learning_rate=0', '--warmup_iters=0', '--max_iters=20', '--eval_interval=2',
+            '--patience=2', '--always_save_checkpoint=False']
+    result = run_train(out, data_dir, *same, '--init_from=resume', check=False)
+    assert result.returncode == 2 and result.stderr == (
+        f"error: {out}/last.pt stopped early at iteration 6, 2 evaluations without a new best: "
+        f"patience=2 leaves nothing to do: raise patience\n")
+    result = run_train(out, data_dir, *same, '--init_from=auto')
+    assert [r['step'] for r in read_metrics(out, 'train')] == list(range(1, 7))
+    assert 'done: no iterations left, all 6 iterations' in result.stdout
+    assert [r['step'] for r in read_metrics(out, 'test')] == [6]  # the logs cut back to last.pt's
 
 
 def test_eval_iters_0_evaluates_the_whole_split(tmp_path, data_dir):

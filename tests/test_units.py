@@ -536,11 +536,18 @@ def test_the_done_line_says_whose_val_loss_best_pt_has(capsys, monkeypatch):
     # under ema_decay best_val_loss is the EMA's val loss; the eval lines show the raw weights' too
     monkeypatch.setattr(runlog, 'files', {name: io.StringIO() for name in runlog.LOGS})
     progress = checkpoint.Progress(iter_num=40, best_iter=20, best_val_loss=2.5, best_acc_norm=0.75)
-    runlog.done(progress, 'acc_norm', {'ema': True, 'test_loss': None, 'wall_seconds': 10.0,
-                                       'eval_seconds': 2.0, 'save_seconds': 1.0,
-                                       'total_seconds': 10.0}, 0)
+    figures = {'ema': True, 'test_loss': None, 'tested_iter': 20, 'wall_seconds': 10.0,
+               'eval_seconds': 2.0, 'save_seconds': 1.0, 'total_seconds': 10.0}
+    runlog.done(progress, 'acc_norm', figures, 0)
     assert ("best acc_norm (the EMA of the weights) 0.7500 at iteration 20, val loss (the EMA of "
             "the weights) 2.5000 there;" in capsys.readouterr().out)
+    # the test loss: with the best weights, or where no file held them the last
+    runlog.done(progress, 'acc_norm', {**figures, 'test_loss': 2.0}, 0)
+    assert " 2.5000 there, test loss 2.0000 (2.885 bits/token) with the best weights;" in (
+        capsys.readouterr().out)
+    runlog.done(progress, 'acc_norm', {**figures, 'test_loss': 2.0, 'tested_iter': 40}, 0)
+    assert (" with the last weights (no file holds those of iteration 20);"
+            in capsys.readouterr().out)
 
 
 def test_long_steps_show_progress_as_lines_in_a_log_and_a_bar_on_a_terminal(capsys, monkeypatch):
@@ -856,6 +863,50 @@ def test_shards_folders_no_checkpoint_names_go_and_an_unreadable_checkpoint_keep
     # a whole last.pt, holding its state itself: shards-10 is no checkpoint's, shards-20 best.pt's
     assert writer.write({'iter_num': 30, 'model': torch.zeros(2)}, ['last.pt']) is None
     assert [p.name for p in tmp_path.glob('shards-*')] == ['shards-20']
+
+
+def test_the_tasks_that_choose_best_pt_may_not_change_on_resume():
+    defaults = {'best_by': 'val_loss', 'eval_tasks': 'a.jsonl', 'eval_tasks_examples': 500}
+    ckpt = {'config': defaults}
+    assert checkpoint.why_not_resume(ckpt, {**defaults, 'eval_tasks': 'b.jsonl'}, defaults) == ''
+    # best_by='acc_norm': the best so far is the tasks' mean acc_norm
+    by_tasks = {**defaults, 'best_by': 'acc_norm'}
+    ckpt = {'config': by_tasks}
+    assert checkpoint.why_not_resume(ckpt, {**by_tasks, 'eval_tasks_examples': 100}, defaults) == (
+        "was trained with other settings (eval_tasks_examples=500 there, 100 here)")
+
+
+def test_a_resume_from_another_checkpoint_replaces_the_continuation_it_abandons(tmp_path):
+    def save(path, iter_num, best_iter, best_val_loss):
+        torch.save({'iter_num': iter_num, 'best_iter': best_iter, 'best_val_loss': best_val_loss},
+                   path)
+        return torch.load(path, weights_only=True)
+    run, other = tmp_path / 'run', tmp_path / 'other'
+    run.mkdir(), other.mkdir()
+    # a wsd run to 40: its best at 30, stable.pt at 33, kept checkpoints of 20 and 40
+    stable = save(run / 'stable.pt', 33, 30, 1.5)
+    save(run / 'ckpt-000020.pt', 20, 20, 1.7)
+    save(run / 'ckpt-000040.pt', 40, 40, 1.2)
+    for name in ('best.pt', 'last.pt'):
+        save(run / name, 40, 40, 1.2)
+    (run / 'notes.pt').write_bytes(b'not a checkpoint')
+    # resumed from stable.pt: the later files go, last.pt is stable.pt's state; no file holds 30
+    removed = checkpoint.branch(str(run), str(run / 'stable.pt'), stable)
+    assert removed == ['best.pt (40)', 'last.pt (40)', 'ckpt-000040.pt (40)']
+    assert sorted(p.name for p in run.iterdir()) == ['ckpt-000020.pt', 'last.pt', 'notes.pt',
+                                                      'stable.pt']
+    assert os.path.samefile(run / 'last.pt', run / 'stable.pt')
+    # into another folder from a checkpoint whose best is kept beside it (a best.pt of another
+    # run is not it): last.pt and best.pt name them
+    save(other / 'best.pt', 30, 30, 1.9)
+    kept = save(run / 'ckpt-000030.pt', 30, 30, 1.5)
+    assert checkpoint.branch(str(other), str(run / 'stable.pt'), stable) == ['best.pt (30)']
+    assert os.path.samefile(other / 'last.pt', run / 'stable.pt')
+    assert os.path.samefile(other / 'best.pt', run / 'ckpt-000030.pt')
+    # from the best itself: it is best.pt too
+    assert checkpoint.branch(str(run), str(run / 'ckpt-000030.pt'), kept) == [
+        'last.pt (33)', 'stable.pt (33)']
+    assert os.path.samefile(run / 'best.pt', run / 'ckpt-000030.pt')
 
 
 def test_a_background_write_copies_tied_weights_once_and_reports_any_failure(tmp_path):
