@@ -187,19 +187,20 @@ def resume_command(meta, has_last, settings=None, ended=False):
                                   *(f'--{k}={v}' for k, v in settings.items())])
 
 
-def train_further(config, out_dir):
+def train_further(config, out_dir, skipped):
     """A finished run's (settings for resume_command, the sentence before it), as README's Resume
     says: a schedule not yet at min_lr goes on along it; one that has decayed stays at min_lr,
     since raising lr_decay_iters would put the rate back up; a wsd run cools down anew from
-    stable.pt."""
+    stable.pt. skipped: the optimizer steps float16 skipped, which the schedule does not count."""
     max_iters, decay_iters = config['max_iters']['value'], config['lr_decay_iters']['value']
     how = "Train further (from the directory it was started in)"
     if not config['decay_lr']['value']:
         return {'max_iters': 2 * max_iters}, f"{how}:"
-    if decay_iters > max_iters:
-        return ({'max_iters': min(2 * max_iters, decay_iters)},
+    steps = max_iters - skipped
+    if decay_iters > steps:
+        return ({'max_iters': max_iters + min(max_iters, decay_iters - steps)},
                 f"{how}; the learning rate goes on along its schedule, which reaches min_lr at "
-                f"lr_decay_iters={decay_iters}:")
+                f"lr_decay_iters={decay_iters} optimizer steps ({steps} taken):")
     stable_here = os.path.exists(os.path.join(out_dir, 'stable.pt'))
     if config['lr_schedule']['value'] == 'wsd' and stable_here:
         # the command's own out_dir: it runs where the run was started, not where report.py is
@@ -391,7 +392,8 @@ def write_report(out_dir):
     lines += [f"- {name}: {os.path.join(out_dir, name)}" for name in ('best.pt', 'last.pt')
               if os.path.exists(os.path.join(out_dir, name))]
     if word == 'finished':  # nothing left to do at this max_iters: the command must raise it
-        settings, how = train_further(config, out_dir)
+        skipped = train[-1].get('skipped_total', 0) if train else 0
+        settings, how = train_further(config, out_dir, skipped)
         command = resume_command(meta, has_last, settings)
     elif word == 'early-stopped' and has_last:  # nor at this patience (auto redoes the end)
         command = resume_command(meta, has_last, {'patience': 2 * config['patience']['value']})

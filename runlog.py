@@ -8,6 +8,8 @@ kept: a run that stops at a mistake writes nothing. How a run ends before its la
 exits.py.
 """
 import atexit
+import errno
+import fcntl
 import glob
 import importlib.metadata
 import importlib.util
@@ -35,6 +37,7 @@ files = {}  # LOGS, open for appending once start() has run
 early_lines = []  # logged before start() opened train.log: it begins with them
 tensorboard = None  # a SummaryWriter when asked
 wandb = None  # the wandb module when asked
+lock_file = None  # out_dir/.lock, held while the run goes on (lock)
 
 
 def log(message, stream=None):
@@ -155,6 +158,9 @@ def open_run(out_dir, resumed, config, sources, session):
     keep_bytes = resumed[1]['log_bytes'] if here else None if resumed else {}
     try:
         os.makedirs(out_dir, exist_ok=True)
+        if not lock(out_dir):
+            return (f"out_dir '{out_dir}' is in use: another run writes there now (it holds "
+                    f"{os.path.join(out_dir, '.lock')}): let it end, or use another out_dir")
         cut_logs(out_dir, keep_bytes)
         for name in LOGS:
             files[name] = open(os.path.join(out_dir, name), 'a')
@@ -182,6 +188,19 @@ def open_run(out_dir, resumed, config, sources, session):
         wandb = wandb_module
         wandb.init(project=config['wandb_project'], name=config['wandb_run_name'], config=config,
                    resume='allow')
+
+
+def lock(out_dir):
+    """Whether this process now holds out_dir's lock, for as long as it runs: no other run writes
+    there meanwhile (a scheduler's second start, torchrun workers a killed agent left). A POSIX
+    lock: the process's own, not its forked loader workers', and gone with it however it ends."""
+    global lock_file
+    lock_file = open(os.path.join(out_dir, '.lock'), 'a')
+    try:
+        fcntl.lockf(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:  # held by another process; a filesystem without locks holds none
+        return e.errno not in (errno.EACCES, errno.EAGAIN)
+    return True
 
 
 def cut_logs(out_dir, keep_bytes):

@@ -485,7 +485,8 @@ if ran_to_max_iters and distributed.any_rank(exits.stop_signal is not None, devi
     exits.exit_on_signal(progress.iter_num, max_iters, world_size, writer, device)
 session_seconds = time.time() - t_start
 if overfit_one_batch and first_loss is not None:  # None: a finished run resumed, no step taken
-    log(f"overfit one batch: loss {first_loss:.4f} -> {loss:.4f}")
+    log(f"overfit one batch: loss {first_loss:.4f} -> {loss:.4f}"
+        f"{f' (iterations {start_iter + 1}-{progress.iter_num})' if start_iter else ''}")
 best = os.path.join(out_dir, 'best.pt')
 # last.pt holds the trained weights: now load the best, where a file holds them (a resume from
 # another checkpoint may have found none: checkpoint.branch)

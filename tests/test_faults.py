@@ -5,6 +5,7 @@ checkpoint whole, and, once the fault is fixed, a resume that is bitwise the run
 Where the machine lets a test mount a small filesystem (tmpfs, as root) the disk is really full or
 read-only; elsewhere the fault is made at the same call (tests/probe.py)."""
 import contextlib
+import fcntl
 import glob
 import os
 import re
@@ -152,6 +153,23 @@ def test_an_out_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path, data
         assert result.stderr == (f"error: out_dir '{out}' cannot be written ({why}): pick a "
                                  f"writable out_dir\n")
         assert not os.path.exists(out)
+
+
+def test_a_second_run_into_an_out_dir_in_use_is_refused_in_one_line(tmp_path, data_dir):
+    out = str(tmp_path / 'run')
+    run_train(out, data_dir, *ARGS)
+    logged = open(os.path.join(out, 'metrics.jsonl')).read()
+    # this process holds the lock, as a run still training there (a scheduler's first start) does
+    with open(os.path.join(out, '.lock'), 'a') as held:
+        fcntl.lockf(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        result = run_train(out, data_dir, *ARGS, '--init_from=auto', check=False)
+        assert result.returncode == 2 and result.stderr == (
+            f"error: out_dir '{out}' is in use: another run writes there now (it holds "
+            f"{out}/.lock): let it end, or use another out_dir\n")
+        assert open(os.path.join(out, 'metrics.jsonl')).read() == logged
+    # let go (as when that run ends, however it ends): auto redoes the end
+    result = run_train(out, data_dir, *ARGS, '--init_from=auto')
+    assert 'done: no iterations left' in result.stdout
 
 
 def test_an_out_dir_that_is_a_file_is_refused_before_anything_is_built(tmp_path, data_dir):

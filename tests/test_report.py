@@ -306,28 +306,32 @@ def test_tasks_added_on_resume_are_reported_from_the_evaluations_that_scored_the
     assert os.path.exists(os.path.join(out, 'curves.png'))
 
 
-# (max_iters, lr_decay_iters, lr_schedule, decay_lr, the sentence's words, the command's end)
+# (max_iters, lr_decay_iters, lr_schedule, decay_lr, float16's skipped steps, the sentence's words,
+# the command's end)
 FURTHER = [
     # resumed to 80 of config/tiny.py's 1500-iteration schedule: far from min_lr, so max_iters alone
-    (80, 1500, 'cosine', True, 'goes on along its schedule, which reaches min_lr at '
-     'lr_decay_iters=1500', '--init_from=resume --max_iters=160'),
-    (80, 100, 'wsd', True, 'goes on along its schedule', '--init_from=resume --max_iters=100'),
+    (80, 1500, 'cosine', True, 0, 'goes on along its schedule, which reaches min_lr at '
+     'lr_decay_iters=1500 optimizer steps (80 taken)', '--init_from=resume --max_iters=160'),
+    (80, 100, 'wsd', True, 0, 'goes on along its schedule', '--init_from=resume --max_iters=100'),
     # decayed: on at min_lr, since a longer cosine would be a second warm-up
-    (80, 80, 'cosine', True, 'reached min_lr at lr_decay_iters=80 and stays there (raising '
+    (80, 80, 'cosine', True, 0, 'reached min_lr at lr_decay_iters=80 and stays there (raising '
      'lr_decay_iters too would put it back up', '--init_from=resume --max_iters=160'),
+    # float16 skipped 20 steps, which the schedule does not count: 20 more reach min_lr
+    (80, 80, 'cosine', True, 20, 'goes on along its schedule, which reaches min_lr at '
+     'lr_decay_iters=80 optimizer steps (60 taken)', '--init_from=resume --max_iters=100'),
     # README's way for wsd: from stable.pt, with a longer schedule
-    (80, 60, 'wsd', True, 'from stable.pt, written where the decay began',
+    (80, 60, 'wsd', True, 0, 'from stable.pt, written where the decay began',
      '--init_from=resume --resume_from=OUT/stable.pt --max_iters=160 --lr_decay_iters=160'),
-    (80, 80, 'cosine', False, 'Train further (from the directory it was started in):',
+    (80, 80, 'cosine', False, 0, 'Train further (from the directory it was started in):',
      '--init_from=resume --max_iters=160'),
 ]
 
 
-@pytest.mark.parametrize('max_iters, decay_iters, schedule, decay_lr, says, command', FURTHER,
-                         ids=['resumed-to-80-of-1500', 'decaying-to-100', 'decayed-cosine',
-                              'decayed-wsd', 'constant'])
+@pytest.mark.parametrize('max_iters, decay_iters, schedule, decay_lr, skipped, says, command',
+                         FURTHER, ids=['resumed-to-80-of-1500', 'decaying-to-100', 'decayed-cosine',
+                                       'float16-skips', 'decayed-wsd', 'constant'])
 def test_train_further_follows_the_schedule(tmp_path, max_iters, decay_iters, schedule, decay_lr,
-                                            says, command):
+                                            skipped, says, command):
     out = str(tmp_path / 'run')
     os.makedirs(out)
     for name in ('last.pt', 'stable.pt'):  # as a wsd run leaves them (only their presence counts)
@@ -338,7 +342,8 @@ def test_train_further_follows_the_schedule(tmp_path, max_iters, decay_iters, sc
               | {'resolved': {'device': 'cpu', 'dtype': 'float32'}})
     meta = {'command': ['train.py', 'config/tiny.py', f'--out_dir={out}', '--init_from=resume',
                         f'--max_iters={max_iters}']}
-    records = ([{'kind': 'start', 'step': 0, 'time': 0.0}, train_record(max_iters, 1.0),
+    records = ([{'kind': 'start', 'step': 0, 'time': 0.0},
+                train_record(max_iters, 1.0) | {'skipped_total': skipped},
                 {'kind': 'eval', 'step': max_iters, 'train_loss': 2.0, 'val_loss': 2.1},
                 {'kind': 'test', 'step': max_iters, 'best_iter': max_iters, 'test_loss': None,
                  'total_seconds': 2.0}])
