@@ -412,50 +412,67 @@ def kept_checkpoints(out_dir, up_to=None):
 
 def saved_state(path):
     """A checkpoint file's loop counters (a dict of Progress's fields and 'shards'), read
-    memory-mapped, or None where it is missing or unreadable."""
+    memory-mapped, or None where it is missing, unreadable or no checkpoint of a run."""
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
-    except Exception:  # missing, truncated, not a checkpoint: holds no iteration of this run
+    except Exception:  # missing, truncated, not a torch.save file: holds no iteration of a run
         return None
+    if not (isinstance(ckpt, dict) and isinstance(ckpt.get('iter_num'), int)):
+        return None  # a bare state_dict, an export's weights
     names = [field.name for field in dataclasses.fields(Progress)] + ['shards']
-    return {name: ckpt.get(name) for name in names} if isinstance(ckpt, dict) else None
+    return {name: ckpt.get(name) for name in names}
+
+
+def same_file(a, b):
+    """Whether two paths name one file (a link, another spelling); a missing one names none."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def branch(out_dir, path, ckpt):
-    """A resume from path, a checkpoint other than out_dir's last.pt (stable.pt, a kept one, another
-    run's): out_dir's checkpoints of later iterations, and a best.pt that is not of path's best
-    evaluation, belong to a continuation this session replaces (its logs are cut too): removed.
-    last.pt becomes a second name of path (a stop before the first save resumes it again), and
-    best.pt of a checkpoint of path's best evaluation where one is kept (path, a ckpt-ITER.pt, its
-    folder's best.pt); a sharded checkpoint of another folder, whose shards are there, of neither.
-    Returns the names removed, each with its iteration."""
-    def is_best(file):  # the state at path's best evaluation: its iteration, and its val loss
-        saved = saved_state(file)
+    """A resume from path: out_dir's checkpoints of later iterations, and a best.pt not of path's
+    best evaluation, belong to a continuation this session replaces (its logs are cut too). They
+    move, with the shards folders only they name, into out_dir/replaced-ITER/ (ITER: path's), out
+    of the way of init_from=auto, sample.py and verify.py, yet kept (a mistyped resume_from loses
+    nothing). Where path is another checkpoint of out_dir than last.pt (stable.pt, a kept one),
+    last.pt becomes a second name of it (a stop before the first save resumes it again), and
+    best.pt of a checkpoint of its best evaluation where one is kept there; a checkpoint of another
+    folder (whose logs and shards are there) gives neither: the command's resume_from names it.
+    Returns the names moved, each with its iteration, and where to."""
+    def is_best(saved):  # the state at path's best evaluation: its iteration and its val loss
         return saved and (saved['iter_num'], saved['best_val_loss']) == (ckpt['best_iter'],
                                                                          ckpt['best_val_loss'])
-    removed = []
     names = ['best.pt', 'last.pt', 'stable.pt'] + [os.path.basename(p)
                                                    for p in kept_checkpoints(out_dir)]
-    for file in (os.path.join(out_dir, name) for name in names):
-        saved = saved_state(file)
-        if saved is None or os.path.samefile(file, path):
-            continue
-        if saved['iter_num'] > ckpt['iter_num'] or (file.endswith('best.pt') and not is_best(file)):
-            os.remove(file)
-            removed.append(f"{os.path.basename(file)} ({saved['iter_num']})")
-    folder = os.path.dirname(path)
-    if 'shards' in ckpt and os.path.realpath(folder) != os.path.realpath(out_dir):
-        return removed
+    files = {name: saved_state(os.path.join(out_dir, name)) for name in names}
+    stale = []
+    for name, saved in files.items():
+        later = saved and saved['iter_num'] > ckpt['iter_num']
+        other_best = saved and name == 'best.pt' and not is_best(saved)
+        if (later or other_best) and not same_file(os.path.join(out_dir, name), path):
+            stale.append(name)
+    replaced = unused_name(out_dir, f"replaced-{ckpt['iter_num']:06d}")
+    if stale:
+        os.mkdir(os.path.join(out_dir, replaced))
+    kept_shards = {saved['shards'] for name, saved in files.items() if saved and name not in stale}
+    for folder in {files[name]['shards'] for name in stale} - kept_shards - {None}:
+        os.replace(os.path.join(out_dir, folder), os.path.join(out_dir, replaced, folder))
+    for name in stale:
+        os.replace(os.path.join(out_dir, name), os.path.join(out_dir, replaced, name))
+    moved = [f"{name} ({files[name]['iter_num']})" for name in stale]
+    here = os.path.realpath(os.path.dirname(path)) == os.path.realpath(out_dir)
     last, best = os.path.join(out_dir, 'last.pt'), os.path.join(out_dir, 'best.pt')
-    if not (os.path.exists(last) and os.path.samefile(last, path)):
-        link_file(path, last)
-    kept = [path] + [os.path.join(f, n) for f in (out_dir, folder)
-                     for n in (f"ckpt-{ckpt['best_iter']:06d}.pt", 'best.pt')]
-    found = [file for file in kept if ckpt['best_iter'] and not os.path.exists(best)
-             and is_best(file)]
-    if found:
-        link_file(found[0], best)
-    return removed
+    if not here or same_file(last, path):
+        return moved, replaced
+    link_file(path, last)
+    if ckpt['best_iter'] and not os.path.exists(best):
+        for name in (os.path.basename(path), f"ckpt-{ckpt['best_iter']:06d}.pt", 'stable.pt'):
+            if is_best(saved_state(os.path.join(out_dir, name))):
+                link_file(os.path.join(out_dir, name), best)
+                break
+    return moved, replaced
 
 
 def shards_named(path):

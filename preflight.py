@@ -208,21 +208,18 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
         check(not why,
               f"{ckpt_path} {why}: use the checkpoint's settings and data, or a new out_dir")
         # auto, the command a scheduler repeats: run again on its finished run (at max_iters, or
-        # stopped early), it redoes the end (the test split, the sample, the report) a kill may
+        # out of patience), it redoes the end (the test split, the sample, the report) a kill may
         # have cut short
-        progress = checkpoint.Progress(iter_num=ckpt['iter_num'],
-                                       evals_since_best=ckpt.get('evals_since_best', 0))
-        out_of_patience = progress.out_of_patience(c['patience'])
-        again = c['init_from'] == 'auto' and (progress.iter_num == c['max_iters'] or
-                                              out_of_patience)
-        check(ckpt['iter_num'] < c['max_iters'] or again,
+        auto = c['init_from'] == 'auto'
+        check(ckpt['iter_num'] < c['max_iters'] or (auto and ckpt['iter_num'] == c['max_iters']),
               f"{ckpt_path} is at iteration {ckpt['iter_num']}: max_iters={c['max_iters']} "
               f"leaves nothing to do: raise max_iters (README, Resume, says what the learning rate "
               f"does then)")
-        check(not out_of_patience or again,
-              f"{ckpt_path} stopped early at iteration {ckpt['iter_num']}, "
-              f"{progress.evals_since_best} evaluations without a new best: "
-              f"patience={c['patience']} leaves nothing to do: raise patience")
+        progress = checkpoint.Progress(evals_since_best=ckpt.get('evals_since_best', 0))
+        check(auto or not progress.out_of_patience(c['patience']),
+              f"{ckpt_path} is at iteration {ckpt['iter_num']}, {progress.evals_since_best} "
+              f"evaluations after its best: patience={c['patience']} stops the run there, leaving "
+              f"nothing to do: raise patience")
 
     if c['eval_iters'] == 0:  # train's loss too, a mere check of the fit: on large data, hours
         windows = {s: -(-(splits[s].num_tokens - 1) // c['block_size']) for s in ('train', 'val')}

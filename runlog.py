@@ -150,8 +150,8 @@ def open_run(out_dir, resumed, config, sources, session):
     been moved), the logs keep what it had logged and lose what came after, since those steps are
     redone; from one in another folder they stay whole; a new run cuts them all (one stopped here
     before its first checkpoint). Temp files a killed save left are dropped: never read, safe to
-    remove. Resumed from another checkpoint than out_dir's last.pt, checkpoint.branch makes
-    out_dir's checkpoints those of the run as it now goes on."""
+    remove. On resume, checkpoint.branch makes out_dir's checkpoints those of the run as it now
+    goes on."""
     global run_dir, with_report, tensorboard, wandb
     run_dir, with_report = out_dir, config['write_report']
     here = resumed and os.path.realpath(os.path.dirname(resumed[0])) == os.path.realpath(out_dir)
@@ -168,11 +168,10 @@ def open_run(out_dir, resumed, config, sources, session):
         files['train.log'].write(''.join(line + '\n' for line in early_lines))
         for path in glob.glob(os.path.join(glob.escape(out_dir), '*.tmp')):
             os.remove(path)
-        last = os.path.join(out_dir, 'last.pt')
-        if resumed and not (os.path.exists(last) and os.path.samefile(last, resumed[0])):
-            if removed := checkpoint.branch(out_dir, *resumed):
-                log(f"resuming from {resumed[0]}, not last.pt: removed {', '.join(removed)}, "
-                    f"of the continuation this session replaces")
+        moved, replaced = checkpoint.branch(out_dir, *resumed) if resumed else ([], '')
+        if moved:
+            log(f"moved {', '.join(moved)} into {os.path.join(out_dir, replaced)}: checkpoints "
+                f"after {resumed[0]}, of the continuation this session replaces")
         settings = {k: {'value': config[k], 'source': sources[k]} for k in config}
         resolved = {'device': session['device'], 'dtype': session['dtype']}
         checkpoint.write_json(os.path.join(out_dir, 'config.json'),
@@ -196,6 +195,7 @@ def lock(out_dir):
     lock: the process's own, not its forked loader workers', and gone with it however it ends."""
     global lock_file
     lock_file = open(os.path.join(out_dir, '.lock'), 'a')
+    atexit.register(lock_file.close)  # at exit, after the logs (registered before them)
     try:
         fcntl.lockf(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:  # held by another process; a filesystem without locks holds none
@@ -357,7 +357,7 @@ def done(progress, best_by, figures, first_iter):
         sessions = f"iterations {first_iter + 1}-{step} in {seconds:.0f} s, {every_session}"
     weights = 'the best weights' if test['tested_iter'] == test['best_iter'] else 'the last weights'
     if test['tested_iter'] != test['best_iter'] and test['best_iter']:
-        weights += f" (no file holds those of iteration {test['best_iter']})"
+        weights += f" (out_dir has no best.pt of iteration {test['best_iter']})"
     tested = '' if test_loss is None else \
         (f", test loss {test_loss:.4f} ({test_loss / math.log(2):.3f} bits/token) with {weights}")
     whose = ' (the EMA of the weights)' if test['ema'] else ''

@@ -41,8 +41,9 @@ REPLAY = {'test_eval': False, 'sample_tokens': 0, 'write_report': False, 'keep_c
 # what a replay computes again: each train record's FIGURES, an eval record's all but NOT_FIGURES
 FIGURES = ('loss', 'grad_norm', 'lr', 'scale', 'skipped_total', 'epoch')
 NOT_FIGURES = ('kind', 'step', 'time', 'seconds')
-# a checkpoint's entries that say where and when it was written, not what state it holds
-WHERE_AND_WHEN = ('config', 'log_bytes', 'train_seconds', 'shards')
+# a checkpoint's entries that say where, when and by what code it was written, not what state it
+# holds (an older format's dataset record is shorter; the replay's resume checks the data itself)
+WHERE_AND_WHEN = ('config', 'log_bytes', 'train_seconds', 'shards', 'migrated', 'dataset')
 # what no kernel's order of addition can change: a difference there is no drift
 COUNTERS = ('iter_num', 'scheduler', 'scaler', 'sampler', 'rng')
 # the loop's counters an evaluation sets (checkpoint.Progress.new_best)
@@ -250,10 +251,16 @@ def main(config, sources):
         replayed = gathered(replayed_path, checkpoint.load(replayed_path))
         expected = gathered(end_path, end_ckpt)
     counters = state_difference(expected, replayed, COUNTERS)
-    # the rest may drift on a GPU; the replay evaluates at its last iteration, which the run did
-    # only where it logged an evaluation there
-    skipped = WHERE_AND_WHEN + COUNTERS + (() if (last, 'eval') in run_figures else BEST)
+    # the rest may drift on a GPU. The replay evaluates every eval_interval and at its end; the
+    # run did also where a session of it ended (at its max_iters), and not at last where it only
+    # saved there: its best so far then differs from the replay's
+    evaluated = {step for step, kind in run_figures if kind == 'eval'}
+    same_evaluations = evaluated == {step for step in range(first + 1, last + 1)
+                                     if step % settings['eval_interval'] == 0 or step == last}
+    skipped = WHERE_AND_WHEN + COUNTERS + (() if same_evaluations else BEST)
     rest = [key for key in {**expected, **replayed} if key not in skipped]
+    for figures in [] if same_evaluations else [*run_figures.values(), *replay_figures.values()]:
+        figures.pop('best_val_loss', None)  # the eval records' best so far
     weights = state_difference(expected, replayed, rest)
     compared = [key for key in replay_figures if key in run_figures]
     steps = sum(kind == 'train' for _, kind in compared)

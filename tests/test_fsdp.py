@@ -54,15 +54,17 @@ def test_fsdp_matches_one_process_resumes_exactly_and_checkpoints_activations(tm
     assert sorted(f for f in os.listdir(fsdp) if f.startswith('ckpt-')) == ['ckpt-000020.pt',
                                                                             'ckpt-000030.pt']
     # its shards of 20, written while steps went on, replay it; in its own out_dir, whose files of
-    # 26 and 30 it removes at its start (checkpoint.branch), and their shards after its first save:
-    # that save's, at 26, go to a folder of their own (the logs are cut back to 20 and go on)
+    # 26 and 30 move aside at its start with their shards (checkpoint.branch; the logs are cut back
+    # to 20 and go on)
     straight = trajectory(fsdp)
     ok(torchrun(fsdp, data_dir, *SAME, '--layer_lr_decay=0.5', '--parallel=fsdp', '--ema_decay=0.8',
                 '--lr_schedule=wsd', '--keep_checkpoints=2', '--async_save=True',
                 '--init_from=resume', f"--resume_from={os.path.join(fsdp, 'ckpt-000020.pt')}"))
     assert trajectory(fsdp) == straight
     assert sorted(f for f in os.listdir(fsdp) if f.startswith('shards-')) == [
-        'shards-20', 'shards-26.1', 'shards-30']
+        'shards-20', 'shards-26', 'shards-30']
+    assert sorted(os.listdir(os.path.join(fsdp, 'replaced-000020'))) == [
+        'best.pt', 'ckpt-000030.pt', 'last.pt', 'shards-26', 'shards-30', 'stable.pt']
     # stop at 14 (after sharded checkpoints at 10 and 14, written in the background) and resume
     # from the shards, the second part with activation checkpointing on: bitwise the uninterrupted
     # run, so neither the resume nor recomputation changes a loss; the EMA's val losses neither

@@ -176,8 +176,8 @@ def test_load_errors_are_one_line(tiny_gpt2, tmp_path, monkeypatch):
     shutil.copy(os.path.join(tiny_gpt2, 'model.safetensors'), lone)
     json.dump({'n_head': {'value': 4, 'source': 'default'}}, open(lone.parent / 'config.json', 'w'))
     assert refusal(str(lone)) == (
-        f"{lone.parent}/config.json is not a Hugging Face GPT-2 config.json (a dict whose n_head is "
-        f"a positive integer): put the weights in a folder with their own config.json")
+        f"{lone.parent}/config.json is not a Hugging Face GPT-2 config.json (a dict whose n_head "
+        f"is a positive integer): put the weights in a folder with their own config.json")
     monkeypatch.setitem(sys.modules, 'huggingface_hub', None)  # as if not installed
     assert 'pip install huggingface_hub' in refusal('gpt2')
 

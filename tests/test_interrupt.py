@@ -1,6 +1,7 @@
 """Preemption as clusters and terminals deliver it: SIGTERM or Ctrl-C ends the run after the step
 under way with a whole last.pt, and the resumed run is bitwise the run that was never
 interrupted."""
+import fcntl
 import json
 import os
 import signal
@@ -166,6 +167,9 @@ def test_a_stop_after_the_last_step_leaves_the_end_to_init_from_auto(tmp_path, d
     proc = start([PROBE, *train_cmd(out, data_dir, *args)],
                  env={**os.environ, 'PROBE_HOLD_SAVE': '1'})
     wait_for_stderr(proc, 'probe: holding the write of')
+    # a run holds out_dir's lock while it goes on: a second run there would be refused
+    with open(os.path.join(out, '.lock'), 'a') as lock, pytest.raises(OSError):
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 143, stderr

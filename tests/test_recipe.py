@@ -359,13 +359,13 @@ def test_a_finished_run_trains_further_without_warming_up_again(tmp_path, data_d
     assert lrs[:19] == [3e-3] * 19 and 3e-4 < lrs[20] < 3e-3 and lrs[-1] < 6e-4  # cooled down anew
     # the straight wsd run had decayed by then: the longer one had not
     assert [r['lr'] for r in read_metrics(wsd, 'train')][30] < 3e-3
-    # README's command, in the run's own folder: the files of the cooldown it replaces go at once
-    # (a stop before the first save resumes stable.pt again), and the run is the longer one
+    # README's command, in the run's own folder: the files of the cooldown it replaces move aside
+    # at once (a stop before the first save resumes stable.pt again), and the run is the longer one
     result = run_train(wsd, data_dir, '--lr_schedule=wsd', '--wsd_decay_frac=0.5',
                        '--init_from=resume', f"--resume_from={os.path.join(wsd, 'stable.pt')}",
                        '--max_iters=80', '--lr_decay_iters=80')
-    assert (f"resuming from {wsd}/stable.pt, not last.pt: removed best.pt (40), last.pt (40), of "
-            f"the continuation this session replaces" in result.stdout), result.stdout
+    assert (f"moved best.pt (40), last.pt (40) into {wsd}/replaced-000023: checkpoints after "
+            f"{wsd}/stable.pt, of the continuation this session replaces" in result.stdout)
     def figures(run):
         return [(r['step'], r['loss'], r['lr']) for r in read_metrics(run, 'train')]
     assert figures(wsd)[23:] == figures(longer)

@@ -283,9 +283,9 @@ def test_diagnoses_from_made_up_metrics(tmp_path):
     config['patience'] = {'value': 3, 'source': 'command line'}
     open(os.path.join(out, 'last.pt'), 'w').close()
     text = made_up_report(out, config, meta, records)
-    assert ('Train on past the early stop (from the directory it was started in), more patient:\n\n'
-            '    torchrun --standalone --nproc_per_node=2 train.py config/tiny.py --init_from=resume '
-            '--patience=6\n' in text), text
+    assert ('Train on past the early stop (from the directory it was started in), more '
+            'patient:\n\n    torchrun --standalone --nproc_per_node=2 train.py config/tiny.py '
+            '--init_from=resume --patience=6\n' in text), text
 
 
 def test_tasks_added_on_resume_are_reported_from_the_evaluations_that_scored_them(tmp_path):

@@ -219,7 +219,7 @@ def test_a_resume_whose_best_weights_no_file_holds_tests_the_last_and_says_so(tm
     assert not os.path.exists(os.path.join(branch, 'best.pt'))
     [test] = read_metrics(branch, 'test')
     assert test['best_iter'] == 10 and test['tested_iter'] == 16
-    assert ' with the last weights (no file holds those of iteration 10); ' in result.stdout
+    assert ' with the last weights (out_dir has no best.pt of iteration 10); ' in result.stdout
 
 
 def test_refuses_mismatched_or_corrupt_checkpoints(tmp_path, data_dir):

@@ -57,8 +57,8 @@ def test_patience_stops_early_and_without_always_save_last_pt_follows_each_best(
             '--patience=2', '--always_save_checkpoint=False']
     result = run_train(out, data_dir, *same, '--init_from=resume', check=False)
     assert result.returncode == 2 and result.stderr == (
-        f"error: {out}/last.pt stopped early at iteration 6, 2 evaluations without a new best: "
-        f"patience=2 leaves nothing to do: raise patience\n")
+        f"error: {out}/last.pt is at iteration 6, 2 evaluations after its best: patience=2 stops "
+        f"the run there, leaving nothing to do: raise patience\n")
     result = run_train(out, data_dir, *same, '--init_from=auto')
     assert [r['step'] for r in read_metrics(out, 'train')] == list(range(1, 7))
     assert 'done: no iterations left, all 6 iterations' in result.stdout

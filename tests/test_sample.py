@@ -126,7 +126,8 @@ def test_export_writes_only_a_new_file_which_sample_reads_and_train_refuses_to_r
     # a folder no one may write in (even root: /proc), and a folder named as the checkpoint
     assert refused(run_sample(f'--out_dir={run_dir}', '--export=/proc/w.pt'),
                    'cannot write /proc/w.pt (')
-    assert refused(run_sample(f'--ckpt={run_dir}'), f'checkpoint {run_dir} is a folder: set out_dir')
+    assert refused(run_sample(f'--ckpt={run_dir}'),
+                   f'checkpoint {run_dir} is a folder: set out_dir')
     assert open(best, 'rb').read() == before and not (tmp_path / 'no').exists()
     exported = str(tmp_path / 'w.pt')
     assert run_sample(f'--out_dir={run_dir}', f'--export={exported}').returncode == 0

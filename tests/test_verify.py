@@ -62,6 +62,20 @@ def test_a_run_verifies_and_an_edited_weight_and_logged_loss_are_named(tmp_path,
 
 def test_evaluations_and_the_loops_counters_are_compared_too(tmp_path, data_dir):
     run = str(tmp_path / 'run')
+    # a first session to 15, evaluated at its end; learning rate 0: the val loss is flat, so the
+    # best stays at 10 while the evaluations since it count up
+    flat = ['--learning_rate=0', '--checkpoint_interval=5', '--keep_checkpoints=4']
+    run_train(run, data_dir, *ARGS, *flat, '--max_iters=15')
+    run_train(run, data_dir, *ARGS, *flat, '--init_from=resume')
+    # the replay of 6-15 evaluates at 10 and 15 as the run did; that of 11-20 at 20 only, where the
+    # run also did at 15: its best so far is not the run's, and not compared
+    for start, end, evaluations in ((5, 15, 2), (10, 20, 1)):
+        result = forked.run('verify.py', f'--start={run}/ckpt-{start:06d}.pt',
+                            f'--end={run}/ckpt-{end:06d}.pt')
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stdout.startswith(f'reproduced: iterations {start + 1}-{end}, 10 logged '
+                                        f'steps and {evaluations} evaluation(s)'), result.stdout
+    run = str(tmp_path / 'moving')
     run_train(run, data_dir, *ARGS, '--checkpoint_interval=5', '--keep_checkpoints=4')
     # the replay evaluates at its last iteration, 15, which the run only saved at: its best so
     # far is not the run's, and not compared
