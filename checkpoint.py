@@ -432,15 +432,14 @@ def same_file(a, b):
 
 
 def branch(out_dir, path, ckpt):
-    """A resume from path: out_dir's checkpoints of later iterations, and a best.pt not of path's
-    best evaluation, belong to a continuation this session replaces (its logs are cut too). They
-    move, with the shards folders only they name, into out_dir/replaced-ITER/ (ITER: path's), out
-    of the way of init_from=auto, sample.py and verify.py, yet kept (a mistyped resume_from loses
-    nothing). Where path is another checkpoint of out_dir than last.pt (stable.pt, a kept one),
-    last.pt becomes a second name of it (a stop before the first save resumes it again), and
-    best.pt of a checkpoint of its best evaluation where one is kept there; a checkpoint of another
-    folder (whose logs and shards are there) gives neither: the command's resume_from names it.
-    Returns the names moved, each with its iteration, and where to."""
+    """A resume from path, another checkpoint of out_dir than its last.pt (stable.pt, best.pt, a
+    kept one): out_dir's checkpoints of later iterations, and a best.pt not of path's best
+    evaluation, belong to the continuation this session replaces (its log records are cut, as on
+    every resume). They move, with the shards folders only they name, into out_dir/replaced-ITER/
+    (ITER: path's), out of the way of init_from=auto, sample.py and verify.py, and kept. last.pt
+    becomes a second name of path (a stop before the first save resumes it again), and best.pt of a
+    checkpoint of its best evaluation where one is kept. Returns the names moved, each with its
+    iteration, and that folder's name."""
     def is_best(saved):  # the state at path's best evaluation: its iteration and its val loss
         return saved and (saved['iter_num'], saved['best_val_loss']) == (ckpt['best_iter'],
                                                                          ckpt['best_val_loss'])
@@ -453,26 +452,23 @@ def branch(out_dir, path, ckpt):
         other_best = saved and name == 'best.pt' and not is_best(saved)
         if (later or other_best) and not same_file(os.path.join(out_dir, name), path):
             stale.append(name)
-    replaced = unused_name(out_dir, f"replaced-{ckpt['iter_num']:06d}")
+    replaced = unused_name(out_dir, f"replaced-{ckpt['iter_num']:06d}") if stale else ''
     if stale:
         os.mkdir(os.path.join(out_dir, replaced))
+    for name in stale:  # the files, then their shards: a kill between leaves no file without them
+        os.replace(os.path.join(out_dir, name), os.path.join(out_dir, replaced, name))
     kept_shards = {saved['shards'] for name, saved in files.items() if saved and name not in stale}
     for folder in {files[name]['shards'] for name in stale} - kept_shards - {None}:
-        os.replace(os.path.join(out_dir, folder), os.path.join(out_dir, replaced, folder))
-    for name in stale:
-        os.replace(os.path.join(out_dir, name), os.path.join(out_dir, replaced, name))
-    moved = [f"{name} ({files[name]['iter_num']})" for name in stale]
-    here = os.path.realpath(os.path.dirname(path)) == os.path.realpath(out_dir)
-    last, best = os.path.join(out_dir, 'last.pt'), os.path.join(out_dir, 'best.pt')
-    if not here or same_file(last, path):
-        return moved, replaced
-    link_file(path, last)
+        with contextlib.suppress(FileNotFoundError):  # moved by a move a kill cut short
+            os.replace(os.path.join(out_dir, folder), os.path.join(out_dir, replaced, folder))
+    best = os.path.join(out_dir, 'best.pt')
+    link_file(path, os.path.join(out_dir, 'last.pt'))
     if ckpt['best_iter'] and not os.path.exists(best):
         for name in (os.path.basename(path), f"ckpt-{ckpt['best_iter']:06d}.pt", 'stable.pt'):
             if is_best(saved_state(os.path.join(out_dir, name))):
                 link_file(os.path.join(out_dir, name), best)
                 break
-    return moved, replaced
+    return [f"{name} ({files[name]['iter_num']})" for name in stale], replaced
 
 
 def shards_named(path):
@@ -523,7 +519,7 @@ def unused_name(out_dir, name):
     """name, or name.K, the first that out_dir lacks: DCP writes its files in place, and after a
     resume from an earlier checkpoint into the same out_dir, a later one may name shards-ITER."""
     taken, k = name, 0
-    while os.path.exists(os.path.join(out_dir, taken)):
+    while os.path.lexists(os.path.join(out_dir, taken)):
         k += 1
         taken = f"{name}.{k}"
     return taken

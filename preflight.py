@@ -180,7 +180,10 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
                 c['init_from'], c['block_size'], data_meta['vocab_size'])
     except (checkpoint.CheckpointError, hf.HFError) as e:
         check(False, e)
-    check_out_dir(c['out_dir'], resuming or c['init_from'] == 'auto')
+    # a checkpoint of another folder into an out_dir of its own run would mix the two runs' logs
+    elsewhere = resuming and (os.path.realpath(os.path.dirname(os.path.abspath(ckpt_path)))
+                              != os.path.realpath(c['out_dir']))
+    check_out_dir(c['out_dir'], (resuming or c['init_from'] == 'auto') and not elsewhere)
     model_config = dataclasses.replace(model_config, vocab_size=data_meta['vocab_size'])
     if pretrained:  # the shape comes from the weights, on resume too; config.json records it
         shape = {k: (ckpt['model_args'] if resuming else pretrained_args)[k] for k in hf.SHAPE_KEYS}

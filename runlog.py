@@ -150,8 +150,8 @@ def open_run(out_dir, resumed, config, sources, session):
     been moved), the logs keep what it had logged and lose what came after, since those steps are
     redone; from one in another folder they stay whole; a new run cuts them all (one stopped here
     before its first checkpoint). Temp files a killed save left are dropped: never read, safe to
-    remove. On resume, checkpoint.branch makes out_dir's checkpoints those of the run as it now
-    goes on."""
+    remove. Resumed from another checkpoint of out_dir than last.pt, checkpoint.branch makes its
+    checkpoints those of the run as it now goes on."""
     global run_dir, with_report, tensorboard, wandb
     run_dir, with_report = out_dir, config['write_report']
     here = resumed and os.path.realpath(os.path.dirname(resumed[0])) == os.path.realpath(out_dir)
@@ -161,6 +161,11 @@ def open_run(out_dir, resumed, config, sources, session):
         if not lock(out_dir):
             return (f"out_dir '{out_dir}' is in use: another run writes there now (it holds "
                     f"{os.path.join(out_dir, '.lock')}): let it end, or use another out_dir")
+        if here and not checkpoint.same_file(os.path.join(out_dir, 'last.pt'), resumed[0]):
+            moved, replaced = checkpoint.branch(out_dir, *resumed)
+            if moved:
+                log(f"moved {', '.join(moved)} into {os.path.join(out_dir, replaced)}: the "
+                    f"continuation after iteration {resumed[1]['iter_num']} this session replaces")
         cut_logs(out_dir, keep_bytes)
         for name in LOGS:
             files[name] = open(os.path.join(out_dir, name), 'a')
@@ -168,10 +173,6 @@ def open_run(out_dir, resumed, config, sources, session):
         files['train.log'].write(''.join(line + '\n' for line in early_lines))
         for path in glob.glob(os.path.join(glob.escape(out_dir), '*.tmp')):
             os.remove(path)
-        moved, replaced = checkpoint.branch(out_dir, *resumed) if resumed else ([], '')
-        if moved:
-            log(f"moved {', '.join(moved)} into {os.path.join(out_dir, replaced)}: checkpoints "
-                f"after {resumed[0]}, of the continuation this session replaces")
         settings = {k: {'value': config[k], 'source': sources[k]} for k in config}
         resolved = {'device': session['device'], 'dtype': session['dtype']}
         checkpoint.write_json(os.path.join(out_dir, 'config.json'),

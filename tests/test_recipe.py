@@ -364,8 +364,8 @@ def test_a_finished_run_trains_further_without_warming_up_again(tmp_path, data_d
     result = run_train(wsd, data_dir, '--lr_schedule=wsd', '--wsd_decay_frac=0.5',
                        '--init_from=resume', f"--resume_from={os.path.join(wsd, 'stable.pt')}",
                        '--max_iters=80', '--lr_decay_iters=80')
-    assert (f"moved best.pt (40), last.pt (40) into {wsd}/replaced-000023: checkpoints after "
-            f"{wsd}/stable.pt, of the continuation this session replaces" in result.stdout)
+    assert (f"moved best.pt (40), last.pt (40) into {wsd}/replaced-000023: the continuation "
+            f"after iteration 23 this session replaces" in result.stdout)
     def figures(run):
         return [(r['step'], r['loss'], r['lr']) for r in read_metrics(run, 'train')]
     assert figures(wsd)[23:] == figures(longer)

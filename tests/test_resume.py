@@ -220,6 +220,14 @@ def test_a_resume_whose_best_weights_no_file_holds_tests_the_last_and_says_so(tm
     [test] = read_metrics(branch, 'test')
     assert test['best_iter'] == 10 and test['tested_iter'] == 16
     assert ' with the last weights (out_dir has no best.pt of iteration 10); ' in result.stdout
+    # the same command again: out_dir now holds a run of its own, whose logs the other folder's
+    # checkpoint would mix with another session's
+    result = run_train(branch, data_dir, '--max_iters=16', '--lr_decay_iters=20',
+                       '--eval_interval=10', '--init_from=resume',
+                       f'--resume_from={source}/at15.pt', '--test_eval=True', check=False)
+    assert result.returncode == 2 and result.stderr == (
+        f"error: out_dir '{branch}' already holds a checkpoint: resume it (init_from=resume or "
+        f"auto), or use another\n")
 
 
 def test_refuses_mismatched_or_corrupt_checkpoints(tmp_path, data_dir):

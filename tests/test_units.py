@@ -876,51 +876,48 @@ def test_the_tasks_that_choose_best_pt_may_not_change_on_resume():
         "was trained with other settings (eval_tasks_examples=500 there, 100 here)")
 
 
-def test_a_resume_moves_the_continuation_it_replaces_out_of_the_way(tmp_path):
+def test_a_resume_from_an_earlier_checkpoint_moves_the_continuation_it_replaces_aside(tmp_path):
     def save(path, iter_num, best_iter, best_val_loss, shards=None):
         torch.save({'iter_num': iter_num, 'best_iter': best_iter, 'best_val_loss': best_val_loss,
                     **({'shards': shards} if shards else {})}, path)
         return torch.load(path, weights_only=True)
-    run, other = tmp_path / 'run', tmp_path / 'other'
-    run.mkdir(), other.mkdir()
-    # a wsd run to 40: its best at 30, stable.pt at 33, kept checkpoints of 20 and 40, sharded
+    run = tmp_path / 'run'
+    run.mkdir()
+    # a wsd run to 40: its best at 30, stable.pt at 33, kept checkpoints of 20 and 40, sharded; a
+    # kept one of 45 whose shards a move cut short took already
     stable = save(run / 'stable.pt', 33, 30, 1.5, 'shards-33')
     save(run / 'ckpt-000020.pt', 20, 20, 1.7, 'shards-20')
+    save(run / 'ckpt-000045.pt', 45, 40, 1.2, 'shards-45')
     for name in ('best.pt', 'last.pt', 'ckpt-000040.pt'):
         save(run / name, 40, 40, 1.2, 'shards-40')
     for folder in ('shards-20', 'shards-33', 'shards-40'):
         (run / folder).mkdir()
     (run / 'notes.pt').write_bytes(b'not a checkpoint')
     torch.save({'wte.weight': torch.zeros(2)}, run / 'ckpt-000050.pt')  # a bare state_dict
-    # resumed from stable.pt: the later files move aside with their shards, last.pt is stable.pt's
-    # state; no file holds 30, so no best.pt
+    # from stable.pt: the later files move aside with their shards, last.pt is stable.pt's state;
+    # no file holds 30, so there is no best.pt
     moved, replaced = checkpoint.branch(str(run), str(run / 'stable.pt'), stable)
-    assert (moved, replaced) == (['best.pt (40)', 'last.pt (40)', 'ckpt-000040.pt (40)'],
-                                 'replaced-000033')
+    assert moved == ['best.pt (40)', 'last.pt (40)', 'ckpt-000040.pt (40)', 'ckpt-000045.pt (45)']
+    assert replaced == 'replaced-000033'
     assert sorted(p.name for p in run.iterdir()) == [
         'ckpt-000020.pt', 'ckpt-000050.pt', 'last.pt', 'notes.pt', 'replaced-000033', 'shards-20',
         'shards-33', 'stable.pt']
     assert sorted(p.name for p in (run / replaced).iterdir()) == [
-        'best.pt', 'ckpt-000040.pt', 'last.pt', 'shards-40']
+        'best.pt', 'ckpt-000040.pt', 'ckpt-000045.pt', 'last.pt', 'shards-40']
     assert os.path.samefile(run / 'last.pt', run / 'stable.pt')
     # from the best itself, kept: it is best.pt too; a second move from 30 goes to a folder of its
     # own
     kept = save(run / 'ckpt-000030.pt', 30, 30, 1.5)
+    (run / 'replaced-000030').symlink_to(tmp_path / 'nowhere')
     moved, replaced = checkpoint.branch(str(run), str(run / 'ckpt-000030.pt'), kept)
-    assert moved == ['last.pt (33)', 'stable.pt (33)'] and replaced == 'replaced-000030'
+    assert moved == ['last.pt (33)', 'stable.pt (33)'] and replaced == 'replaced-000030.1'
     assert os.path.samefile(run / 'best.pt', run / 'ckpt-000030.pt')
     assert os.path.samefile(run / 'last.pt', run / 'ckpt-000030.pt')
     assert (run / replaced / 'shards-33').is_dir()
-    # last.pt itself, put back by hand to 30 (README's cp and mv) with a kept checkpoint of 45
-    save(run / 'ckpt-000045.pt', 45, 30, 1.5)
-    assert checkpoint.branch(str(run), str(run / 'last.pt'), kept) == (['ckpt-000045.pt (45)'],
-                                                                       'replaced-000030.1')
-    # into another folder: its later files move aside, nothing is linked (the command's
-    # resume_from names the checkpoint, whose logs and shards are in its folder)
-    save(other / 'last.pt', 60, 60, 1.1)
-    assert checkpoint.branch(str(other), str(run / 'ckpt-000030.pt'), kept) == (
-        ['last.pt (60)'], 'replaced-000030')
-    assert sorted(p.name for p in other.iterdir()) == ['replaced-000030']
+    # from 20: what the session from 30 wrote moves aside too
+    assert checkpoint.branch(str(run), str(run / 'ckpt-000020.pt'), save(
+        run / 'ckpt-000020.pt', 20, 20, 1.7, 'shards-20')) == (
+        ['best.pt (30)', 'last.pt (30)', 'ckpt-000030.pt (30)'], 'replaced-000020')
 
 
 def test_a_background_write_copies_tied_weights_once_and_reports_any_failure(tmp_path):
