@@ -154,6 +154,14 @@ def catch_stop_signals():
     signal.signal(signal.SIGTERM, request_stop)
 
 
+def stop_at_once():
+    """From now on (a run's end: the test split, the sample, the report, nothing left to save)
+    SIGINT and SIGTERM take their default action and end the process at once: last.pt holds the
+    run, and init_from=auto redoes the end. A stop heard before is stop_signal's, for the caller."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def exit_on_signal(step, max_iters, world_size, writer, device):
     """The run stops for a signal (on any rank) once last.pt holds step (writer: the run's
     checkpoint.Writer, whose write in flight ends first): a stop record, the line that says how to

@@ -191,7 +191,7 @@ def float16_warning(device, model_config, batch_size):
     if slow < 1.5 * fast:
         return ''
     return (f"warning: dtype=float16 on this CPU is emulated: an MLP matmul of this model took "
-            f"{slow * 1e3:.1f} ms in float16 against {fast * 1e3:.1f} ms in float32 "
+            f"{slow * 1e3:.3g} ms in float16 against {fast * 1e3:.3g} ms in float32 "
             f"({slow / fast:.0f}x slower): use dtype=bfloat16 or float32")
 
 

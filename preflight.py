@@ -8,6 +8,7 @@ session for meta.json. A refusal is one line naming the problem and the fix, exi
 (exits.check); a run that stops here has written nothing.
 """
 import dataclasses
+import json
 import os
 import sys
 
@@ -68,6 +69,9 @@ def settings(defaults, argv, world_size, ddp):
     except (ConfigError, ValueError) as e:  # the model's shape too
         check(False, e)
     c = config
+    cpus = os.cpu_count() or 1  # each worker a process: thousands of them exhaust the memory
+    check(c['num_workers'] <= cpus, f"num_workers={c['num_workers']} is more than this machine's "
+          f"{cpus} CPUs: use at most {cpus} (0 loads in the training process)")
     # a path that is not there: else the line listed what it is meant to be
     a_path = os.sep in c['init_from'] or c['init_from'].endswith('.safetensors')
     check(c['init_from'] in ('scratch', 'resume', 'auto') or hf.is_source(c['init_from']),
@@ -183,7 +187,8 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
     # a checkpoint of another folder into an out_dir of its own run would mix the two runs' logs
     elsewhere = resuming and (os.path.realpath(os.path.dirname(os.path.abspath(ckpt_path)))
                               != os.path.realpath(c['out_dir']))
-    check_out_dir(c['out_dir'], (resuming or c['init_from'] == 'auto') and not elsewhere)
+    check_out_dir(c['out_dir'], (resuming or c['init_from'] == 'auto') and not elsewhere,
+                  os.path.join(c['data_dir'], c['dataset']))
     model_config = dataclasses.replace(model_config, vocab_size=data_meta['vocab_size'])
     if pretrained:  # the shape comes from the weights, on resume too; config.json records it
         shape = {k: (ckpt['model_args'] if resuming else pretrained_args)[k] for k in hf.SHAPE_KEYS}
@@ -246,12 +251,23 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
                  dtype, muon_dtype, peak_flops, session)
 
 
-def check_out_dir(out_dir, may_hold_a_checkpoint):
-    """Refuses an out_dir that is a file, or holds a checkpoint (unless the run may resume it) or
-    a dataset (a mistyped out_dir, or data_dir's: the run's meta.json would replace the
-    dataset's)."""
-    check(os.path.isdir(out_dir) or not os.path.exists(out_dir),
-          f"out_dir '{out_dir}' is a file: name a folder (a new one is created)")
+def check_out_dir(out_dir, may_hold_a_checkpoint, dataset_dir):
+    """Refuses an out_dir that cannot be a run's folder: none named, a file (or under one), the
+    dataset's folder or one in it (prepare.py replaces that folder whole), or a folder that holds a
+    checkpoint (unless the run may resume it), a dataset (the run's meta.json would replace the
+    dataset's) or another program's config.json (a Hugging Face model's: the run's would replace
+    it)."""
+    check(out_dir, "out_dir is empty: name a folder (a new one is created)")
+    above = os.path.abspath(out_dir)
+    while not os.path.exists(above):
+        above = os.path.dirname(above)
+    what = 'a file' if above == os.path.abspath(out_dir) else f"under a file, {above}"
+    check(os.path.isdir(above), f"out_dir '{out_dir}' is {what}: name a folder (a new one is "
+                                f"created)")
+    inside = os.path.realpath(out_dir) + os.sep
+    check(not inside.startswith(os.path.realpath(dataset_dir) + os.sep),
+          f"out_dir '{out_dir}' is in the dataset's folder {dataset_dir}, which prepare.py "
+          f"replaces whole: use a folder of its own")
     holds_one = any(os.path.exists(os.path.join(out_dir, f)) for f in ('last.pt', 'best.pt'))
     check(may_hold_a_checkpoint or not holds_one,
           f"out_dir '{out_dir}' already holds a checkpoint: resume it (init_from=resume or auto), "
@@ -260,6 +276,19 @@ def check_out_dir(out_dir, may_hold_a_checkpoint):
     check(not any(datafiles.SHARD_NAME.search(f) or f == datafiles.FINGERPRINTS for f in files),
           f"out_dir '{out_dir}' holds a dataset (its shards or {datafiles.FINGERPRINTS}), whose "
           f"meta.json a run would overwrite: use another out_dir")
+    check('config.json' not in files or runs_config(os.path.join(out_dir, 'config.json')),
+          f"out_dir '{out_dir}' holds a config.json that is not a train.py run's (a Hugging Face "
+          f"model's?), which the run's would replace: use another out_dir")
+
+
+def runs_config(path):
+    """Whether the config.json at path is a train.py run's: each key's value and source."""
+    try:
+        with open(path) as f:
+            settings = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(settings, dict) and isinstance(settings.get('out_dir'), dict)
 
 
 def check_fits(model_config, device, sharded):

@@ -481,6 +481,7 @@ exits.unsaved(writer.wait(), progress.iter_num, writer, device)
 # a stop heard in this session's last evaluation or save leaves the end (test split, sample) to
 # init_from=auto; an early stop ends as it would have (auto would train on to the next evaluation)
 ran_to_max_iters = progress.iter_num == max_iters and start_iter < max_iters
+exits.stop_at_once()  # a long sample or test split must not hold off a cluster's SIGTERM
 if ran_to_max_iters and distributed.any_rank(exits.stop_signal is not None, device):
     exits.exit_on_signal(progress.iter_num, max_iters, world_size, writer, device)
 session_seconds = time.time() - t_start

@@ -149,9 +149,10 @@ def test_an_out_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path, data
         out = str(tmp_path / 'ro' / ('run' if mounted else 'file/run'))
         result = run_train(out, data_dir, *ARGS, check=False)
         assert result.returncode == 2 and result.stderr.count('\n') == 1, result.stderr
-        why = 'Read-only file system' if mounted else 'Not a directory'
-        assert result.stderr == (f"error: out_dir '{out}' cannot be written ({why}): pick a "
-                                 f"writable out_dir\n")
+        assert result.stderr == (
+            f"error: out_dir '{out}' cannot be written (Read-only file system): pick a writable "
+            f"out_dir\n" if mounted else f"error: out_dir '{out}' is under a file, "
+            f"{tmp_path}/ro/file: name a folder (a new one is created)\n")
         assert not os.path.exists(out)
 
 
@@ -179,6 +180,22 @@ def test_an_out_dir_that_is_a_file_is_refused_before_anything_is_built(tmp_path,
     assert result.returncode == 2 and result.stderr == (
         f"error: out_dir '{out}' is a file: name a folder (a new one is created)\n")
     assert 'building the model' not in result.stdout and out.read_text() == 'mine'
+    # nor one a run cannot own: none, under a file, in the dataset's folder (prepare.py replaces
+    # it whole), a Hugging Face model's folder (its config.json would be replaced)
+    model = tmp_path / 'model'
+    model.mkdir()
+    (model / 'config.json').write_text('{"model_type": "gpt2", "n_head": 4}')
+    for out, why in (('', "out_dir is empty: name a folder"),
+                     (f'{out}/run', f"out_dir '{out}/run' is under a file, {out}: name a folder"),
+                     (f'{data_dir}/toy/run', f"out_dir '{data_dir}/toy/run' is in the dataset's "
+                                             f"folder {data_dir}/toy, which prepare.py replaces"),
+                     (str(model), f"out_dir '{model}' holds a config.json that is not a train.py "
+                                  f"run's")):
+        result = run_train(out, data_dir, *ARGS, check=False)
+        assert result.returncode == 2 and result.stderr.startswith(f"error: {why}"), result.stderr
+        assert result.stderr.count('\n') == 1 and 'building the model' not in result.stdout
+    assert sorted(os.listdir(model)) == ['config.json']
+    assert not os.path.exists(f'{data_dir}/toy/run')
 
 
 # in the training process the change is met at the next read; a loader worker has read ahead.

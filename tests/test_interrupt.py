@@ -184,6 +184,21 @@ def test_a_stop_after_the_last_step_leaves_the_end_to_init_from_auto(tmp_path, d
     assert len(read_metrics(out, 'test')) == 1 and len(trajectory(out)) == 10
 
 
+def test_a_stop_during_the_end_ends_the_process_at_once(tmp_path, data_dir):
+    # the end saves nothing: a sample of a billion tokens must not hold off a cluster's SIGTERM
+    out = str(tmp_path / 'run')
+    args = [*ARGS, '--max_iters=8', '--lr_decay_iters=8', '--eval_interval=8',
+            '--sample_tokens=1000000000']
+    proc = start(train_cmd(out, data_dir, *args))
+    log, deadline = os.path.join(out, 'train.log'), time.time() + 120
+    while not (os.path.exists(log) and 'done: ' in open(log).read()):  # then the sample
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGTERM
+
+
 def test_a_stop_in_an_early_stops_evaluation_ends_the_run_as_an_early_stop(tmp_path, data_dir):
     # learning_rate 0: the evaluation at 10 is no better than 5's, and patience=1 ends the run
     # there; a SIGTERM while that save is held changes nothing (a resume would train on to the next

@@ -184,9 +184,16 @@ def test_an_out_dir_that_holds_a_dataset_is_refused(tmp_path, data_dir):
     def files():  # but fingerprints.json, the data's cache, which opening the data may write
         return {f.name: f.read_bytes() for f in dataset.iterdir() if f.name != 'fingerprints.json'}
     before = files()
+    # the run's own dataset's folder, which prepare.py replaces whole, or another dataset's
     result = run_train(str(dataset), str(tmp_path), check=False)
     assert result.returncode == 2 and result.stderr == (
-        f"error: out_dir '{dataset}' holds a dataset (its shards or fingerprints.json), whose "
+        f"error: out_dir '{dataset}' is in the dataset's folder {dataset}, which prepare.py "
+        f"replaces whole: use a folder of its own\n")
+    other = tmp_path / 'other'
+    shutil.copytree(dataset, other)
+    result = run_train(str(other), str(tmp_path), check=False)
+    assert result.returncode == 2 and result.stderr == (
+        f"error: out_dir '{other}' holds a dataset (its shards or fingerprints.json), whose "
         f"meta.json a run would overwrite: use another out_dir\n")
     assert files() == before
 
@@ -269,6 +276,10 @@ def test_nanogpt_config_runs_unchanged(tmp_path, data_dir):
                  marks=pytest.mark.fresh),
     (['--device=cuda'], "error: device='cuda' but CUDA is not available here: use device=cpu"),
     (['--checkpoint_interval=-1'], "error: checkpoint_interval=-1 must not be negative"),
+    # each worker a process: thousands of them took the machine's memory
+    (['--num_workers=100000'], f"error: num_workers=100000 is more than this machine's "
+                               f"{os.cpu_count()} CPUs: use at most {os.cpu_count()} (0 loads in "
+                               f"the training process)"),
     (['--lr_schedule=linear'], "error: lr_schedule='linear': use 'cosine' or 'wsd'"),
     # a negative clip flips the gradients
     (['--grad_clip=-1'], "error: grad_clip=-1.0 must not be negative"),
