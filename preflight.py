@@ -282,13 +282,13 @@ def check_out_dir(out_dir, may_hold_a_checkpoint, dataset_dir):
 
 
 def runs_config(path):
-    """Whether the config.json at path is a train.py run's: each key's value and source."""
+    """Whether the config.json at path is a train.py run's (of any commit): it names out_dir."""
     try:
         with open(path) as f:
             settings = json.load(f)
     except (OSError, ValueError):
         return False
-    return isinstance(settings, dict) and isinstance(settings.get('out_dir'), dict)
+    return isinstance(settings, dict) and 'out_dir' in settings
 
 
 def check_fits(model_config, device, sharded):
