@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import signal
 import sys
 import sysconfig
 import tempfile
@@ -287,6 +288,10 @@ worker = {}  # this process's job(text, digest), set once by init_worker
 
 
 def init_worker(job):
+    # the parent alone handles a stop (main): a terminal's Ctrl-C reaches the whole process group,
+    # and the pool ends its processes with SIGTERM
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     worker['job'] = job
 
 
@@ -352,7 +357,8 @@ def processed(items, num_proc, job):
         for batch in batched(items):
             yield from process_batch(batch)
         return
-    with multiprocessing.get_context('fork').Pool(num_proc, init_worker, (job,)) as pool:
+    pool = multiprocessing.get_context('fork').Pool(num_proc, init_worker, (job,))
+    try:
         pending = collections.deque()
         for batch in batched(items):
             pending.append(pool.apply_async(process_batch_in_pool, (batch,)))
@@ -360,6 +366,11 @@ def processed(items, num_proc, job):
                 yield from pending.popleft().get()
         while pending:
             yield from pending.popleft().get()
+    finally:  # also after an error or a stop: the processes end their batches (a second or two)
+        # not Pool.terminate: it kills processes that may be sending a result, and then waits
+        # forever for the result queue's lock such a process held
+        pool.close()
+        pool.join()
 
 
 class Progress:
@@ -575,6 +586,10 @@ def replaced(out_dir, input_path, ranks_path=None):
         if source == target or source.startswith(target + os.sep):
             raise PrepareError(f'input {input_path} is in {out_dir}, the folder this dataset '
                                f'replaces: move the input out of it, or pick another name')
+        # a second run would read the first one's shards
+        if os.path.isdir(source) and target.startswith(source + os.sep):
+            raise PrepareError(f'{out_dir} is inside the input folder {input_path}: pass a '
+                               f'--data_dir outside it')
     if ranks_path is not None and os.path.realpath(ranks_path).startswith(target + os.sep):
         raise PrepareError(f'tokenizer {ranks_path} is in {out_dir}, the folder this dataset '
                            f'replaces, and the new dataset would name it: copy it out of that '
@@ -612,7 +627,8 @@ def prepare(name, data_dir=DATA_DIR, input_path=None, tokenizer=None, seed=1337,
     if not 1 <= num_proc <= cpus:  # more only wait for a CPU; thousands never start
         raise PrepareError(f'num_proc={num_proc} must be from 1 to the {cpus} CPUs of this '
                            f'machine (tokenizer processes)')
-    tokenizer = tokenizer or ('gpt2' if name == 'shakespeare' else 'char')
+    if tokenizer is None:
+        tokenizer = 'gpt2' if name == 'shakespeare' else 'char'
     # before reading anything, so a bad --tokenizer fails fast
     tok, bpe_vocab_size = given_tokenizer(tokenizer)
 
@@ -620,10 +636,14 @@ def prepare(name, data_dir=DATA_DIR, input_path=None, tokenizer=None, seed=1337,
     # so a failed run never leaves a half-written dataset or destroys the previous one
     out_dir = os.path.join(data_dir, name)
     replaced(out_dir, input_path, tokenizer if tokenizer.endswith('.tiktoken') else None)
-    new_data_dir = not os.path.exists(data_dir)
+    # the first folder of data_dir's path that is missing: a refused run removes what it made
+    made, folder = None, os.path.abspath(data_dir)
+    while not os.path.lexists(folder):
+        made, folder = folder, os.path.dirname(folder)
     try:
         os.makedirs(data_dir, exist_ok=True)
         work_dir = tempfile.mkdtemp(prefix=f'.{name}.', dir=data_dir)
+        old_dir = os.path.join(work_dir, 'old')  # the dataset replaced, until the end
     except OSError as e:  # a file in the way, or no permission
         raise PrepareError(f'data_dir {data_dir} cannot be made or written ({e.strerror}): pass '
                            f'--data_dir PATH of a folder that can be written') from None
@@ -686,15 +706,21 @@ def prepare(name, data_dir=DATA_DIR, input_path=None, tokenizer=None, seed=1337,
         with open(os.path.join(new_dir, 'meta.json'), 'w', encoding='utf-8') as f:
             json.dump(meta, f, indent=2, ensure_ascii=False)
         if os.path.exists(out_dir):
-            os.replace(out_dir, os.path.join(work_dir, 'old'))
+            os.replace(out_dir, old_dir)
         os.replace(new_dir, out_dir)
-    except BaseException:
+    except BaseException:  # Ctrl-C and SIGTERM too (main): the previous dataset or none, whole
+        if os.path.exists(old_dir) and not os.path.lexists(out_dir):  # stopped between the two
+            os.replace(old_dir, out_dir)
         shutil.rmtree(work_dir, ignore_errors=True)
-        if new_data_dir:
-            shutil.rmtree(data_dir, ignore_errors=True)
+        if made:
+            shutil.rmtree(made, ignore_errors=True)
         raise
     shutil.rmtree(work_dir, ignore_errors=True)
     return out_dir
+
+
+def stopped(signum, frame):
+    raise KeyboardInterrupt(signum)
 
 
 def main(argv=None):
@@ -716,11 +742,17 @@ def main(argv=None):
     parser.add_argument('--shard_size', type=int, default=100_000_000, help='tokens per shard file')
     parser.error = lambda message: fail(f"{message} (python prepare.py --help lists the arguments)")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, stopped)  # as Ctrl-C: prepare removes its temp folder
     try:
         out_dir = prepare(args.name, args.data_dir, args.input_path, args.tokenizer, args.seed,
                           args.text_key, args.num_proc, args.shard_size)
     except (PrepareError, tokenizer.TokenizerError) as e:
         fail(e)
+    except KeyboardInterrupt as e:
+        signum = e.args[0] if e.args else signal.SIGINT
+        print(f"prepare.py: stopped by {signal.Signals(signum).name}: a dataset is replaced whole "
+              f"or not at all", file=sys.stderr)
+        sys.exit(128 + signum)
     with open(os.path.join(out_dir, 'meta.json'), encoding='utf-8') as f:
         meta = json.load(f)
     trained = meta['tokenizer'].get('trained')

@@ -4,6 +4,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 
@@ -266,6 +267,13 @@ def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
      r'./two_docs exists and is not a dataset prepare.py wrote'),
     (['two_docs', '--input', 'two_docs/a', '--data_dir', '.'],
      r'input two_docs/a is in ./two_docs, the folder this dataset replaces'),
+    # a second run would have read the first one's shards as text
+    (['x', '--input', 'code', '--data_dir', 'code/data'],
+     r'code/data/x is inside the input folder code: pass a --data_dir outside it'),
+    # it was read as the default, char
+    (['x', '--input', 'good.txt', '--tokenizer', ''], "tokenizer '' not understood"),
+    # refused after the folders were made: all of them go again
+    (['x', '--input', 'tiny.txt', '--data_dir', 'new/deeper/data'], 'split has no tokens'),
 ])
 def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
     (tmp_path / 'empty.txt').write_bytes(b'')
@@ -335,6 +343,52 @@ def test_failing_rerun_leaves_existing_dataset_untouched(tmp_path, monkeypatch):
         prepare.prepare('x', data_dir=tmp_path / 'data', input_path=tmp_path / 'other.txt')
     assert folder_snapshot(tmp_path / 'data' / 'x') == before
     assert os.listdir(tmp_path / 'data') == ['x'], 'no temp folders left behind'
+
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_while_preparing_leaves_the_dataset_before_it_and_no_temp_folder(tmp_path, signum):
+    # the signal as a cluster or a terminal sends it, while two tokenizer processes work (the
+    # pool's shutdown hung at times); a stop just after the old dataset moved aside puts it back
+    (tmp_path / 'good.txt').write_text('some good text\n' * 20)
+    (tmp_path / 'other.txt').write_text('other text entirely\n' * 200000)  # 4 batches
+    assert run_cli('x', '--input', 'good.txt', cwd=tmp_path).returncode == 0
+    before = folder_snapshot(tmp_path / 'data' / 'x')
+    # Ctrl-C's handler as a terminal's python has it: a test's workers start processes ignoring it
+    code = ("import os, signal, sys, prepare\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "append = prepare.ShardWriter.append\n"
+            "def stopped(self, tokens):\n"
+            f"    os.kill(os.getpid(), {int(signum)})\n"
+            "    append(self, tokens)\n"
+            "prepare.ShardWriter.append = stopped\n"
+            "prepare.main(sys.argv[1:])\n")
+    for _ in range(3):
+        result = subprocess.run([sys.executable, '-c', code, 'x', '--input', 'other.txt',
+                                 '--num_proc', '2'], cwd=tmp_path, timeout=60,
+                                env={**os.environ, 'PYTHONPATH': os.path.dirname(PREPARE_PY)},
+                                capture_output=True, text=True)
+        assert result.returncode == 128 + signum and result.stderr == (
+            f"prepare.py: stopped by {signal.Signals(signum).name}: a dataset is replaced whole or "
+            f"not at all\n")
+        assert folder_snapshot(tmp_path / 'data' / 'x') == before
+        assert os.listdir(tmp_path / 'data') == ['x'], 'no temp folders left behind'
+
+
+def test_a_stop_between_the_two_renames_puts_the_old_dataset_back(tmp_path, monkeypatch):
+    (tmp_path / 'good.txt').write_text('some good text\n' * 20)
+    out = prepare.prepare('x', data_dir=tmp_path / 'data', input_path=tmp_path / 'good.txt')
+    before = folder_snapshot(out)
+    replace = os.replace
+
+    def stop_after_moving_aside(source, target):
+        replace(source, target)
+        if os.path.basename(target) == 'old':
+            raise KeyboardInterrupt
+    monkeypatch.setattr(prepare.os, 'replace', stop_after_moving_aside)
+    (tmp_path / 'other.txt').write_text('other text entirely\n' * 20)
+    with pytest.raises(KeyboardInterrupt):
+        prepare.prepare('x', data_dir=tmp_path / 'data', input_path=tmp_path / 'other.txt')
+    assert folder_snapshot(out) == before and os.listdir(tmp_path / 'data') == ['x']
 
 
 def test_a_ranks_file_in_the_dataset_it_replaces_is_refused(tmp_path):
