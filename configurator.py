@@ -29,7 +29,8 @@ class ConfigError(Exception):
 
 def fail(message):
     """A user's mistake: one line on stderr, exit code 2 (the caller has written nothing yet)."""
-    print(f"error: {message}", file=sys.stderr)
+    sys.stderr.write(f"error: {message}\n")  # one write: ranks failing at once keep their lines
+    sys.stderr.flush()
     tell_torchrun(f"error: {message}")
     sys.exit(2)
 

@@ -26,7 +26,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from datafiles import DataError, fingerprints, open_dataset, prepare_once, read_shard_header
-from prepare import SHARD
+from distributed import gather
+from prepare import SHARD, PrepareError
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 # an eval window with no targets: pads a rank's batches without counting anything twice
@@ -37,26 +38,52 @@ def open_splits(data_dir, dataset, block_size, first_on_node=True):
     """(meta, {split: TokenWindows}, identity) of a run's dataset; identity is what the ranks
     compare and a checkpoint records (its name, source, vocabulary, tokenizer and every shard's
     fingerprint). The first process of each node prepares the default dataset on first use and
-    hashes new shards while the others wait."""
+    hashes new shards while the others wait. Where any rank cannot open the data, every rank
+    raises DataError (agree): none is left waiting in a collective that rank never reaches."""
+    problem = None
     if first_on_node:
-        if dataset == 'pystdlib_char':
-            prepare_once(data_dir, dataset)
-        fingerprints([p for paths in open_dataset(data_dir, dataset)[1].values() for p in paths])
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+        try:
+            if dataset == 'pystdlib_char':
+                prepare_once(data_dir, dataset)
+            fingerprints([p for paths in open_dataset(data_dir, dataset)[1].values()
+                          for p in paths])
+        except (DataError, PrepareError) as e:
+            problem = str(e)
+    agree(problem)  # the others wait for the hashes here
+    try:
+        meta, splits = open_windows(data_dir, dataset, block_size)
+    except DataError as e:
+        problem = str(e)
+    agree(problem)
+    identity = {'name': meta['name'], 'source_sha256': meta.get('source_sha256'),
+                'vocab_size': meta['vocab_size'], 'tokenizer': meta['tokenizer'],
+                'shards': [shard for s in splits.values() for shard in s.shards]}
+    return meta, splits, identity
+
+
+def agree(problem):
+    """Every rank's problem opening the data (None: none), gathered: if any rank has one, a
+    DataError on every rank, with its own or the first failed rank's."""
+    failed = [(rank, p) for rank, p in enumerate(gather(problem)) if p]
+    if failed:
+        raise DataError(problem or f"rank {failed[0][0]} cannot open the data: {failed[0][1]}")
+
+
+def open_windows(data_dir, dataset, block_size):
+    """(meta, {split: TokenWindows}) of a dataset, each split checked for what the model needs."""
     meta, shard_paths = open_dataset(data_dir, dataset)
     splits = {s: TokenWindows(paths, block_size) for s, paths in shard_paths.items()}
-    # an id past the vocabulary would fail in the model, or on a GPU assert
-    for windows in splits.values():
+    for split, windows in splits.items():
+        if windows.num_tokens < 2:
+            raise DataError(f"dataset '{dataset}' has a {split} split of {windows.num_tokens} "
+                            f"token(s), nothing to predict: prepare it from more text")
+        # an id past the vocabulary would fail in the model, or on a GPU assert
         for path, largest in zip(windows.paths, windows.largest_ids):
             if largest >= meta['vocab_size']:
                 raise DataError(f"{path} holds token id {largest} but the dataset's meta.json has "
                                 f"vocab_size {meta['vocab_size']}: set it to the tokenizer's "
                                 f"vocabulary size")
-    identity = {'name': meta['name'], 'source_sha256': meta.get('source_sha256'),
-                'vocab_size': meta['vocab_size'], 'tokenizer': meta['tokenizer'],
-                'shards': [shard for s in splits.values() for shard in s.shards]}
-    return meta, splits, identity
+    return meta, splits
 
 
 class TokenWindows(Dataset):
@@ -190,9 +217,6 @@ class EvalSampler(Sampler):
 
     def __init__(self, num_tokens, block_size, batch_size, max_windows=0, rank=0, world_size=1,
                  equal_batches=False):
-        if num_tokens < 2:
-            raise DataError(f"a split of {num_tokens} token(s) has nothing to predict: use more "
-                            f"text")
         starts = torch.arange(0, num_tokens - 1, block_size)
         if 0 < max_windows < len(starts):
             starts = starts[torch.linspace(0, len(starts) - 1, max_windows).round().long().unique()]

@@ -84,15 +84,20 @@ def fingerprints(paths):
 def prepare_once(data_dir, name):
     """Prepare a built-in dataset (prepare.py, offline) where it is missing. Under torchrun the
     first process of each node calls this, since nodes need not share storage; those that do take
-    turns on a lock file and find it prepared by the first."""
+    turns on a lock file and find it prepared by the first. A prepared one takes no lock: a
+    read-only data_dir serves it."""
+    first_shard = os.path.join(data_dir, name, f'{name}_train_000000.bin')
+    if os.path.exists(first_shard):
+        return
     try:
         os.makedirs(data_dir, exist_ok=True)
-    except OSError as e:  # a file in the way
+        lock = open(os.path.join(data_dir, f'.{name}.lock'), 'w')
+    except OSError as e:  # a file in the way, or a folder that cannot be written
         raise DataError(f"data_dir '{data_dir}' cannot hold datasets ({e.strerror}): set data_dir "
-                        f"to a folder")
-    with open(os.path.join(data_dir, f'.{name}.lock'), 'w') as lock:
+                        f"to a folder that can be written")
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.exists(os.path.join(data_dir, name, f'{name}_train_000000.bin')):
+        if not os.path.exists(first_shard):
             print(f"preparing the default dataset {name} into {os.path.join(data_dir, name)}",
                   flush=True)
             prepare.prepare(name, data_dir=data_dir)
@@ -113,7 +118,8 @@ def open_dataset(data_dir, dataset):
     vocabulary comes only from prepare.py. The meta returned names a ranks file by its absolute
     path, checked against the sha256 that prepare.py recorded."""
     path = os.path.join(data_dir, dataset)
-    if any(c in dataset for c in '*?['):
+    globbed = any(c in dataset for c in '*?[')
+    if globbed:
         files = sorted(glob.glob(path))
         if not files:
             raise DataError(f"no files match dataset='{dataset}' in {data_dir}: check the pattern")
@@ -175,9 +181,23 @@ def open_dataset(data_dir, dataset):
             raise DataError(f"{f} is not named like NAME_SPLIT_000000.bin with SPLIT train, val or "
                             f"test: rename it or narrow the dataset's glob")
         shards.setdefault(match.group(1), []).append((int(match.group(2)), f))
+    # prepare.py's meta.json lists its shards: another file there is another dataset's
+    listed = set()
+    if isinstance(meta.get('splits'), dict):
+        listed = {name for split in meta['splits'].values() if isinstance(split, dict)
+                  for name in split.get('shards', ())}
+    found = {os.path.basename(f) for f in files}
+    missing = sorted(listed - found) if listed and not globbed else []  # a glob may take some
+    if missing:
+        raise DataError(f"{folder} lacks {few(missing)}, which its meta.json lists: prepare it "
+                        f"again ({prepare_command(meta['name'], data_dir)}, with the --input it "
+                        f"had, if any)")
+    if listed and found - listed:
+        raise DataError(f"{folder} holds {few(sorted(found - listed))}, which its meta.json does "
+                        f"not list (another dataset's shards?): move them away")
     for split in ('train', 'val'):
         if split not in shards:
-            if any(c in dataset for c in '*?['):
+            if globbed:
                 fix = "widen the glob, or add them"
             elif 'source_sha256' in meta:  # prepare.py's: it writes the folder again
                 fix = (f"run {prepare_command(meta['name'], data_dir)} again (with the --input it "
@@ -187,6 +207,11 @@ def open_dataset(data_dir, dataset):
             raise DataError(f"dataset '{dataset}' has no {split} shards (files like "
                             f"NAME_{split}_000000.bin in {folder}): {fix}")
     return meta, {split: [f for _, f in sorted(files)] for split, files in shards.items()}
+
+
+def few(names):
+    """The first three of a list of names, for a message."""
+    return ', '.join(names[:3]) + (' ...' if len(names) > 3 else '')
 
 
 def head_fingerprint(path):
@@ -212,7 +237,7 @@ def data_change(recorded, current, splits):
     before = {name: (tokens, fp) for name, tokens, fp in recorded['shards']}
     now = {name: (tokens, head_fingerprint(paths[name]) if name in by_head else fp)
            for name, tokens, fp in current['shards']}
-    changes = [f"{what} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+    changes = [f"{what} {few(names)}"
                for what, names in (('added', sorted(now.keys() - before.keys())),
                                    ('removed', sorted(before.keys() - now.keys())),
                                    ('changed', sorted(n for n in before.keys() & now.keys()

@@ -34,7 +34,6 @@ import exits
 import perf
 import precision
 import preflight
-import prepare
 import runlog
 import sample
 import smoke
@@ -179,7 +178,7 @@ def samplers(batch_size):
 try:
     data_meta, splits, dataset_id = data.open_splits(data_dir, dataset, block_size, local_rank == 0)
     train_sampler, eval_loaders = samplers(batch_size)
-except (data.DataError, prepare.PrepareError) as e:  # a node's own data may differ from rank 0's
+except data.DataError as e:  # on every rank (data.agree): a node's data may differ from rank 0's
     fail(f"rank {rank}: {e}" if ddp else e)
 if 'test' not in splits and test_eval:
     log(f"dataset '{dataset}' has no test split: the test evaluation is skipped")
@@ -498,13 +497,13 @@ if progress.best_iter > 0 and held == progress.best_iter and (test_eval or sampl
     tested_iter = progress.best_iter
 best_model = ema.module if ema else raw_model  # the weights best.pt was chosen by
 test_loss = split_loss('test', ema_eval_model if ema else eval_model) if test_eval else None
-runlog.done(progress, best_by, {'ema': bool(ema), 'test_loss': test_loss,
-                                'tested_iter': tested_iter, 'wall_seconds': session_seconds,
-                                'eval_seconds': eval_seconds, 'save_seconds': save_seconds,
-                                'total_seconds': seconds_before + session_seconds}, start_iter)
+weights = runlog.done(progress, best_by, {
+    'ema': bool(ema), 'test_loss': test_loss, 'tested_iter': tested_iter,
+    'wall_seconds': session_seconds, 'eval_seconds': eval_seconds, 'save_seconds': save_seconds,
+    'total_seconds': seconds_before + session_seconds}, start_iter)
 if sample_tokens and (master or sharded):  # a sharded model's forward needs every rank
-    sample.run_end_sample(best_model, data_meta['tokenizer'], sample_tokens, seed, device, autocast,
-                          sharded)
+    sample.run_end_sample(best_model, weights, data_meta['tokenizer'], sample_tokens, seed, device,
+                          autocast, sharded)
 runlog.finish()
 # the interpreter's exit would run a full collection over every object left, torch's modules' among
 # them (0.6-0.8 s on a CPU): nothing there needs it (runlog closes the logs at exit)

@@ -30,6 +30,7 @@ PROBE_DATA=R:N:HOW:PATH  at rank R's N-th micro-batch, truncates the file PATH t
                      (HOW=truncate) or rotates the tokens of its second half by 4 bytes, keeping its
                      size and every id in the vocabulary (HOW=rewrite), as a job re-preparing the
                      data under the run would
+PROBE_HIDE_DATA=R    rank R finds no dataset (data.open_dataset), as a node whose storage lacks it
 PROBE_FSIZE=BYTES    no file this process writes may grow past BYTES (RLIMIT_FSIZE): writes fail
                      with EFBIG, as on a full disk where no small filesystem can be mounted
 PROBE_CUDA_MEMORY=BYTES  from fit_batch's first try (smoke.fit_batch) or the training loop's
@@ -62,6 +63,13 @@ rank = int(os.environ.get('RANK', '0'))
 if 'PROBE_FSIZE' in os.environ:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
     resource.setrlimit(resource.RLIMIT_FSIZE, (int(os.environ['PROBE_FSIZE']),) * 2)
+if rank == int(os.environ.get('PROBE_HIDE_DATA', -1)):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # data's folder
+    import data
+
+    def no_dataset(data_dir, dataset):
+        raise data.DataError(f"dataset '{dataset}' has no {data_dir}/{dataset}/meta.json (probe)")
+    data.open_dataset = no_dataset
 if 'PROBE_CUDA_MEMORY' in os.environ:  # not before: a GPU missing from perf.GPU_PEAKS is measured
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # perf's folder
     import perf

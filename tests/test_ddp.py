@@ -2,6 +2,7 @@
 same run as one process, and no hangs."""
 import json
 import os
+import re
 import shlex
 import socket
 
@@ -172,6 +173,21 @@ def test_bad_config_ends_every_rank(tmp_path, data_dir):
         assert result.returncode != 0 and sum(line.startswith('error: ') for line in lines) == 1
         assert message in lines[-2] and 'traceback : error: ' in lines[-2], result.stderr
         assert not (tmp_path / 'bad').exists()
+
+
+@pytest.mark.parametrize('rank', [0, 1])
+def test_a_rank_without_the_data_ends_every_rank_in_one_line(tmp_path, data_dir, rank):
+    # rank 0 fails hashing (the first of its node), rank 1 after: neither may leave the other in a
+    # collective, which then failed with a traceback of gloo's
+    result = torchrun(str(tmp_path / 'run'), data_dir, '--gradient_accumulation_steps=2',
+                      probe=True, env_extra={'PROBE_HIDE_DATA': str(rank)}, timeout=120)
+    errors = [line for line in result.stderr.splitlines() if line.startswith('error: ')]
+    assert result.returncode != 0 and len(errors) == 2, result.stderr
+    assert sorted(line[:50] for line in errors) == sorted([
+        f"error: rank {rank}: dataset 'toy' has no {data_dir}"[:50],
+        f"error: rank {1 - rank}: rank {rank} cannot open the data: dataset 'toy'"[:50]])
+    assert not re.search(r'(train|data|preflight|distributed)\.py", line', result.stderr)
+    assert not (tmp_path / 'run').exists()
 
 
 def test_resume_on_another_number_of_processes_continues_the_data(tmp_path, data_dir):

@@ -183,6 +183,43 @@ def test_dataset_mistakes_are_one_line(tmp_path):
         datafiles.prepare_once(str(tmp_path / 'old' / 'meta.json'), 'pystdlib_char')
 
 
+def test_a_prepared_dataset_is_the_shards_its_meta_json_lists(tmp_path):
+    (tmp_path / 'a.txt').write_text('first corpus\n' * 300)
+    (tmp_path / 'b.txt').write_text('another corpus entirely\n' * 300)
+    a = prepare.prepare('a', data_dir=str(tmp_path), input_path=str(tmp_path / 'a.txt'))
+    b = prepare.prepare('b', data_dir=str(tmp_path), input_path=str(tmp_path / 'b.txt'))
+    # another dataset's shard, whose ids mean other characters, was read as part of this one
+    shutil.copy(os.path.join(b, 'b_train_000000.bin'), a)
+    with pytest.raises(data.DataError, match=f"^{a} holds b_train_000000.bin, which its meta.json "
+                                             f"does not list .*: move them away$"):
+        data.open_splits(str(tmp_path), 'a', 8)
+    os.remove(os.path.join(a, 'b_train_000000.bin'))
+    os.remove(os.path.join(a, 'a_test_000000.bin'))  # was the test split skipped silently
+    with pytest.raises(data.DataError, match=f"^{a} lacks a_test_000000.bin, which its meta.json "
+                                             f"lists: prepare it again"):
+        data.open_splits(str(tmp_path), 'a', 8)
+    # a glob takes the files it names
+    assert set(data.open_splits(str(tmp_path), 'a/a_[tv]*.bin', 8)[1]) == {'train', 'val'}
+
+
+def test_a_split_of_one_token_is_named(tmp_path):
+    (tmp_path / 'd').mkdir()
+    (tmp_path / 'd' / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": "gpt2"}')
+    llmc_shard(tmp_path / 'd' / 'd_train_000000.bin', list(range(100)))
+    llmc_shard(tmp_path / 'd' / 'd_val_000000.bin', [7])
+    with pytest.raises(data.DataError, match="^dataset 'd' has a val split of 1 token"):
+        data.open_splits(str(tmp_path), 'd', 8)
+
+
+def test_a_prepared_default_dataset_takes_no_lock(tmp_path):
+    # a shared, read-only data_dir serves it: the lock file was opened for writing first
+    folder = tmp_path / 'pystdlib_char'
+    folder.mkdir()
+    (folder / 'pystdlib_char_train_000000.bin').write_bytes(b'')
+    datafiles.prepare_once(str(tmp_path), 'pystdlib_char')
+    assert os.listdir(tmp_path) == ['pystdlib_char']
+
+
 def test_data_change_names_the_shards():
     ident = {'name': 'd', 'source_sha256': 'abc', 'vocab_size': 9, 'tokenizer': {'kind': 'char'},
              'shards': [['d_train_000000.bin', 10, 'f0'], ['d_val_000000.bin', 5, 'f1']]}
