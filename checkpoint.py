@@ -368,12 +368,15 @@ def load_weights(ckpt, path, model, optimizer=None, ema=None):
         return
     from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
                                                          set_optimizer_state_dict)
-    sharded = sharded_state(model, optimizer, ema)
+    # before the first optimizer step (a stop in the smoke test) the fresh optimizer is the state:
+    # DCP's state_dict would give it one (a step at rate 0) and then find none in the shards
+    stepped = optimizer is not None and ckpt['scheduler']['last_epoch'] > 0
+    sharded = sharded_state(model, optimizer if stepped else None, ema)
     load_shards(sharded, path, ckpt['shards'])
     set_model_state_dict(model, sharded['model'])
     if ema:
         set_model_state_dict(ema, sharded['ema'])
-    if optimizer:
+    if stepped:
         set_optimizer_state_dict(model, optimizer.optimizers, sharded['optimizer'])
         optimizer.gather()  # the members' load_state_dict gave them new group dicts
 
