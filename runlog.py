@@ -343,7 +343,8 @@ def done(progress, best_by, figures, first_iter):
     (the run's checkpoint.Progress), and the figures: ema (whether those are the EMA's), test_loss
     or None and tested_iter (the iteration of the weights it and the sample took), wall_seconds
     and the eval_seconds and save_seconds within it, of this session, and total_seconds of every
-    session. first_iter: the iteration this session started from (0 unless it resumed)."""
+    session. first_iter: the iteration this session started from (0 unless it resumed). Returns
+    the words that name the weights tested ('the best weights'), for the sample's line."""
     test = {'kind': 'test', 'step': progress.iter_num, 'best_iter': progress.best_iter,
             'best_by': best_by, 'best_val_loss': progress.best_val_loss,
             'best_acc_norm': progress.best_acc_norm if best_by == 'acc_norm' else None, **figures}
@@ -369,6 +370,7 @@ def done(progress, best_by, figures, first_iter):
     log(f"done: {sessions} (evaluations {test['eval_seconds'] / seconds:.1%} and checkpoint "
         f"saves {test['save_seconds'] / seconds:.1%} of this session), {best}{tested}; "
         f"checkpoints in {run_dir}")
+    return weights
 
 
 def finish():

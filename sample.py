@@ -115,10 +115,11 @@ def sample_pieces(model, tok, start, max_new_tokens, temperature, top_k, seed, d
     yield tok.decode(waiting)  # what a final U+FFFD held back
 
 
-def run_end_sample(model, tokenizer_meta, new_tokens, seed, device, autocast, sharded):
-    """train.py's sample at a run's end, logged as its tokens come. The tokenizer loads only now:
-    GPT-2's is a one-time download, which an offline GPU node may lack, and then the run says so
-    and ends as it would have. A sharded model's forward needs every rank: all sample, or none."""
+def run_end_sample(model, weights, tokenizer_meta, new_tokens, seed, device, autocast, sharded):
+    """train.py's sample at a run's end from model (weights: the words that name them), logged as
+    its tokens come. The tokenizer loads only now: GPT-2's is a one-time download, which an offline
+    GPU node may lack, and then the run says so and ends as it would have. A sharded model's
+    forward needs every rank: all sample, or none."""
     try:
         tok, no_sample = tokenizer.load(tokenizer_meta), ''
     except tokenizer.TokenizerError as e:
@@ -127,7 +128,7 @@ def run_end_sample(model, tokenizer_meta, new_tokens, seed, device, autocast, sh
         no_sample = no_sample or "no sample: another rank could not load the tokenizer"
     if no_sample:
         return runlog.log(no_sample)
-    runlog.log("a sample from the best weights:")
+    runlog.log(f"a sample from {weights}:")
     with autocast:
         runlog.log_pieces(sample_pieces(model, tok, tok.start, new_tokens, 0.8, 200, seed, device))
 

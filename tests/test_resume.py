@@ -215,11 +215,13 @@ def test_a_resume_whose_best_weights_no_file_holds_tests_the_last_and_says_so(tm
     torch.save({**ckpt, 'best_val_loss': 0.0}, os.path.join(source, 'at15.pt'))
     result = run_train(branch, data_dir, '--max_iters=16', '--lr_decay_iters=20',
                        '--eval_interval=10', '--init_from=resume',
-                       f'--resume_from={source}/at15.pt', '--test_eval=True')
+                       f'--resume_from={source}/at15.pt', '--test_eval=True', '--sample_tokens=4')
     assert not os.path.exists(os.path.join(branch, 'best.pt'))
     [test] = read_metrics(branch, 'test')
     assert test['best_iter'] == 10 and test['tested_iter'] == 16
-    assert ' with the last weights (out_dir has no best.pt of iteration 10); ' in result.stdout
+    weights = 'the last weights (out_dir has no best.pt of iteration 10)'
+    assert f' with {weights}; ' in result.stdout
+    assert f'\na sample from {weights}:\n' in result.stdout  # the sample took them too
     # the same command again: out_dir now holds a run of its own, whose logs the other folder's
     # checkpoint would mix with another session's
     result = run_train(branch, data_dir, '--max_iters=16', '--lr_decay_iters=20',
