@@ -25,7 +25,7 @@ PROBE_LOGGERS=FILE   stands in for wandb and TensorBoard (the tensorboard packag
                      torch.utils.tensorboard): each call the run makes to them becomes a JSON line
                      in FILE
 PROBE_SLEEP=A-B:S    sleeps S seconds in training micro-batches A to B (as compilation or a busy
-                     machine would)
+                     machine would), and says so on stderr as each sleep begins
 PROBE_DATA=R:N:HOW:PATH  at rank R's N-th micro-batch, truncates the file PATH to half its size
                      (HOW=truncate) or rotates the tokens of its second half by 4 bytes, keeping its
                      size and every id in the vocabulary (HOW=rewrite), as a job re-preparing the
@@ -250,6 +250,8 @@ def probed_cross_entropy(*args, **kwargs):
                     f.write(rest[4:] + rest[:4])
         span, _, seconds = os.environ.get('PROBE_SLEEP', '0-0:0').partition(':')
         if int(span.split('-')[0]) <= micro_batches <= int(span.split('-')[1]):
+            print(f"probe: rank {rank} sleeps in micro-batch {micro_batches}", file=sys.stderr,
+                  flush=True)
             time.sleep(float(seconds))
         for name, action in (('PROBE_NAN', 'nan'), ('PROBE_KILL', 'kill')):
             target_rank, at = map(int, os.environ.get(name, '-1:0').split(':'))
