@@ -1,6 +1,7 @@
 """Preemption as clusters and terminals deliver it: SIGTERM or Ctrl-C ends the run after the step
 under way with a whole last.pt, and the resumed run is bitwise the run that was never
 interrupted."""
+import contextlib
 import fcntl
 import json
 import os
@@ -11,10 +12,10 @@ import pytest
 import torch
 
 import forked
-from conftest import PROBE, RUN_CONFIG, read_metrics, torchrun, wait_for_stderr
+from conftest import PROBE, RUN_CONFIG, ok, read_metrics, run_trains, torchrun, wait_for_stderr
 
 # training runs in subprocesses: the 'not slow' tier skips them; signals reach fresh interpreters,
-# as users' runs are
+# as users' runs are (runs no signal reaches fork: forking())
 pytestmark = [pytest.mark.slow, pytest.mark.fresh]
 
 # dropout and loader workers on: the RNG streams and the loader position must both survive the stop
@@ -51,6 +52,15 @@ def start(cmd, env=None):
     return forked.Process(*cmd, env=env, new_session=True)
 
 
+@contextlib.contextmanager
+def forking():
+    """Runs started inside, which no signal reaches (the straight runs, the resumes), fork as the
+    suite's other runs do (tests/forked.py): about 3 CPU-seconds of imports fewer a process."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(forked, 'FRESH', os.environ.get('HONESTGPT_TEST_FRESH') == '1')
+        yield
+
+
 def train_cmd(out_dir, data_dir, *args):
     return ['train.py', RUN_CONFIG, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *args]
 
@@ -63,7 +73,8 @@ def test_sigterm_ctrl_c_and_sigkill_then_resume_bitwise(tmp_path, data_dir):
     cases = {signal.SIGTERM: (143, 60, []), signal.SIGINT: (130, 90, []),
              signal.SIGKILL: (-9, 130, ['--checkpoint_interval=25'])}
     straight = str(tmp_path / 'straight')
-    procs = {None: start(train_cmd(straight, data_dir, *ARGS))}
+    with forking():
+        procs = {None: start(train_cmd(straight, data_dir, *ARGS))}
     outs = {signum: str(tmp_path / signal.Signals(signum).name) for signum in cases}
     procs |= {signum: start(train_cmd(outs[signum], data_dir, *ARGS, *extra))
               for signum, (_, _, extra) in cases.items()}
@@ -99,8 +110,9 @@ def test_sigterm_ctrl_c_and_sigkill_then_resume_bitwise(tmp_path, data_dir):
             resume = line.split('resume with: ')[1]
             assert (resume.startswith('python train.py')
                     and resume.endswith('--init_from=resume')), line
-    resumes = [start(train_cmd(outs[signum], data_dir, *ARGS, *extra, '--init_from=resume'))
-               for signum, (_, _, extra) in cases.items()]
+    with forking():
+        resumes = [start(train_cmd(outs[signum], data_dir, *ARGS, *extra, '--init_from=resume'))
+                   for signum, (_, _, extra) in cases.items()]
     for proc in [procs[None], *resumes]:
         stderr = proc.communicate(timeout=300)[1]
         assert proc.returncode == 0, stderr
@@ -157,11 +169,12 @@ def test_a_stop_during_the_smoke_test_stops_the_run_before_its_first_step(tmp_pa
     assert torch.load(os.path.join(out, 'last.pt'), weights_only=True)['iter_num'] == 0
     assert [r['step'] for r in read_metrics(out, 'stop')] == [0]
     assert not read_metrics(out, 'train') and not read_metrics(out, 'smoke')
-    resumed = start([*launch, *train_cmd(out, data_dir, *args, '--init_from=resume')])
-    plain = start([*launch, *train_cmd(straight, data_dir, *args)])
-    for proc in (resumed, plain):
-        stderr = proc.communicate(timeout=300)[1]
-        assert proc.returncode == 0, stderr
+    with forking():
+        if ranks == 1:
+            run_trains(data_dir, (out, [*args, '--init_from=resume']), (straight, args))
+        else:
+            ok(torchrun(out, data_dir, *args, '--init_from=resume'))
+            ok(torchrun(straight, data_dir, *args))
     assert [r['passed'] for r in read_metrics(out, 'smoke')] == [True]
     assert trajectory(out) == trajectory(straight) and len(trajectory(out)) == iters
 
@@ -187,7 +200,8 @@ def test_a_stop_after_the_last_step_leaves_the_end_to_init_from_auto(tmp_path, d
     assert resume.endswith(' --init_from=auto'), resume
     assert 'last.pt holds it, its end (test split, sample) left' in open(
         os.path.join(out, 'report.md')).read()
-    end = start(train_cmd(out, data_dir, *args, '--init_from=auto'))
+    with forking():
+        end = start(train_cmd(out, data_dir, *args, '--init_from=auto'))
     stdout, stderr = end.communicate(timeout=120)
     assert end.returncode == 0, stderr
     assert len(read_metrics(out, 'test')) == 1 and len(trajectory(out)) == 10
@@ -229,10 +243,8 @@ def test_two_ranks_stop_together_on_sigterm_and_resume_bitwise(tmp_path, data_di
     # the stop near 40, an evaluation at 100 in the resumed part
     args = [*ARGS, '--gradient_accumulation_steps=2', '--max_iters=120', '--lr_decay_iters=120']
     straight, stopped = str(tmp_path / 'straight'), str(tmp_path / 'stopped')
-    cmd = ['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py',
-           RUN_CONFIG, f'--data_dir={data_dir}']
-    straight_proc = start([*cmd, f'--out_dir={straight}', *args])
-    proc = start([*cmd, f'--out_dir={stopped}', *args])
+    proc = start(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                  *train_cmd(stopped, data_dir, *args)])
     wait_for_step(stopped, 40, proc)
     # to torchrun, as a cluster does: it passes SIGTERM on to every rank
     proc.send_signal(signal.SIGTERM)
@@ -246,8 +258,7 @@ def test_two_ranks_stop_together_on_sigterm_and_resume_bitwise(tmp_path, data_di
     assert len(stop) == 1, stdout + stderr
     assert (torch.load(os.path.join(stopped, 'last.pt'), weights_only=True)['iter_num']
             == stop[0]['step'])
-    resumed = torchrun(stopped, data_dir, *args, '--init_from=resume')
-    assert resumed.returncode == 0, resumed.stderr
-    straight_proc.communicate(timeout=300)
-    assert straight_proc.returncode == 0
+    with forking():
+        ok(torchrun(stopped, data_dir, *args, '--init_from=resume'))
+        ok(torchrun(straight, data_dir, *args))
     assert trajectory(stopped) == trajectory(straight)
