@@ -135,9 +135,6 @@ def settings(defaults, argv, world_size, ddp):
 class Start:
     """Where a run starts, and what it settled on the way."""
     tasks: dict  # evaluate.read_tasks' of eval_tasks
-    resuming: bool
-    ckpt_path: str  # the checkpoint a resume continues (or would: init_from='auto')
-    ckpt: dict | None  # its contents, on resume
     pretrained: dict | None  # {'init_from', 'weights', 'sha256'} of a GPT-2 start, on resume too
     pretrained_state: dict | None  # GPT-2's weights, for a start from them
     model_config: GPTConfig  # the vocabulary's size, and the shape GPT-2's weights set
@@ -147,12 +144,38 @@ class Start:
     session: dict  # what this session is, for meta.json and its first lines
 
 
-def start(config, sources, defaults, model_config, data_meta, dataset_id, splits, device, sharded,
-          cpus):
-    """The run's Start: the same data on every rank; eval_tasks read; its checkpoint or GPT-2's
-    weights, loaded and checked against the settings and the data; GPT-2's shape written into config
-    and sources; dtype and muon_dtype resolved; rank 0's peak FLOP/s; the session's record (cpus:
-    distributed.cpu_use's, taken before the run's own work)."""
+def resume_point(c):
+    """Whether the run resumes, the checkpoint it continues (or would: init_from='auto') and, on
+    resume, its contents; out_dir checked for it. Before the data opens: a refused run prepares no
+    dataset first."""
+    last = os.path.join(c['out_dir'], 'last.pt')
+    if c['init_from'] == 'auto':  # the command a scheduler repeats: out_dir's own last.pt once
+        # there is one, else the resume_from it was given (which must exist), else scratch
+        ckpt_path = last if os.path.exists(last) else c['resume_from'] or last
+        resuming = os.path.exists(last) or bool(c['resume_from'])
+    else:
+        ckpt_path = c['resume_from'] or last
+        resuming = c['init_from'] == 'resume'
+    ckpt = None
+    if resuming:
+        try:
+            ckpt = checkpoint.load(ckpt_path, resumable=True)
+        except checkpoint.CheckpointError as e:
+            check(False, e)
+    # a checkpoint of another folder into an out_dir of its own run would mix the two runs' logs
+    elsewhere = resuming and (os.path.realpath(os.path.dirname(os.path.abspath(ckpt_path)))
+                              != os.path.realpath(c['out_dir']))
+    check_out_dir(c['out_dir'], (resuming or c['init_from'] == 'auto') and not elsewhere,
+                  os.path.join(c['data_dir'], c['dataset']))
+    return resuming, ckpt_path, ckpt
+
+
+def start(config, sources, defaults, model_config, resume, data_meta, dataset_id, splits, device,
+          sharded, cpus):
+    """The run's Start: the same data on every rank; eval_tasks read; its checkpoint (resume:
+    resume_point's) or GPT-2's weights, checked against the settings and the data; GPT-2's shape
+    written into config and sources; dtype and muon_dtype resolved; rank 0's peak FLOP/s; the
+    session's record (cpus: distributed.cpu_use's, taken before the run's own work)."""
     c = config
     dataset_ids = gather(dataset_id)  # every rank's
     check(dataset_ids.count(dataset_id) == len(dataset_ids),
@@ -166,29 +189,15 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
                                         c['eval_tasks_examples'], tok.unknown)
     except (evaluate.TaskError, tokenizer.TokenizerError) as e:
         check(False, e)
-    last = os.path.join(c['out_dir'], 'last.pt')
-    if c['init_from'] == 'auto':  # the command a scheduler repeats: out_dir's own last.pt once
-        # there is one, else the resume_from it was given (which must exist), else scratch
-        ckpt_path = last if os.path.exists(last) else c['resume_from'] or last
-        resuming = os.path.exists(last) or bool(c['resume_from'])
-    else:
-        ckpt_path = c['resume_from'] or last
-        resuming = c['init_from'] == 'resume'
-    ckpt = pretrained_state = pretrained = None
-    try:
-        if resuming:
-            ckpt = checkpoint.load(ckpt_path, resumable=True)
-            pretrained = ckpt['pretrained']
-        elif c['init_from'] not in ('scratch', 'auto'):
+    resuming, ckpt_path, ckpt = resume
+    pretrained = ckpt['pretrained'] if resuming else None
+    pretrained_state = None
+    if not resuming and c['init_from'] not in ('scratch', 'auto'):
+        try:
             pretrained_args, pretrained_state, pretrained = hf.load_gpt2(
                 c['init_from'], c['block_size'], data_meta['vocab_size'])
-    except (checkpoint.CheckpointError, hf.HFError) as e:
-        check(False, e)
-    # a checkpoint of another folder into an out_dir of its own run would mix the two runs' logs
-    elsewhere = resuming and (os.path.realpath(os.path.dirname(os.path.abspath(ckpt_path)))
-                              != os.path.realpath(c['out_dir']))
-    check_out_dir(c['out_dir'], (resuming or c['init_from'] == 'auto') and not elsewhere,
-                  os.path.join(c['data_dir'], c['dataset']))
+        except hf.HFError as e:
+            check(False, e)
     model_config = dataclasses.replace(model_config, vocab_size=data_meta['vocab_size'])
     if pretrained:  # the shape comes from the weights, on resume too; config.json records it
         shape = {k: (ckpt['model_args'] if resuming else pretrained_args)[k] for k in hf.SHAPE_KEYS}
@@ -247,8 +256,8 @@ def start(config, sources, defaults, model_config, data_meta, dataset_id, splits
     session = session_record(c, sources, defaults, (data_meta, dataset_id), device, cpus, resumed,
                              pretrained, settled)
     session['peak_flops'] = {'per_process': peak_flops, 'how': peak_how}
-    return Start(tasks, resuming, ckpt_path, ckpt, pretrained, pretrained_state, model_config,
-                 dtype, muon_dtype, peak_flops, session)
+    return Start(tasks, pretrained, pretrained_state, model_config, dtype, muon_dtype, peak_flops,
+                 session)
 
 
 def check_out_dir(out_dir, may_hold_a_checkpoint, dataset_dir):

@@ -148,6 +148,8 @@ world_size = int(os.environ.get('WORLD_SIZE', 1))
 master = rank == 0  # as runlog's: rank 0 alone writes files and logs
 config, config_sources, model_config = preflight.settings(defaults, sys.argv[1:], world_size, ddp)
 globals().update(config)
+# the checkpoint a resume continues, read, and out_dir checked: a refused run prepares no dataset
+resuming, ckpt_path, ckpt = preflight.resume_point(config)
 sharded = ddp and parallel == 'fsdp'
 
 # -----------------------------------------------------------------------------
@@ -189,9 +191,9 @@ if 'test' not in splits and test_eval:
 # schedule
 # the same data on every rank; the tasks; the checkpoint or GPT-2's weights, checked; the dtypes;
 # the peak FLOP/s
-init = preflight.start(config, config_sources, defaults, model_config, data_meta, dataset_id,
-                       splits, device, sharded, cpus)
-tasks, resuming, ckpt, ckpt_path = init.tasks, init.resuming, init.ckpt, init.ckpt_path
+init = preflight.start(config, config_sources, defaults, model_config,
+                       (resuming, ckpt_path, ckpt), data_meta, dataset_id, splits, device, sharded,
+                       cpus)
 model_config, dtype, muon_dtype = init.model_config, init.dtype, init.muon_dtype
 autocast = precision.autocast(device_type, dtype)
 
@@ -366,7 +368,7 @@ def evaluate_and_choose_saves():
     train_loss, val_loss = split_loss('train', eval_model), split_loss('val', eval_model)
     ema_val_loss = split_loss('val', ema_eval_model) if ema else None
     # the weights best.pt is chosen by: the EMA's when there is one
-    accuracy, acc_norm = evaluate.score_tasks(ema_eval_model if ema else eval_model, tasks,
+    accuracy, acc_norm = evaluate.score_tasks(ema_eval_model if ema else eval_model, init.tasks,
                                               batch_size, device, autocast, rank, world_size)
     if ema and sharded:  # FSDP leaves the root's weights gathered after a forward: the EMA's
         ema.module.reshard()  # next update must reach the shards

@@ -176,6 +176,21 @@ def test_bad_config_and_missing_data_create_nothing(tmp_path, data_dir):
         assert not out.exists()
 
 
+def test_a_refused_run_prepares_no_default_dataset_first(tmp_path):
+    # the default dataset is prepared by the first run that needs it (seconds to minutes), not by
+    # one that is refused for its checkpoint or out_dir anyway
+    data, out = tmp_path / 'data', tmp_path / 'out'
+
+    def refused(init_from, says):
+        result = run_train(str(out), str(data), '--dataset=pystdlib_char', init_from, check=False)
+        assert result.returncode == 2 and says in result.stderr, result.stdout + result.stderr
+        assert not data.exists() and result.stdout == ''
+    refused('--init_from=resume', 'nothing to resume')
+    out.mkdir()
+    (out / 'last.pt').write_bytes(b'')
+    refused('--init_from=scratch', 'already holds a checkpoint')
+
+
 def test_an_out_dir_that_holds_a_dataset_is_refused(tmp_path, data_dir):
     # a run there wrote its meta.json over the dataset's
     dataset = tmp_path / 'toy'
