@@ -16,19 +16,20 @@ figure printed also goes to a JSON file.
     python bench.py config/shakespeare_char_fast.py --whole=True --target=1.886 \
         --reference='cd ../nanoGPT && python train.py config/train_shakespeare_char.py ...'
 
-Takes the keys below; every other argument goes to train.py as it is (train.py checks it). Each run
-of train.py gets a fresh out_dir in a temporary folder and bench_warmup + bench_iters iterations,
-each one logged, then one more that the first round profiles; its one evaluation (of 1 batch) and
-checkpoint come after, outside the timed iterations. With compare, a setting B (the same arguments
-plus those overrides) runs too; with reference, that shell command runs as B instead, timed by the
-lines it prints in nanoGPT's format, "iter N: loss X, time Y ms". The settings run in turns, A B A B
-..., one process each, so that other load on the machine hits both alike. With loader, no model
-runs: the batches/s of the train loader a run (its out_dir) used, built from its config.json in this
-process, over bench_iters batches. With sample, no training either: the tokens/s of model.generate()
-with the KV cache and without it, in turns, in this process, on the model of a run (its out_dir's
-last.pt), float32, batch 1, greedy from a 1-token prompt. With whole, each setting (and the
-reference) runs as a user runs it, its own iterations, evaluations and end-of-run extras: the whole
-process's wall time and, with target, the second its val loss was first printed at or below target.
+Takes the keys below (one that the measurement asked for never reads is refused); every other
+argument goes to train.py as it is (train.py checks it). Each run of train.py gets a fresh out_dir
+in a temporary folder and bench_warmup + bench_iters iterations, each one logged, then one more that
+the first round profiles; its one evaluation (of 1 batch) and checkpoint come after, outside the
+timed iterations. With compare, a setting B (the same arguments plus those overrides) runs too; with
+reference, that shell command runs as B instead, timed by the lines it prints in nanoGPT's format,
+"iter N: loss X, time Y ms". The settings run in turns, A B A B ..., one process each, so that other
+load on the machine hits both alike. With loader, no model runs: the batches/s of the train loader a
+run (its out_dir) used, built from its config.json in this process, over bench_iters batches. With
+sample, no training either: the tokens/s of model.generate() with the KV cache and without it, in
+turns, in this process, on the model of a run (its out_dir's last.pt), float32, batch 1, greedy from
+a 1-token prompt. With whole, each setting (and the reference) runs as a user runs it, its own
+iterations, evaluations and end-of-run extras: the whole process's wall time and, with target, the
+second its val loss was first printed at or below target.
 """
 import difflib
 import glob
@@ -111,11 +112,28 @@ if compare and reference:
          "as B (reference)")
 if sum(map(bool, (loader, sample, whole))) > 1:
     stop("more than one of loader, sample and whole is set: give one")
-if target and not whole:
-    stop(f"target={target} times the val loss of whole runs only: add --whole=True, or drop it")
 if whole and nproc > 1:
     stop(f"whole runs train.py in one process, not nproc={nproc}: time torchrun's command as a "
          f"--reference instead")
+# what each measurement reads of bench.py's keys (json: every one): a key given to one that never
+# reads it would be taken, and change nothing
+READS = {'the step timing': {'bench_iters', 'bench_warmup', 'rounds', 'compare', 'reference',
+                             'reference_tokens_per_iter', 'nproc', 'profile', 'trace'},
+         '--whole=True': {'rounds', 'compare', 'reference', 'target'},
+         '--loader=OUT_DIR': {'bench_iters', 'bench_warmup'},
+         '--sample=OUT_DIR': {'new_tokens', 'rounds', 'bench_warmup'}}
+mode = ('--whole=True' if whole else '--loader=OUT_DIR' if loader else '--sample=OUT_DIR'
+        if sample else 'the step timing')
+for key in [arg[2:].partition('=')[0] for arg in bench_args]:
+    if key not in READS[mode] | {'json', 'loader', 'sample', 'whole'}:
+        stop(f"{key} is read by {' and '.join(m for m in READS if key in READS[m])} only, not by "
+             f"{mode}: drop it")
+if reference_tokens_per_iter and not reference:
+    stop("reference_tokens_per_iter is read only with a reference: add --reference=COMMAND, or "
+         "drop it")
+if trace and not (profile and nproc == 1):
+    stop(f"trace={trace} writes the profile of one process: add --profile=True and --nproc=1, or "
+         f"drop it")
 train_args = [a for a in sys.argv[1:] if not is_bench_key(a)]
 if (loader or sample) and train_args:  # they rebuild what the run used, from its out_dir
     stop(f"{'loader' if loader else 'sample'} reads a run's out_dir and takes no train.py "

@@ -16,14 +16,15 @@ import forked
 from conftest import DEVICES, REPO, RUN_CONFIG, gpt2_shards, read_metrics, run_train
 from model import GPT, GPTConfig
 
-QUICK = ['--bench_iters=5', '--bench_warmup=2', '--rounds=1', '--dtype=float32']
+QUICK = ['--rounds=1', '--dtype=float32']
+QUICK_STEPS = ['--bench_iters=5', '--bench_warmup=2']  # the step timing's (whole runs: their own)
 
 
-def run_bench(tmp_path, data_dir, *overrides, env=None):
+def run_bench(tmp_path, data_dir, *overrides, env=None, whole=False):
     """bench.py on tests/run_config.py; its JSON report."""
     report = tmp_path / 'bench.json'
     cmd = [sys.executable, 'bench.py', RUN_CONFIG, f'--data_dir={data_dir}', *QUICK,
-           f'--json={report}', *overrides]
+           *(['--whole=True'] if whole else QUICK_STEPS), f'--json={report}', *overrides]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, (f"bench.py failed ({result.returncode}):\n{result.stdout}\n"
                                     f"{result.stderr}")
@@ -153,9 +154,9 @@ def test_bench_whole_runs_time_the_process_and_the_val_loss_against_a_reference(
     fake.write_text(FAKE_NANOGPT_EVALS)
     # without PYTHONUNBUFFERED from here: bench.py sets it for the runs it times
     env = {k: v for k, v in os.environ.items() if k != 'PYTHONUNBUFFERED'}
-    whole = ['--whole=True', '--target=3.5', f'--reference={sys.executable} {fake}',
-             '--max_iters=6', '--eval_interval=3', '--eval_iters=2', '--lr_decay_iters=6']
-    report = run_bench(tmp_path, data_dir, *whole, env=env)
+    whole = ['--target=3.5', f'--reference={sys.executable} {fake}', '--max_iters=6',
+             '--eval_interval=3', '--eval_iters=2', '--lr_decay_iters=6']
+    report = run_bench(tmp_path, data_dir, *whole, env=env, whole=True)
     ours, ref = report['settings']['A'], report['settings']['reference']
     for run in ours['runs']:  # its evaluations, as train.py recorded them, in order
         recorded = read_metrics(run['out_dir'], 'eval')
@@ -176,7 +177,7 @@ def test_bench_whole_runs_time_the_process_and_the_val_loss_against_a_reference(
     assert all(not list(Path(run['out_dir']).glob('*.pt')) for run in ours['runs'])
     # a mistake train.py finds after printing a line of its own: still its one line, exit code 2
     result = subprocess.run([sys.executable, 'bench.py', RUN_CONFIG, f'--data_dir={data_dir}',
-                             *whole, '--dtype=auto'],
+                             '--whole=True', *whole, '--dtype=auto'],
                             cwd=REPO, capture_output=True, text=True,
                             env={**os.environ, 'HONESTGPT_AUTO_DTYPE': 'f64'})
     assert result.returncode == 2, result.stdout + result.stderr
@@ -225,9 +226,17 @@ def test_bench_mistakes_fail_in_one_line(tmp_path):
                           (['--sample=out', '--loader=out'], "more than one of loader, sample and"),
                           (['--whole=True', '--loader=out'], "more than one of loader, sample and"),
                           (['--whole=True', '--nproc=2'], "whole runs train.py in one process"),
-                          # it timed nothing, silently
+                          # each measured without them, silently
                           (['--target=1.886'],
-                           "target=1.886 times the val loss of whole runs only"),
+                           "target is read by --whole=True only, not by the step timing"),
+                          (['--whole=True', '--bench_iters=5'], "bench_iters is read by the step "
+                           "timing and --loader=OUT_DIR only, not by --whole=True: drop it"),
+                          (['--loader=out', '--compare=--compile=True'], "compare is read by the "
+                           "step timing and --whole=True only, not by --loader=OUT_DIR"),
+                          (['--reference_tokens_per_iter=8'],
+                           "reference_tokens_per_iter is read only with a reference"),
+                          (['--profile=False', f'--trace={tmp_path}/t.json'],
+                           f"trace={tmp_path}/t.json writes the profile of one process"),
                           (['--sample=out', '--new_tokens=0'], "new_tokens=0 must be at least 1"),
                           (['--sample=out'],
                            "sample reads a run's out_dir and takes no train.py arguments"),
