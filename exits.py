@@ -3,12 +3,13 @@ How a run ends before its last iteration, each way in one line and with its own 
 in the settings (check(): exit 2, said by rank 0, in train.log too once the run folder is open); a
 fault the ranks agree on (abort(): exit 1, an abort record and the report; a save that failed, data
 changed under the run, a non-finite loss, float16 overflows); a stop signal, Ctrl-C or SIGTERM (exit
-128 + its number, once last.pt holds the step under way); out of memory (sys.excepthook: one line
-instead of a traceback, exit 1). configurator.fail is the same refusal for scripts before a run
-exists. runlog.py keeps the run's records.
+128 + its number, once last.pt holds the step under way); out of memory or another rank lost
+(sys.excepthook: one line instead of a traceback, exit 1). configurator.fail is the same refusal for
+scripts before a run exists. runlog.py keeps the run's records.
 """
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -114,11 +115,24 @@ def data_fault(step, fault, writer):
                 f"{writer.last_saved}), or start a new out_dir")
 
 
-def explain_out_of_memory(exc, step, batch_size, block_size, dtype, device):
-    """sys.excepthook: out of memory gets an abort record and one line that says what to change
-    instead of a traceback; the exit code stays 1. No report: plotting needs memory this process may
-    not get (python report.py OUT_DIR writes it later). Any other exception keeps its traceback."""
+def explain_failure(exc, step, batch_size, block_size, dtype, device):
+    """sys.excepthook: two failures get one line instead of a traceback, and the exit code stays 1.
+    Out of memory says what to change, with an abort record (no report: plotting needs memory this
+    process may not get; python report.py OUT_DIR writes it later). A collective that another rank
+    left (killed, or out of memory itself) says so on each rank left. Any other exception keeps its
+    traceback."""
     exc_type, value, tb = exc
+    if lost_a_rank(value):
+        # torchrun stops this process next: the stop handler would announce a save that never comes
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # the error's first sentence, without the source file gloo names
+        why = re.sub(r'^\[[^]]*\] ', '', ' '.join(str(value).split())).split('. ')[0][:200]
+        record({'kind': 'abort', 'step': step, 'message': 'lost another rank'})
+        sys.stderr.write(f"error: rank {torch.distributed.get_rank()} lost another rank at "
+                         f"iteration {step} ({why or type(value).__name__}): the rank that failed "
+                         f"first says why (torchrun: \"Root Cause\"); the checkpoints are intact: "
+                         f"init_from=auto resumes\n")
+        return
     if not out_of_memory(value):
         return sys.__excepthook__(exc_type, value, tb)
     record({'kind': 'abort', 'step': step, 'message': 'out of memory'})
@@ -127,6 +141,12 @@ def explain_out_of_memory(exc, step, batch_size, block_size, dtype, device):
         f"batch_size and raise gradient_accumulation_steps by the same factor (the tokens per "
         f"iteration stay){', or use dtype=bfloat16' if dtype == 'float32' else ''}; the "
         f"checkpoints are intact", sys.stderr)
+
+
+def lost_a_rank(error):
+    """Whether an exception is a collective's that another process left: torch.distributed's own
+    (NCCL's, the store's) or gloo's, a RuntimeError that names its transport."""
+    return isinstance(error, torch.distributed.DistError) or 'gloo/transport/' in str(error)
 
 
 def out_of_memory(error):

@@ -289,10 +289,9 @@ run_record = {'config': config, 'model_args': dataclasses.asdict(model_config),
 unwritable = runlog.start(out_dir, (ckpt_path, ckpt) if resuming else None, config, config_sources,
                           init.session, raw_model.num_params(), raw_model.flops_per_token())
 check(not unwritable, unwritable)
-# out of memory anywhere: one line that says what to change instead of a traceback (the exit code
-# stays 1)
-sys.excepthook = lambda *exc: exits.explain_out_of_memory(exc, progress.iter_num + 1, batch_size,
-                                                          block_size, dtype, device)
+# out of memory anywhere, or another rank lost: one line instead of a traceback (exit code 1)
+sys.excepthook = lambda *exc: exits.explain_failure(exc, progress.iter_num + 1, batch_size,
+                                                    block_size, dtype, device)
 exits.catch_stop_signals()  # Ctrl-C or SIGTERM: save last.pt after the step under way, then exit
 
 # -----------------------------------------------------------------------------
