@@ -83,7 +83,7 @@ def _parse(key, text, default):
     except (ValueError, SyntaxError):
         if isinstance(default, str):
             return text  # --device=cpu: a bare word is a string
-        raise ConfigError(f"command line: cannot parse --{key}={text}: expected a "
+        raise ConfigError(f"command line: cannot parse --{key}={text}: expected "
                           f"{type(default).__name__} like the default {default!r}")
     if isinstance(default, str) and not isinstance(value, str):
         return text  # --out_dir=2024 stays the string '2024'

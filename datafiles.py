@@ -140,10 +140,13 @@ def open_dataset(data_dir, dataset):
             dataset, prepared + list(prepare.KNOWN_DATASETS), n=1, cutoff=0.6)
         hint = (f"did you mean '{close[0]}'? " if close else '') + \
             (f"{data_dir} holds {', '.join(prepared)}; " if prepared else '')
-        raise DataError(f"dataset '{dataset}' has no {meta_path}: {hint}run "
-                        f"{prepare_command(dataset, data_dir, ' --input PATH')} (or set data_dir); "
-                        f"for downloaded shards write it, e.g. "
-                        f"{{\"vocab_size\": 50257, \"tokenizer\": \"gpt2\"}}")
+        if dataset in prepare.KNOWN_DATASETS:  # prepare.py fetches or builds the text itself
+            how = f"{prepare_command(dataset, data_dir)} (or set data_dir; offline: --input PATH)"
+        else:
+            how = (f"{prepare_command(dataset, data_dir, ' --input PATH')} (or set data_dir); for "
+                   f"downloaded shards write it, e.g. {{\"vocab_size\": 50257, \"tokenizer\": "
+                   f"\"gpt2\"}}")
+        raise DataError(f"dataset '{dataset}' has no {meta_path}: {hint}run {how}")
     try:
         with open(meta_path, encoding='utf-8') as f:
             meta = json.load(f)

@@ -81,7 +81,8 @@ def non_finite(step, loss, grad_norm, lr, starts):
     return (f"non-finite {what} at iteration {step}: loss {loss}, lr {lr:.3e}, grad norm "
             f"{grad_norm}, batch windows (start positions in the train split) "
             f"{starts[:16]}{' ...' if len(starts) > 16 else ''}; the last checkpoints are "
-            f"untouched: lower learning_rate or raise warmup_iters, then resume")
+            f"untouched: lower learning_rate or raise warmup_iters, then resume with "
+            f"--init_from=auto (it starts again where none was written)")
 
 
 def overflowed(skips, step, scale):
@@ -89,7 +90,8 @@ def overflowed(skips, step, scale):
     with."""
     return (f"float16 gradients overflowed {skips} optimizer steps in a row (up to iteration "
             f"{step}, loss scale now {scale:g}): the model diverged or float16's range is too "
-            f"small for it; use dtype=bfloat16 or float32, or lower learning_rate, then resume")
+            f"small for it; use dtype=bfloat16 or float32, or lower learning_rate, then resume "
+            f"with --init_from=auto")
 
 
 def unsaved(failed, step, writer, device):

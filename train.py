@@ -343,8 +343,10 @@ def log_step(figures, profiler):
     record (runlog.train)."""
     if profiler:
         trace = os.path.join(out_dir, 'trace.json') if master else None
-        record({'kind': 'profile', 'step': progress.iter_num,
-                'ms': perf.stop_profiler(profiler, device_type, trace)})
+        ms = perf.stop_profiler(profiler, device_type, trace)
+        record({'kind': 'profile', 'step': progress.iter_num, 'ms': ms})
+        log(f"profiled iteration {progress.iter_num}: "
+            f"{', '.join(f'{phase} {t:.1f} ms' for phase, t in ms.items())}; its trace: {trace}")
     if progress.iter_num == start_iter + 1:  # a gather: every rank gets here
         record({'kind': 'memory', 'step': progress.iter_num,
                 'ranks': gather(perf.memory_held(raw_model, optimizer, device))})

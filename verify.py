@@ -271,7 +271,7 @@ def main(config, sources):
         sys.exit(1)
     state = 'the gathered weights and the rest' if 'shards' in end_ckpt else 'the state'
     if divergence is None and not counters and not weights:
-        print(f"reproduced: iterations {first + 1}-{last}, {steps} logged steps and "
+        print(f"reproduced: iterations {first + 1}-{last}, {steps} logged step(s) and "
               f"{len(compared) - steps} evaluation(s), every figure they computed equal (loss, "
               f"gradient norm, learning rate, ...), and {state} equal to {end_path}'s")
         return

@@ -104,6 +104,9 @@ def test_bench_compares_two_settings_with_speed_mfu_memory_and_profile(tmp_path,
                   for e in json.load(open(tmp_path / f'iteration_{name}.json'))['traceEvents']}
         assert {'data', 'forward', 'backward', 'optimizer', 'Optimizer.step#AdamW.step'} <= events
         assert any(e.startswith('autograd::engine::evaluate_function') for e in events)
+        with open(os.path.join(report['settings'][name]['runs'][0]['out_dir'], 'train.log')) as f:
+            said = [line for line in f if line.startswith('profiled iteration 8: data ')]
+        assert len(said) == 1 and said[0].rstrip().endswith('trace.json'), said
 
 
 FAKE_NANOGPT = '''

@@ -43,8 +43,9 @@ def seconds_said(out_dir):
 
 
 def test_finished_run(finished):
-    result = subprocess.run([sys.executable, 'report.py', finished], cwd=REPO, capture_output=True,
-                            text=True, timeout=120)
+    # the folder as the other scripts take it (the refusals below: alone)
+    result = subprocess.run([sys.executable, 'report.py', f'--out_dir={finished}'], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     text = read_report(finished)
     test = read_metrics(finished, 'test')[0]

@@ -157,7 +157,8 @@ def test_nan_aborts_with_context_and_keeps_checkpoints(tmp_path, data_dir):
     assert {name: sha(os.path.join(out, name)) for name in before} == before
     error = [line for line in result.stderr.splitlines() if line.startswith('error:')]
     assert len(error) == 1 and 'Traceback' not in result.stderr
-    for words in ('non-finite loss at iteration 41', 'lr ', 'grad norm', 'batch windows'):
+    for words in ('non-finite loss at iteration 41', 'lr ', 'grad norm', 'batch windows',
+                  'then resume with --init_from=auto'):
         assert words in error[0], error[0]
     assert ([r['step'] for r in read_metrics(out, 'abort')] == [41]
             and read_metrics(out, 'eval')[-1]['step'] == 40)

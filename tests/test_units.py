@@ -516,13 +516,17 @@ def test_a_missing_dataset_s_prepare_command_writes_where_the_run_looks(tmp_path
     with pytest.raises(data.DataError) as e:
         datafiles.open_dataset(str(missing), 'shakespeare_char')
     assert 'did you mean' not in str(e.value)
-    assert (f"run python prepare.py shakespeare_char --input PATH --data_dir '{missing}' "
-            f"(or set data_dir)" in str(e.value))
+    # it downloads the text
+    assert (f"run python prepare.py shakespeare_char --data_dir '{missing}' (or set data_dir; "
+            f"offline: --input PATH)" in str(e.value))
     monkeypatch.chdir(tmp_path)  # prepare.py's default data_dir needs no --data_dir
     for data_dir in ('data', './data/'):
-        with pytest.raises(data.DataError, match=r"run python prepare.py shakespeare_char "
-                                                 r"--input PATH \(or set data_dir\)"):
+        with pytest.raises(data.DataError, match=r"run python prepare.py shakespeare_char \(or set "
+                                                 r"data_dir; offline"):
             datafiles.open_dataset(data_dir, 'shakespeare_char')
+    with pytest.raises(data.DataError, match=r"run python prepare.py mine --input PATH \(or set "
+                                             r"data_dir\); for downloaded shards write it"):
+        datafiles.open_dataset('data', 'mine')
 
 
 def test_times_left_read_in_one_set_of_units():

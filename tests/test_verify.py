@@ -43,7 +43,8 @@ def test_a_run_verifies_and_an_edited_weight_and_logged_loss_are_named(tmp_path,
     run_train(run, data_dir, *ARGS, f'--device={device}', f'--deterministic={device == "cuda"}')
     result = verify(run)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith('reproduced: iterations 11-20, 10 logged steps'), result.stdout
+    assert result.stdout.startswith('reproduced: iterations 11-20, 10 logged step(s)'), \
+        result.stdout
     # a weight moved by 1e-6 in the later checkpoint, a logged loss by one unit in the last place
     later = os.path.join(run, 'ckpt-000020.pt')
     ckpt = torch.load(later, weights_only=True)
@@ -74,14 +75,14 @@ def test_evaluations_and_the_loops_counters_are_compared_too(tmp_path, data_dir)
                             f'--end={run}/ckpt-{end:06d}.pt')
         assert result.returncode == 0, result.stdout + result.stderr
         assert result.stdout.startswith(f'reproduced: iterations {start + 1}-{end}, 10 logged '
-                                        f'steps and {evaluations} evaluation(s)'), result.stdout
+                                        f'step(s) and {evaluations} evaluation(s)'), result.stdout
     run = str(tmp_path / 'moving')
     run_train(run, data_dir, *ARGS, '--checkpoint_interval=5', '--keep_checkpoints=4')
     # the replay evaluates at its last iteration, 15, which the run only saved at: its best so
     # far is not the run's, and not compared
     result = forked.run('verify.py', f'--start={run}/ckpt-000005.pt', f'--end={run}/ckpt-000015.pt')
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith('reproduced: iterations 6-15, 10 logged steps and 1 '
+    assert result.stdout.startswith('reproduced: iterations 6-15, 10 logged step(s) and 1 '
                                     'evaluation(s)'), result.stdout
     # the evaluation at 20: its logged val loss, and the evaluations without a new best in the
     # checkpoint it wrote
@@ -168,7 +169,8 @@ def test_start_and_end_alone_verify_their_run_and_another_folders_are_refused(tm
     result = forked.run(os.path.join(REPO, 'verify.py'), '--start=run/ckpt-000010.pt',
                         '--end=run/last.pt', cwd=str(tmp_path))
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith('reproduced: iterations 11-20, 10 logged steps'), result.stdout
+    assert result.stdout.startswith('reproduced: iterations 11-20, 10 logged step(s)'), \
+        result.stdout
     # another run's checkpoints would replay against this run's records: refused, as are two
     # checkpoints of two folders
     other = str(tmp_path / 'other')
