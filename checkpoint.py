@@ -305,9 +305,11 @@ def changed_settings(ckpt, config, defaults):
 
 def why_not_resume(ckpt, config, defaults, unread=()):
     """Why this config may not resume the checkpoint ('was trained with other settings (...)'), or
-    ''. unread: keys neither run reads (preflight.unread's), which may change. Under
-    best_by='acc_norm' the tasks may not: the best so far is their mean."""
-    chooses_best = ('eval_tasks', 'eval_tasks_examples') if config['best_by'] == 'acc_norm' else ()
+    ''. unread: keys neither run reads (preflight.unread's), which may change. What measures the
+    best so far may not: eval_iters (the val windows) under best_by='val_loss', the tasks under
+    'acc_norm' (their mean): a best.pt chosen over two measures would be chosen by the change."""
+    chooses_best = (('eval_tasks', 'eval_tasks_examples') if config['best_by'] == 'acc_norm'
+                    else ('eval_iters',))
     changed = [f"{k}={old!r} there, {new!r} here"
                for k, (old, new) in changed_settings(ckpt, config, defaults).items()
                if (k not in RESUMABLE or k in chooses_best) and k not in unread]

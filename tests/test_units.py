@@ -869,15 +869,20 @@ def test_shards_folders_no_checkpoint_names_go_and_an_unreadable_checkpoint_keep
     assert [p.name for p in tmp_path.glob('shards-*')] == ['shards-20']
 
 
-def test_the_tasks_that_choose_best_pt_may_not_change_on_resume():
-    defaults = {'best_by': 'val_loss', 'eval_tasks': 'a.jsonl', 'eval_tasks_examples': 500}
+def test_what_chooses_best_pt_may_not_change_on_resume():
+    defaults = {'best_by': 'val_loss', 'eval_tasks': 'a.jsonl', 'eval_tasks_examples': 500,
+                'eval_iters': 200}
     ckpt = {'config': defaults}
     assert checkpoint.why_not_resume(ckpt, {**defaults, 'eval_tasks': 'b.jsonl'}, defaults) == ''
+    # the val loss of other windows
+    assert checkpoint.why_not_resume(ckpt, {**defaults, 'eval_iters': 20}, defaults) == (
+        "was trained with other settings (eval_iters=200 there, 20 here)")
     # best_by='acc_norm': the best so far is the tasks' mean acc_norm
     by_tasks = {**defaults, 'best_by': 'acc_norm'}
     ckpt = {'config': by_tasks}
     assert checkpoint.why_not_resume(ckpt, {**by_tasks, 'eval_tasks_examples': 100}, defaults) == (
         "was trained with other settings (eval_tasks_examples=500 there, 100 here)")
+    assert checkpoint.why_not_resume(ckpt, {**by_tasks, 'eval_iters': 20}, defaults) == ''
 
 
 def test_a_resume_from_an_earlier_checkpoint_moves_the_continuation_it_replaces_aside(tmp_path):
