@@ -140,8 +140,9 @@ def open_dataset(data_dir, dataset):
             dataset, prepared + list(prepare.KNOWN_DATASETS), n=1, cutoff=0.6)
         hint = (f"did you mean '{close[0]}'? " if close else '') + \
             (f"{data_dir} holds {', '.join(prepared)}; " if prepared else '')
-        if dataset in prepare.KNOWN_DATASETS:  # prepare.py fetches or builds the text itself
-            how = f"{prepare_command(dataset, data_dir)} (or set data_dir; offline: --input PATH)"
+        if dataset in prepare.KNOWN_DATASETS:  # prepare.py downloads the text, or finds it here
+            offline = '' if dataset == 'pystdlib_char' else '; offline: --input PATH'
+            how = f"{prepare_command(dataset, data_dir)} (or set data_dir{offline})"
         else:
             how = (f"{prepare_command(dataset, data_dir, ' --input PATH')} (or set data_dir); for "
                    f"downloaded shards write it, e.g. {{\"vocab_size\": 50257, \"tokenizer\": "

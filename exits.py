@@ -130,7 +130,7 @@ def explain_failure(exc, step, batch_size, block_size, dtype, device):
         # the error's first sentence, without the source file gloo names
         why = re.sub(r'^\[[^]]*\] ', '', ' '.join(str(value).split())).split('. ')[0][:200]
         record({'kind': 'abort', 'step': step, 'message': 'lost another rank'})
-        sys.stderr.write(f"error: rank {torch.distributed.get_rank()} lost another rank at "
+        sys.stderr.write(f"error: rank {os.environ.get('RANK', 0)} lost another rank at "
                          f"iteration {step} ({why or type(value).__name__}): the rank that failed "
                          f"first says why (torchrun: \"Root Cause\"); the checkpoints are intact: "
                          f"init_from=auto resumes\n")
@@ -146,9 +146,10 @@ def explain_failure(exc, step, batch_size, block_size, dtype, device):
 
 
 def lost_a_rank(error):
-    """Whether an exception is a collective's that another process left: torch.distributed's own
-    (NCCL's, the store's) or gloo's, a RuntimeError that names its transport."""
-    return isinstance(error, torch.distributed.DistError) or 'gloo/transport/' in str(error)
+    """Whether an exception is gloo's (a RuntimeError that names its transport) for a peer that is
+    gone: not its timeout, which a rank that skipped a collective also causes, and whose traceback
+    shows where. (NCCL's survivors wait in the kernel until torchrun stops them.)"""
+    return 'gloo/transport/' in str(error) and 'Timed out' not in str(error)
 
 
 def out_of_memory(error):

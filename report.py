@@ -414,9 +414,9 @@ def write_report(out_dir):
 
 
 if __name__ == '__main__':
-    if len(sys.argv) != 2:
+    run_dir = sys.argv[-1].removeprefix('--out_dir=')  # as sample.py and verify.py take it, too
+    if len(sys.argv) != 2 or not run_dir:
         fail("usage: python report.py OUT_DIR (or --out_dir=OUT_DIR)")
-    run_dir = sys.argv[1].removeprefix('--out_dir=')  # as sample.py and verify.py take it, too
     missing = [name for name in RUN_FILES if not os.path.isfile(os.path.join(run_dir, name))]
     if missing:
         fail(f"{run_dir} has no {missing[0]}: pass the out_dir of a train.py run")

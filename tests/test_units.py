@@ -27,6 +27,7 @@ import data
 import datafiles
 import distributed
 import evaluate
+import exits
 import perf
 import precision
 import preflight
@@ -976,3 +977,15 @@ def test_kept_checkpoints_count_only_those_up_to_the_one_written(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ['ckpt-000200.pt', 'ckpt-000300.pt', 'ckpt-000400.pt',
                                             'ckpt-best.pt', 'last.pt']
     assert writer.last_saved == 200
+
+
+def test_only_a_gone_peer_is_a_lost_rank_and_a_timeout_keeps_its_traceback():
+    # gloo's own lines (torch 2.13): test_ddp's elastic restart meets the first for real; the
+    # second is a rank waiting in a collective another rank skipped, whose traceback says where
+    gloo = '[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/'
+    assert exits.lost_a_rank(RuntimeError(
+        f"{gloo}pair.cc:537] Read error [127.0.0.1]:910: Connection reset by peer. This is "
+        f"typically caused by a remote worker hanging or bugs in the application."))
+    assert not exits.lost_a_rank(RuntimeError(
+        f"{gloo}unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete"))
+    assert not exits.lost_a_rank(RuntimeError('Connection reset by peer'))  # not a collective's
