@@ -14,6 +14,8 @@ $ python prepare.py web --input dump.jsonl.gz --text_key text --tokenizer gpt2 -
 """
 import argparse
 import collections
+import fcntl
+import glob
 import gzip
 import hashlib
 import importlib.metadata
@@ -642,8 +644,9 @@ def prepare(name, data_dir=DATA_DIR, input_path=None, tokenizer=None, seed=1337,
         made, folder = folder, os.path.dirname(folder)
     try:
         os.makedirs(data_dir, exist_ok=True)
-        work_dir = tempfile.mkdtemp(prefix=f'.{name}.', dir=data_dir)
-        old_dir = os.path.join(work_dir, 'old')  # the dataset replaced, until the end
+        work_dir, lock = claim_work_dir(data_dir, name)
+        # the dataset replaced, until the end (a dot: no dataset's name)
+        old_dir = os.path.join(work_dir, '.old')
     except OSError as e:  # a file in the way, or no permission
         raise PrepareError(f'data_dir {data_dir} cannot be made or written ({e.strerror}): pass '
                            f'--data_dir PATH of a folder that can be written') from None
@@ -715,8 +718,33 @@ def prepare(name, data_dir=DATA_DIR, input_path=None, tokenizer=None, seed=1337,
         if made:
             shutil.rmtree(made, ignore_errors=True)
         raise
+    finally:
+        lock.close()
     shutil.rmtree(work_dir, ignore_errors=True)
     return out_dir
+
+
+def claim_work_dir(data_dir, name):
+    """(a new temp folder in data_dir to build dataset name in, the open file of its lock, held
+    until it is closed). A POSIX lock: the tokenizer processes forked from this one do not hold it,
+    and it ends with the process, however it ends. So the folders of killed runs (SIGKILL: their
+    partial shards, gigabytes at scale) are those whose lock is free: they go first, and a dataset
+    one had moved aside, between the two renames, is put back."""
+    for stale in glob.glob(os.path.join(glob.escape(data_dir), f'.{glob.escape(name)}.*')):
+        try:  # 'r+': a folder whose run has not made its lock yet is not stale
+            with open(os.path.join(stale, '.lock'), 'r+') as held:
+                fcntl.lockf(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: a prepare.py at work
+            continue
+        out_dir, old_dir = os.path.join(data_dir, name), os.path.join(stale, '.old')
+        if os.path.isdir(old_dir) and not os.path.lexists(out_dir):
+            os.replace(old_dir, out_dir)
+        shutil.rmtree(stale, ignore_errors=True)
+        print(f"removed {stale}, left by a prepare.py that was killed")
+    work_dir = tempfile.mkdtemp(prefix=f'.{name}.', dir=data_dir)
+    lock = open(os.path.join(work_dir, '.lock'), 'w')
+    fcntl.lockf(lock, fcntl.LOCK_EX)
+    return work_dir, lock
 
 
 def stopped(signum, frame):

@@ -382,13 +382,55 @@ def test_a_stop_between_the_two_renames_puts_the_old_dataset_back(tmp_path, monk
 
     def stop_after_moving_aside(source, target):
         replace(source, target)
-        if os.path.basename(target) == 'old':
+        if os.path.basename(target) == '.old':
             raise KeyboardInterrupt
     monkeypatch.setattr(prepare.os, 'replace', stop_after_moving_aside)
     (tmp_path / 'other.txt').write_text('other text entirely\n' * 20)
     with pytest.raises(KeyboardInterrupt):
         prepare.prepare('x', data_dir=tmp_path / 'data', input_path=tmp_path / 'other.txt')
     assert folder_snapshot(out) == before and os.listdir(tmp_path / 'data') == ['x']
+
+
+@pytest.mark.parametrize('kill', ['writing', 'between the renames'])
+def test_what_a_killed_prepare_left_goes_with_the_next_run(tmp_path, kill):
+    # SIGKILL (the OOM killer's) runs no handler: the temp folder stays, its partial shards
+    # gigabytes at scale, and between the two renames it holds the old dataset. The next run finds
+    # its lock free: the folder goes, the dataset comes back, also when that run is refused.
+    (tmp_path / 'good.txt').write_text('some good text\n' * 20)
+    (tmp_path / 'other.txt').write_text('other text entirely\n' * 20)
+    (tmp_path / 'empty.txt').write_text('\n')
+    assert run_cli('x', '--input', 'good.txt', cwd=tmp_path).returncode == 0
+    data, before = tmp_path / 'data', folder_snapshot(tmp_path / 'data' / 'x')
+    patch = ("prepare.ShardWriter.append = lambda *args: os.kill(os.getpid(), signal.SIGKILL)\n"
+             if kill == 'writing' else
+             "replace = os.replace\n"
+             "def killed(source, target):\n"
+             "    replace(source, target)\n"
+             "    if os.path.basename(target) == '.old':\n"
+             "        os.kill(os.getpid(), signal.SIGKILL)\n"
+             "prepare.os.replace = killed\n")
+    code = "import os, signal, sys, prepare\n" + patch + "prepare.main(sys.argv[1:])\n"
+    result = subprocess.run([sys.executable, '-c', code, 'x', '--input', 'other.txt'],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, 'PYTHONPATH': os.path.dirname(PREPARE_PY)})
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    [left] = [name for name in os.listdir(data) if name.startswith('.x.')]
+    assert os.path.exists(data / 'x') == (kill == 'writing')
+    result = run_cli('x', '--input', 'empty.txt', cwd=tmp_path)
+    assert result.returncode == 2 and 'is empty or only whitespace' in result.stderr
+    assert f"removed {os.path.join('data', left)}, left by a prepare.py that was killed" in (
+        result.stdout)
+    assert os.listdir(data) == ['x'] and folder_snapshot(data / 'x') == before
+
+
+def test_a_running_prepare_s_folder_is_left_to_it(tmp_path):
+    (tmp_path / 'empty.txt').write_text('\n')
+    (tmp_path / 'data').mkdir()
+    work_dir, lock = prepare.claim_work_dir(str(tmp_path / 'data'), 'x')  # this process's run
+    for held in (True, False):
+        result = run_cli('x', '--input', 'empty.txt', cwd=tmp_path)
+        assert result.returncode == 2 and os.path.isdir(work_dir) == held, result.stdout
+        lock.close()
 
 
 def test_a_ranks_file_in_the_dataset_it_replaces_is_refused(tmp_path):
