@@ -423,6 +423,13 @@ def test_what_a_killed_prepare_left_goes_with_the_next_run(tmp_path, kill):
     assert os.listdir(data) == ['x'] and folder_snapshot(data / 'x') == before
 
 
+def test_a_dataset_named_as_the_temp_folder_s_entries_is_prepared_again(tmp_path):
+    (tmp_path / 'good.txt').write_text('some good text\n' * 20)
+    for name in ('old', 'old', 'lock', 'lock'):  # the second run replaces the first's
+        prepare.prepare(name, data_dir=tmp_path / 'data', input_path=tmp_path / 'good.txt')
+    assert sorted(os.listdir(tmp_path / 'data')) == ['lock', 'old']
+
+
 def test_a_running_prepare_s_folder_is_left_to_it(tmp_path):
     (tmp_path / 'empty.txt').write_text('\n')
     (tmp_path / 'data').mkdir()
