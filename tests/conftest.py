@@ -180,17 +180,22 @@ def torchrun(out_dir, data_dir, *overrides, probe=False, **kwargs):
                            *overrides, **kwargs)
 
 
-def torchrun_script(*args, nproc=2, env_extra=None, torchrun_args=(), timeout=300):
-    """torchrun SCRIPT ARGS (args) on nproc processes, CPU and gloo unless ARGS say
-    --device=cuda."""
+def torchrun_started(*args, nproc=2, env_extra=None, torchrun_args=()):
+    """torchrun SCRIPT ARGS (args) on nproc processes, CPU and gloo unless ARGS say --device=cuda,
+    started (a forked.Process in a session of its own: a signal to it is a cluster's)."""
     env = {**os.environ, **(env_extra or {})}
     # its workers are forks too, where the launcher would be one (their settings are the server's)
     forks = forked.forks(env)
     launcher = [FORKED_TORCHRUN] if forks else ['-m', 'torch.distributed.run']
     if forks:
         env[forked.SOCKET_ENV] = forked.server_socket()
-    proc = forked.Process(*launcher, *(torchrun_args or ['--standalone']),
+    return forked.Process(*launcher, *(torchrun_args or ['--standalone']),
                           f'--nproc_per_node={nproc}', *args, env=env, new_session=True)
+
+
+def torchrun_script(*args, timeout=300, **kwargs):
+    """torchrun_started's run, waited for."""
+    proc = torchrun_started(*args, **kwargs)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     # on a timeout torchrun is stopped; its workers, in sessions of their own, run to their end

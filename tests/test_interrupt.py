@@ -12,10 +12,11 @@ import pytest
 import torch
 
 import forked
-from conftest import PROBE, RUN_CONFIG, ok, read_metrics, run_trains, torchrun, wait_for_stderr
+from conftest import (PROBE, RUN_CONFIG, ok, read_metrics, run_trains, torchrun, torchrun_started,
+                      wait_for_stderr)
 
 # training runs in subprocesses: the 'not slow' tier skips them; signals reach fresh interpreters,
-# as users' runs are (runs no signal reaches fork: forking())
+# as users' runs are (forking(): runs no signal reaches, and torchrun, which passes a signal on)
 pytestmark = [pytest.mark.slow, pytest.mark.fresh]
 
 # dropout and loader workers on: the RNG streams and the loader position must both survive the stop
@@ -54,8 +55,9 @@ def start(cmd, env=None):
 
 @contextlib.contextmanager
 def forking():
-    """Runs started inside, which no signal reaches (the straight runs, the resumes), fork as the
-    suite's other runs do (tests/forked.py): about 3 CPU-seconds of imports fewer a process."""
+    """Runs started inside fork as the suite's other runs do (tests/forked.py): about 3 CPU-seconds
+    of imports fewer a process. For those no signal reaches (the straight runs, the resumes), and
+    torchrun and its ranks: torchrun's handler passes the signal on, as a fresh one's does."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(forked, 'FRESH', os.environ.get('HONESTGPT_TEST_FRESH') == '1')
         yield
@@ -153,12 +155,14 @@ def test_a_stop_during_the_smoke_test_stops_the_run_before_its_first_step(tmp_pa
     # float32: dtype='auto' would time forwards, and the probe count them, before the smoke test
     args = [*ARGS, '--smoke_steps=30', f'--max_iters={iters}', f'--lr_decay_iters={iters}',
             '--dtype=float32']
-    launch = []
-    if ranks == 2:
-        launch = ['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2']
+    if ranks == 1:
+        proc = start([PROBE, *train_cmd(out, data_dir, *args)],
+                     env={**os.environ, 'PROBE_SLEEP': '1-3:2'})
+    else:
         args += ['--parallel=fsdp', '--gradient_accumulation_steps=2']
-    proc = start([*launch, PROBE, *train_cmd(out, data_dir, *args)],
-                 env={**os.environ, 'PROBE_SLEEP': '1-3:2' if ranks == 1 else '1-1:2'})
+        with forking():  # the signal goes to torchrun, which passes it on
+            proc = torchrun_started(PROBE, *train_cmd(out, data_dir, *args),
+                                    env_extra={'PROBE_SLEEP': '1-1:2'})
     for rank in range(ranks):  # in its first micro-batch, with its handlers: a rank still
         wait_for_stderr(proc, f'probe: rank {rank} sleeps in micro-batch 1')  # starting dies
     proc.send_signal(signal.SIGTERM)
@@ -243,8 +247,8 @@ def test_two_ranks_stop_together_on_sigterm_and_resume_bitwise(tmp_path, data_di
     # the stop near 40, an evaluation at 100 in the resumed part
     args = [*ARGS, '--gradient_accumulation_steps=2', '--max_iters=120', '--lr_decay_iters=120']
     straight, stopped = str(tmp_path / 'straight'), str(tmp_path / 'stopped')
-    proc = start(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                  *train_cmd(stopped, data_dir, *args)])
+    with forking():  # torchrun and its ranks: its signal handling is torchrun's own
+        proc = torchrun_started(*train_cmd(stopped, data_dir, *args))
     wait_for_step(stopped, 40, proc)
     # to torchrun, as a cluster does: it passes SIGTERM on to every rank
     proc.send_signal(signal.SIGTERM)
