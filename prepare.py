@@ -15,7 +15,6 @@ $ python prepare.py web --input dump.jsonl.gz --text_key text --tokenizer gpt2 -
 import argparse
 import collections
 import fcntl
-import glob
 import gzip
 import hashlib
 import importlib.metadata
@@ -730,7 +729,10 @@ def claim_work_dir(data_dir, name):
     and it ends with the process, however it ends. So the folders of killed runs (SIGKILL: their
     partial shards, gigabytes at scale) are those whose lock is free: they go first, and a dataset
     one had moved aside, between the two renames, is put back."""
-    for stale in glob.glob(os.path.join(glob.escape(data_dir), f'.{glob.escape(name)}.*')):
+    prefix = f'.{name}.'  # then mkdtemp's suffix, without a dot: '.x.' + 'y.SUFFIX' is x.y's
+    stale_dirs = [os.path.join(data_dir, entry) for entry in os.listdir(data_dir)
+                  if entry.startswith(prefix) and '.' not in entry[len(prefix):]]
+    for stale in stale_dirs:
         try:  # 'r+': a folder whose run has not made its lock yet is not stale
             with open(os.path.join(stale, '.lock'), 'r+') as held:
                 fcntl.lockf(held, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -430,6 +430,17 @@ def test_a_dataset_named_as_the_temp_folder_s_entries_is_prepared_again(tmp_path
     assert sorted(os.listdir(tmp_path / 'data')) == ['lock', 'old']
 
 
+def test_a_killed_run_of_a_dotted_name_is_its_own(tmp_path):
+    # x.y's temp folder, killed between the renames, starts as x's would: .x. + y.SUFFIX
+    stale = tmp_path / '.x.y.abcd1234'
+    (stale / '.old').mkdir(parents=True)
+    (stale / '.lock').write_text('')
+    prepare.claim_work_dir(str(tmp_path), 'x')[1].close()
+    assert not (tmp_path / 'x').exists() and stale.exists()
+    prepare.claim_work_dir(str(tmp_path), 'x.y')[1].close()
+    assert (tmp_path / 'x.y').is_dir() and not stale.exists()
+
+
 def test_a_running_prepare_s_folder_is_left_to_it(tmp_path):
     (tmp_path / 'empty.txt').write_text('\n')
     (tmp_path / 'data').mkdir()
