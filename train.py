@@ -472,13 +472,14 @@ while progress.iter_num < max_iters and not progress.out_of_patience(patience):
     if stops:  # every rank saw the same count: all saved above and stop here
         exits.exit_on_signal(progress.iter_num, max_iters, world_size, writer, device)
     if stopping_early:
-        what = 'val loss' if best_by == 'val_loss' else best_by
-        log(f"early stop: no better {what} in {patience} evaluations since iteration "
-            f"{progress.best_iter}")
         break
 
 # -----------------------------------------------------------------------------
 # the end: the best weights on the test split, a sample, the report
+if progress.out_of_patience(patience):  # stopped now, or before the end init_from=auto redoes
+    what = 'val loss' if best_by == 'val_loss' else best_by
+    log(f"early stop: no better {what} in {patience} evaluations since iteration "
+        f"{progress.best_iter}")
 exits.unsaved(writer.wait(), progress.iter_num, writer, device)
 # a stop heard in this session's last evaluation or save leaves the end (test split, sample) to
 # init_from=auto; an early stop ends as it would have (auto would train on to the next evaluation)

@@ -61,7 +61,8 @@ def test_patience_stops_early_and_without_always_save_last_pt_follows_each_best(
         f"the run there, leaving nothing to do: raise patience\n")
     result = run_train(out, data_dir, *same, '--init_from=auto')
     assert [r['step'] for r in read_metrics(out, 'train')] == list(range(1, 7))
-    assert 'done: no iterations left, all 6 iterations' in result.stdout
+    assert ('early stop: no better val loss in 2 evaluations since iteration 2\ndone: no '
+            'iterations left, all 6 iterations' in result.stdout), result.stdout
     assert [r['step'] for r in read_metrics(out, 'test')] == [6]  # the logs cut back to last.pt's
 
 
