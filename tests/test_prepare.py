@@ -41,6 +41,15 @@ def run_cli(*args, cwd, env=None):
                           capture_output=True, text=True, timeout=60)
 
 
+def run_patched(patch, *args, cwd):
+    """prepare.py's command line in a python that first runs patch (code, with os, signal and
+    prepare imported): a stop or a kill where a test wants it."""
+    code = "import os, signal, sys, prepare\n" + patch + "prepare.main(sys.argv[1:])\n"
+    return subprocess.run([sys.executable, '-c', code, *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=60,
+                          env={**os.environ, 'PYTHONPATH': os.path.dirname(PREPARE_PY)})
+
+
 def write_docs(folder, n=30):
     """n distinct documents, each tagged [doc NN], plus two exact copies of doc 03 (one nested)."""
     rng = random.Random(0)
@@ -354,19 +363,14 @@ def test_a_stop_while_preparing_leaves_the_dataset_before_it_and_no_temp_folder(
     assert run_cli('x', '--input', 'good.txt', cwd=tmp_path).returncode == 0
     before = folder_snapshot(tmp_path / 'data' / 'x')
     # Ctrl-C's handler as a terminal's python has it: a test's workers start processes ignoring it
-    code = ("import os, signal, sys, prepare\n"
-            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-            "append = prepare.ShardWriter.append\n"
-            "def stopped(self, tokens):\n"
-            f"    os.kill(os.getpid(), {int(signum)})\n"
-            "    append(self, tokens)\n"
-            "prepare.ShardWriter.append = stopped\n"
-            "prepare.main(sys.argv[1:])\n")
+    patch = ("signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+             "append = prepare.ShardWriter.append\n"
+             "def stopped(self, tokens):\n"
+             f"    os.kill(os.getpid(), {int(signum)})\n"
+             "    append(self, tokens)\n"
+             "prepare.ShardWriter.append = stopped\n")
     for _ in range(3):
-        result = subprocess.run([sys.executable, '-c', code, 'x', '--input', 'other.txt',
-                                 '--num_proc', '2'], cwd=tmp_path, timeout=60,
-                                env={**os.environ, 'PYTHONPATH': os.path.dirname(PREPARE_PY)},
-                                capture_output=True, text=True)
+        result = run_patched(patch, 'x', '--input', 'other.txt', '--num_proc', '2', cwd=tmp_path)
         assert result.returncode == 128 + signum and result.stderr == (
             f"prepare.py: stopped by {signal.Signals(signum).name}: a dataset is replaced whole or "
             f"not at all\n")
@@ -409,10 +413,7 @@ def test_what_a_killed_prepare_left_goes_with_the_next_run(tmp_path, kill):
              "    if os.path.basename(target) == '.old':\n"
              "        os.kill(os.getpid(), signal.SIGKILL)\n"
              "prepare.os.replace = killed\n")
-    code = "import os, signal, sys, prepare\n" + patch + "prepare.main(sys.argv[1:])\n"
-    result = subprocess.run([sys.executable, '-c', code, 'x', '--input', 'other.txt'],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                            env={**os.environ, 'PYTHONPATH': os.path.dirname(PREPARE_PY)})
+    result = run_patched(patch, 'x', '--input', 'other.txt', cwd=tmp_path)
     assert result.returncode == -signal.SIGKILL, result.stderr
     [left] = [name for name in os.listdir(data) if name.startswith('.x.')]
     assert os.path.exists(data / 'x') == (kill == 'writing')
