@@ -204,6 +204,7 @@ torch.manual_seed(seed)  # the same initial weights on every rank
 model = GPT(model_config)
 if init.pretrained_state is not None:
     model.load_state_dict(init.pretrained_state)
+    init.pretrained_state = None  # a second copy in host memory all run long: gigabytes at GPT-2 XL
 model.activation_checkpointing = activation_checkpointing
 # the moving average starts at the initial weights: an update now copies them (and counts one, so
 # that every later update averages)
@@ -289,6 +290,7 @@ run_record = {'config': config, 'model_args': dataclasses.asdict(model_config),
 unwritable = runlog.start(out_dir, (ckpt_path, ckpt) if resuming else None, config, config_sources,
                           init.session, raw_model.num_params(), raw_model.flops_per_token())
 check(not unwritable, unwritable)
+del ckpt  # restored: kept, its weights (on a GPU its optimizer state too) would be held twice
 # out of memory anywhere, or another rank lost: one line instead of a traceback (exit code 1)
 sys.excepthook = lambda *exc: exits.explain_failure(exc, progress.iter_num + 1, batch_size,
                                                     block_size, dtype, device)

@@ -33,6 +33,9 @@ PROBE_DATA=R:N:HOW:PATH  at rank R's N-th micro-batch, truncates the file PATH t
 PROBE_HIDE_DATA=R    rank R finds no dataset (data.open_dataset), as a node whose storage lacks it
 PROBE_FSIZE=BYTES    no file this process writes may grow past BYTES (RLIMIT_FSIZE): writes fail
                      with EFBIG, as on a full disk where no small filesystem can be mounted
+PROBE_HELD=DIR       at each optimizer step, how many of the weights the run loaded (a
+                     checkpoint's 'model', GPT-2's from hf.load_gpt2) are still alive, into
+                     DIR/held.RANK (JSON): copied into the model, none should be
 PROBE_CUDA_MEMORY=BYTES  from fit_batch's first try (smoke.fit_batch) or the training loop's
                      start (perf.reset_peak_memory), the CUDA allocator may hold at most BYTES of
                      GPU 0, as on a smaller card (set_per_process_memory_fraction)
@@ -41,6 +44,7 @@ Always: the GIL changes hands at most once a second unless its holder releases i
 Python's shutdown unless train.py's exit gives way (distributed.destroy_process_group).
 Usage: [torchrun ...] tests/probe.py train.py ARGS..."""
 import atexit
+import gc
 import importlib.machinery
 import json
 import os
@@ -51,6 +55,7 @@ import signal
 import sys
 import time
 import types
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -163,6 +168,31 @@ if 'PROBE_GRAPHS' in os.environ:
         return compile_fx(*args, **kwargs)
     inductor.compile_fx = counting_compile_fx
     write_at_exit('PROBE_GRAPHS', 'graphs', lambda: str(len(graphs)))
+
+if 'PROBE_HELD' in os.environ:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # hf's folder
+    import hf
+    loaded, alive = [], []  # weak references to the loaded weights; the count alive at each step
+    torch_load, load_gpt2 = torch.load, hf.load_gpt2
+
+    def recording_load(*args, **kwargs):
+        ckpt = torch_load(*args, **kwargs)
+        if isinstance(ckpt, dict) and isinstance(ckpt.get('model'), dict):
+            loaded.extend(weakref.ref(t) for t in ckpt['model'].values())
+        return ckpt
+
+    def recording_load_gpt2(*args, **kwargs):
+        model_args, state, pretrained = load_gpt2(*args, **kwargs)
+        loaded.extend(weakref.ref(t) for t in state.values())
+        return model_args, state, pretrained
+
+    def count_alive(*_):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in loaded))
+    torch.load, hf.load_gpt2 = recording_load, recording_load_gpt2
+    register_optimizer_step_post_hook(count_alive)
+    write_at_exit('PROBE_HELD', 'held', lambda: json.dumps({'loaded': len(loaded),
+                                                             'alive': alive}))
 
 if 'PROBE_HOLD_SAVE' in os.environ:
     torch_save, last_writes = torch.save, []

@@ -205,15 +205,24 @@ def test_gpt2_by_name_from_the_cache_finetunes_and_resumes_exactly(root, bpe_dat
     args = ['--init_from=gpt2', '--dataset=shakespeare', '--dropout=0.1', '--block_size=32',
             '--max_iters=6', '--lr_decay_iters=6', '--eval_interval=3']
     straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
-    started = run_train(straight, bpe_data, *args, env=env)
+    held = {run: tmp_path / f'held-{run}' for run in ('start', 'resume')}
+    for folder in held.values():
+        folder.mkdir()
+    started = run_train(straight, bpe_data, *args, probe=True,
+                        env={**env, 'PROBE_HELD': str(held['start'])})
     # the weights' shape, not 32
     assert 'building the model: 2 layers, 4 heads, 64 wide' in started.stdout
     run_train(split, bpe_data, *args, '--max_iters=3', env=env)
     # resume as a user does: init_from changes, the shape keys stay unset (the config still says
     # n_embd=32)
     run_train(split, bpe_data, *[a for a in args if not a.startswith('--init_from')],
-              '--init_from=resume', env=env)
+              '--init_from=resume', probe=True, env={**env, 'PROBE_HELD': str(held['resume'])})
     assert trajectory(split) == trajectory(straight) and len(trajectory(split)) == 6
+    # GPT-2's weights and the checkpoint's, once in the model, are let go before the first step
+    # (the smoke test's): a second copy in host memory on every rank, gigabytes at GPT-2 XL
+    for folder in held.values():
+        counts = json.load(open(folder / 'held.0'))
+        assert counts['loaded'] > 0 and counts['alive'] and not any(counts['alive']), counts
     a = torch.load(os.path.join(straight, 'last.pt'), weights_only=True)
     b = torch.load(os.path.join(split, 'last.pt'), weights_only=True)
     assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
