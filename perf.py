@@ -189,11 +189,12 @@ def measure_flops(device, dtype, budget=0.02, last_budget=0.15):
     it after tens of ms), is timed for last_budget seconds. 0.8-1.0 s on a 2-core Xeon: a first run
     waits for it (docs/benchmarks.md)."""
     best, n = (0.0, 0), 128
+    # random values, from a generator of its own: a GPU multiplies constant data faster (it draws
+    # less power, so it clocks down less), and the global RNG (dropout's) must stay untouched
+    generator = torch.Generator(device).manual_seed(0)
     while True:
-        # no torch.randn: the values do not change the speed, and the global RNG (dropout's) must
-        # stay untouched
-        a, b = (torch.full((n, n), 0.5, device=device, dtype=dtype),
-                torch.full((n, n), 0.25, device=device, dtype=dtype))
+        a, b = (torch.randn((n, n), device=device, dtype=dtype, generator=generator)
+                for _ in range(2))
         layouts = ((a, b.T), (a, b), (a.T, b))
         fastest = min(best_seconds(x, y, budget) for x, y in layouts)
         last = fastest > 0.01 or n == 8192

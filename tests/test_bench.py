@@ -296,9 +296,19 @@ def test_bench_under_torchrun_shows_fsdp_holding_a_shard_per_rank(tmp_path, data
 
 def test_peak_flops_is_measured_once_per_machine(tmp_path, monkeypatch):
     monkeypatch.setenv('HONESTGPT_CACHE', str(tmp_path))
+    # random matrices (a GPU multiplies constant ones faster), not from the global RNG (dropout's)
+    operands, best_seconds = [], perf.best_seconds
+
+    def recording_best_seconds(a, b, budget):
+        operands.append((a, b))
+        return best_seconds(a, b, budget)
+    monkeypatch.setattr(perf, 'best_seconds', recording_best_seconds)
+    rng = torch.get_rng_state()
     announced = []  # preflight says why the run pauses, only when it does
     flops, how = perf.peak_flops('cpu', torch.float32, announce=lambda: announced.append(1))
     assert announced == [1] and flops > 1e7
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert operands and all(x.std() > 0.5 and y.std() > 0.5 for x, y in operands)
     assert re.fullmatch(r'measured: (\d+)x\1 float32 matmul, the fastest of 3 layouts and sizes '
                         r'128 to \d+, at [-\d]+T[:\d]+[-+]\d+', how)
     # the next run on this machine reads the same figure: the same speed gives the same MFU
