@@ -388,8 +388,9 @@ def main(config):
     check(config['tasks'], "tasks='' names no task file: pass --tasks=FILE.jsonl (comma-separated "
                            "for several)")
     try:
-        device, device_type = distributed.resolve_device(config['device'])
-        distributed.set_threads(config['threads'])
+        # train.py's: the threads, the current GPU and TF32 for what autocast leaves in float32
+        device, device_type = distributed.setup(config['device'], None, False, 'auto',
+                                                config['threads'])
     except ValueError as e:
         check(False, e)
     model, tok, source = load(config, device)

@@ -155,8 +155,8 @@ if __name__ == '__main__':
         fail(f"export={export}: its folder does not exist: create it, or name a file in an "
              f"existing folder")
     try:
-        device, device_type = distributed.resolve_device(device)
-        distributed.set_threads(threads)
+        # train.py's: the threads, the current GPU and TF32 for what autocast leaves in float32
+        device, device_type = distributed.setup(device, None, False, 'auto', threads)
     except ValueError as e:
         fail(e)
 
