@@ -90,13 +90,19 @@ def fetch(name):
            f"config.json model.safetensors (or any run with init_from={name}); or put those two "
            f"files of {name} in a folder and pass init_from=FOLDER")
     try:
-        from huggingface_hub import constants, hf_hub_download
+        from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
     except ImportError:
         raise HFError(f"init_from={name} looks GPT-2 up in the Hugging Face cache with the "
                       f"huggingface_hub package, which is not installed: {how}") from None
+    files = ('config.json', 'model.safetensors')
+    try:  # cached: no request at all (GPT-2's files never change)
+        return [hf_hub_download(name, filename, local_files_only=True) for filename in files]
+    except Exception:  # not cached, or a broken cache: downloaded below
+        pass
     try:
-        return [hf_hub_download(name, filename)
-                for filename in ('config.json', 'model.safetensors')]
+        # one request without retries first: out of reach, a download retries for about 25 s
+        get_hf_file_metadata(hf_hub_url(name, files[0]))
+        return [hf_hub_download(name, filename) for filename in files]
     except Exception as e:  # offline, no network, a broken cache: the advice is the same
         why = ('HF_HUB_OFFLINE is set' if constants.HF_HUB_OFFLINE
                else (str(e).strip().splitlines() or [type(e).__name__])[0][:120])

@@ -254,6 +254,13 @@ def test_nanogpt_finetune_config_runs_unchanged(bpe_data, tiny_gpt2, tmp_path):
     assert ("'gpt2-xl' are not in the Hugging Face cache" in result.stderr
             and 'init_from=FOLDER' in result.stderr)
     assert not os.path.exists(tmp_path / 'out')
+    # without HF_HUB_OFFLINE, the Hub out of reach: one line at once, not the Hub's retries (about
+    # 25 s of them, a line each)
+    env = {**env, 'HF_HUB_OFFLINE': '0', 'HF_ENDPOINT': 'http://127.0.0.1:9'}
+    result = forked.run(*cmd, env=env, timeout=120)
+    assert result.returncode == 2 and result.stderr.count('\n') == 1, result.stderr
+    assert "'gpt2-xl' are not in the Hugging Face cache" in result.stderr
+    assert not os.path.exists(tmp_path / 'out')
     result = forked.run(*cmd, '--init_from=gtp2', timeout=120)
     assert (result.returncode == 2
             and result.stderr.startswith("error: init_from='gtp2': use 'scratch'")), result.stderr
