@@ -288,9 +288,11 @@ def export_gpt2(model, folder, eot_id=None, tokenizer_files=None):
     os.umask(umask)
     os.chmod(work, 0o777 & ~umask)  # mkdtemp's folder is its owner's alone; save_pretrained's not
     try:
-        save_file({'transformer.' + k: v for k, v in tensors.items()},
-                  os.path.join(work, 'model.safetensors'),
-                  metadata={'format': 'pt'})  # transformers reads only files marked as PyTorch's
+        weights = os.path.join(work, 'model.safetensors')
+        # transformers reads only files marked as PyTorch's
+        save_file({'transformer.' + k: v for k, v in tensors.items()}, weights,
+                  metadata={'format': 'pt'})
+        os.chmod(weights, 0o666 & ~umask)  # safetensors makes it its owner's alone
         texts = {'config.json': json.dumps(hf_config, indent=2)} | (tokenizer_files or {})
         for name, text in texts.items():
             with open(os.path.join(work, name), 'w', encoding='utf-8') as f:

@@ -290,6 +290,8 @@ def test_export_of_a_trained_run_generates_greedily_like_sample_py(data_dir, tmp
     umask = os.umask(0)
     os.umask(umask)
     assert os.stat(export).st_mode & 0o777 == 0o777 & ~umask  # as save_pretrained's: readable
+    assert all(os.stat(os.path.join(export, name)).st_mode & 0o777 == 0o666 & ~umask
+               for name in os.listdir(export))  # model.safetensors too, not its owner's alone
     unwritable = sample('--export_hf=/proc/hf')
     assert (unwritable.returncode == 2 and unwritable.stderr.startswith(
         'error: cannot write in /proc (') and unwritable.stderr.endswith(
