@@ -44,8 +44,9 @@ import tempfile
 import time
 from json import dump, load, loads
 
-from configurator import ConfigError, configure
+from configurator import HELP, ConfigError, configure
 
+# -----------------------------------------------------------------------------
 bench_iters = 20  # timed iterations per process
 # iterations dropped at the start of every process: one-time work, allocator, loader workers,
 # compilation
@@ -72,6 +73,7 @@ sample = ''  # a run's out_dir: time generate() on its model, with the KV cache 
 whole = False
 target = 0.0  # whole: the val loss to time (ours' 'eval N: ...' lines, nanoGPT's 'step N: ...')
 new_tokens = 200  # sample: tokens each generate() call adds
+# -----------------------------------------------------------------------------
 bench_keys = ['bench_iters', 'bench_warmup', 'rounds', 'compare', 'reference',
               'reference_tokens_per_iter', 'nproc', 'profile', 'trace', 'json', 'loader', 'sample',
               'new_tokens', 'whole', 'target']
@@ -101,7 +103,7 @@ def is_bench_key(arg):
 
 
 try:
-    bench_args = [a for a in sys.argv[1:] if is_bench_key(a)]
+    bench_args = [a for a in sys.argv[1:] if is_bench_key(a) or a in HELP]
     globals().update(configure({k: globals()[k] for k in bench_keys}, bench_args,
                                minimums=dict.fromkeys(('bench_iters', 'bench_warmup', 'rounds',
                                                        'nproc', 'new_tokens'), 1))[0])

@@ -90,10 +90,28 @@ def _parse(key, text, default):
     return value
 
 
+HELP = ('-h', '--help')
+
+
+def print_help(settings=True):
+    """-h or --help: the running script's docstring and, with settings, its settings as its source
+    declares them (between its first two '# ---' lines: each default and what it means); exit
+    code 0."""
+    script = sys.modules['__main__']
+    print(script.__doc__.strip())
+    if settings:
+        with open(script.__file__) as f:
+            block = f.read().split('\n# ---')[1].partition('\n')[2]
+        print(f"\nSettings: a config file (*.py) or --key=value overrides these\n\n{block}")
+    sys.exit(0)
+
+
 def configure(defaults, argv, choices=None, minimums=None):
     """defaults: {name: value} of int/float/bool/str; argv: sys.argv[1:]; choices: {name: allowed
     values}; minimums: {name: least value} where it is above 0. Returns (config, sources), both
-    dicts over the same keys."""
+    dicts over the same keys; with -h or --help among argv, prints them instead and exits."""
+    if any(arg in HELP for arg in argv):
+        print_help()
     config, sources = dict(defaults), {k: 'default' for k in defaults}
     for arg in argv:
         if not arg.startswith('--'):

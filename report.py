@@ -14,7 +14,7 @@ import shlex
 import statistics
 import sys
 
-from configurator import fail
+from configurator import HELP, fail, print_help
 
 
 RUN_FILES = ('metrics.jsonl', 'config.json', 'meta.json')
@@ -422,6 +422,8 @@ def write_report(out_dir):
 
 
 if __name__ == '__main__':
+    if any(arg in HELP for arg in sys.argv[1:]):
+        print_help(settings=False)
     run_dir = sys.argv[-1].removeprefix('--out_dir=')  # as sample.py and verify.py take it, too
     if len(sys.argv) != 2 or not run_dir:
         fail("usage: python report.py OUT_DIR (or --out_dir=OUT_DIR)")

@@ -177,6 +177,23 @@ def test_bad_config_and_missing_data_create_nothing(tmp_path, data_dir):
         assert not out.exists()
 
 
+@pytest.mark.parametrize('script, key', [
+    ('train.py', "batch_size = 12  # micro-batch per process"), ('sample.py', "num_samples = 3"),
+    ('evaluate.py', "max_examples = 0"), ('verify.py', "end = ''"), ('bench.py', "rounds = "),
+    ('report.py', None)])
+def test_help_prints_the_docstring_and_the_settings_and_writes_nothing(tmp_path, script, key):
+    # the settings as the script declares them, with what each means; report.py has none
+    for flag in ('--help', '-h'):
+        result = forked.run(script, 'config/tiny.py', flag, '--out_dir=' + str(tmp_path / 'o'),
+                            timeout=60)
+        assert result.returncode == 0 and result.stderr == '', result.stderr
+        with open(os.path.join(REPO, script)) as f:
+            first_line = f.read().split('"""')[1].strip().splitlines()[0]
+        assert result.stdout.startswith(first_line)
+        assert (key in result.stdout) if key else 'Settings' not in result.stdout
+        assert os.listdir(tmp_path) == []
+
+
 def test_a_refused_run_prepares_no_default_dataset_first(tmp_path):
     # the default dataset is prepared by the first run that needs it (seconds to minutes), not by
     # one that is refused for its checkpoint or out_dir anyway
