@@ -44,15 +44,15 @@ FORMAT = 4
 # write, speed knobs, the start's and end's extras, and the learning-rate schedule and clipping from
 # here on (how a user recovers from a blow-up; past steps keep their rates). Any other change is
 # refused: it would be another run.
-RESUMABLE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'max_iters', 'eval_interval',
-             'log_interval', 'eval_iters', 'always_save_checkpoint', 'checkpoint_interval',
-             'patience', 'num_workers', 'compile', 'device', 'backend', 'threads',
-             'keep_checkpoints', 'async_save', 'max_consecutive_skips', 'activation_checkpointing',
-             'profile_iter', 'tensorboard_log', 'wandb_log', 'wandb_project', 'wandb_run_name',
-             'cost_per_hour', 'smoke_steps', 'test_eval', 'sample_tokens', 'write_report',
-             'eval_tasks', 'eval_tasks_examples', 'learning_rate', 'muon_lr', 'decay_lr',
-             'lr_schedule', 'wsd_decay_frac', 'warmup_iters', 'lr_decay_iters', 'min_lr',
-             'grad_clip'}
+RESUMABLE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'eval_only', 'max_iters',
+             'eval_interval', 'log_interval', 'eval_iters', 'always_save_checkpoint',
+             'checkpoint_interval', 'patience', 'num_workers', 'compile', 'device', 'backend',
+             'threads', 'keep_checkpoints', 'async_save', 'max_consecutive_skips',
+             'activation_checkpointing', 'profile_iter', 'tensorboard_log', 'wandb_log',
+             'wandb_project', 'wandb_run_name', 'cost_per_hour', 'smoke_steps', 'test_eval',
+             'sample_tokens', 'write_report', 'eval_tasks', 'eval_tasks_examples', 'learning_rate',
+             'muon_lr', 'decay_lr', 'lr_schedule', 'wsd_decay_frac', 'warmup_iters',
+             'lr_decay_iters', 'min_lr', 'grad_clip'}
 
 
 @dataclasses.dataclass

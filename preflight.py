@@ -165,8 +165,9 @@ def resume_point(c):
     # a checkpoint of another folder into an out_dir of its own run would mix the two runs' logs
     elsewhere = resuming and (os.path.realpath(os.path.dirname(os.path.abspath(ckpt_path)))
                               != os.path.realpath(c['out_dir']))
-    check_out_dir(c['out_dir'], (resuming or c['init_from'] == 'auto') and not elsewhere,
-                  os.path.join(c['data_dir'], c['dataset']))
+    if not c['eval_only']:  # which writes nothing
+        check_out_dir(c['out_dir'], (resuming or c['init_from'] == 'auto') and not elsewhere,
+                      os.path.join(c['data_dir'], c['dataset']))
     return resuming, ckpt_path, ckpt
 
 
@@ -227,13 +228,14 @@ def start(config, sources, defaults, model_config, resume, data_meta, dataset_id
         # auto, the command a scheduler repeats: run again on its finished run (at max_iters, or
         # out of patience), it redoes the end (the test split, the sample, the report) a kill may
         # have cut short
-        auto = c['init_from'] == 'auto'
-        check(ckpt['iter_num'] < c['max_iters'] or (auto and ckpt['iter_num'] == c['max_iters']),
+        auto, done_is_fine = c['init_from'] == 'auto', c['eval_only']  # eval_only takes no step
+        check(ckpt['iter_num'] < c['max_iters'] or done_is_fine
+              or (auto and ckpt['iter_num'] == c['max_iters']),
               f"{ckpt_path} is at iteration {ckpt['iter_num']}: max_iters={c['max_iters']} "
               f"leaves nothing to do: raise max_iters (README, Resume, says what the learning rate "
               f"does then)")
         progress = checkpoint.Progress(evals_since_best=ckpt.get('evals_since_best', 0))
-        check(auto or not progress.out_of_patience(c['patience']),
+        check(auto or done_is_fine or not progress.out_of_patience(c['patience']),
               f"{ckpt_path} is at iteration {ckpt['iter_num']}, {progress.evals_since_best} "
               f"evaluations after its best: patience={c['patience']} stops the run there, leaving "
               f"nothing to do: raise patience")

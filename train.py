@@ -49,6 +49,9 @@ out_dir = 'out'
 eval_interval = 2000
 log_interval = 1
 eval_iters = 200  # eval batches per split and evaluation, evenly spread; 0: the whole split
+# True: print the starting weights' (GPT-2's, a checkpoint's) train and val loss, then exit; no
+# step, nothing written
+eval_only = False
 always_save_checkpoint = True  # last.pt at every evaluation; False: only at a new best and the end
 checkpoint_interval = 0  # also write last.pt every this many iterations, without evaluating; 0: off
 # > 0: also keep the latest this many checkpoints of evaluations and checkpoint_interval, named by
@@ -287,9 +290,11 @@ run_record = {'config': config, 'model_args': dataclasses.asdict(model_config),
               'muon_dtype': muon_dtype}  # in every checkpoint, beside the state
 # the run folder: created only now that the config, data and checkpoint are known to be good; an
 # out_dir that cannot be written stops every rank here
-unwritable = runlog.start(out_dir, (ckpt_path, ckpt) if resuming else None, config, config_sources,
-                          init.session, raw_model.num_params(), raw_model.flops_per_token())
-check(not unwritable, unwritable)
+if not eval_only:
+    unwritable = runlog.start(out_dir, (ckpt_path, ckpt) if resuming else None, config,
+                              config_sources, init.session, raw_model.num_params(),
+                              raw_model.flops_per_token())
+    check(not unwritable, unwritable)
 del ckpt  # restored: kept, its weights (on a GPU its optimizer state too) would be held twice
 # out of memory anywhere, or another rank lost: one line instead of a traceback (exit code 1)
 sys.excepthook = lambda *exc: exits.explain_failure(exc, progress.iter_num + 1, batch_size,
@@ -403,6 +408,10 @@ def save(names, rng):
         f"{' (a copy, written in the background)' if async_save else ''}")
     return seconds
 
+if eval_only:  # nanoGPT's: the losses of the weights as they start, printed, then the exit
+    train_loss, val_loss = split_loss('train', eval_model), split_loss('val', eval_model)
+    log(f"eval only, iteration {progress.iter_num}: train {train_loss:.4f}, val {val_loss:.4f}")
+    sys.exit(0)
 smoke_stopped = False  # a stop signal during the smoke test: the run stops before its first step
 if smoke_steps and progress.iter_num == 0:  # steps on one batch must lower its loss; all undone
     smoke_stopped = smoke.smoke_test(smoke_steps, train_step, splits['train'], parts, device)

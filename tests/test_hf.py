@@ -5,6 +5,7 @@ build, with HF_HUB_OFFLINE=1."""
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -274,6 +275,34 @@ def test_nanogpt_finetune_config_runs_unchanged(bpe_data, tiny_gpt2, tmp_path):
     saved = torch.load(tmp_path / 'out' / 'last.pt', weights_only=True)['model']
     assert all(torch.equal(saved[k], v)
                for k, v in load_ours(tiny_gpt2, block_size=32)[0].state_dict().items())
+
+
+# nanoGPT's config/eval_gpt2.py, as it is
+EVAL_GPT2 = """# evaluate the base gpt2
+# n_layer=12, n_head=12, n_embd=768
+# 124M parameters
+batch_size = 8
+eval_iters = 500 # use more iterations to get good estimate
+eval_only = True
+wandb_log = False
+init_from = 'gpt2'
+"""
+
+
+@pytest.mark.slow
+def test_nanogpt_eval_gpt2_config_runs_unchanged(bpe_data, tiny_gpt2, tmp_path):
+    config = tmp_path / 'eval_gpt2.py'
+    config.write_text(EVAL_GPT2)
+    env = {**os.environ, 'HF_HUB_OFFLINE': '1',
+           'HF_HOME': fake_hub_cache(tmp_path / 'home', 'gpt2', tiny_gpt2)}
+    out = tmp_path / 'out'
+    result = forked.run('train.py', str(config), f'--data_dir={bpe_data}', '--dataset=shakespeare',
+                        '--block_size=32', '--device=cpu', f'--out_dir={out}', env=env,
+                        timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r'^eval only, iteration 0: train \d+\.\d{4}, val \d+\.\d{4}$', result.stdout,
+                     re.M), result.stdout
+    assert not out.exists()
 
 
 @pytest.mark.slow

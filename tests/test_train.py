@@ -194,6 +194,23 @@ def test_help_prints_the_docstring_and_the_settings_and_writes_nothing(tmp_path,
         assert os.listdir(tmp_path) == []
 
 
+def test_eval_only_prints_the_starting_weights_losses_and_writes_nothing(tmp_path, data_dir):
+    # nanoGPT's key (its config/eval_gpt2*.py set it): a checkpoint's losses as its run logged them
+    out = tmp_path / 'run'
+    run_train(str(out), data_dir, '--max_iters=6', '--lr_decay_iters=6', '--eval_interval=6')
+    logged = read_metrics(str(out), 'eval')[-1]
+    files = lambda: {f: os.stat(out / f).st_mtime_ns for f in os.listdir(out)}
+    before = files()
+    # a finished run: no step left to take, none taken
+    result = run_train(str(out), data_dir, '--init_from=resume', '--eval_only=True')
+    assert (f"eval only, iteration 6: train {logged['train_loss']:.4f}, val "
+            f"{logged['val_loss']:.4f}\n") in result.stdout
+    assert files() == before
+    fresh = tmp_path / 'fresh'
+    result = run_train(str(fresh), data_dir, '--eval_only=True')
+    assert 'eval only, iteration 0: train ' in result.stdout and not fresh.exists()
+
+
 def test_a_refused_run_prepares_no_default_dataset_first(tmp_path):
     # the default dataset is prepared by the first run that needs it (seconds to minutes), not by
     # one that is refused for its checkpoint or out_dir anyway
