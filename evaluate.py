@@ -301,10 +301,11 @@ def task_fields(accuracy):
 
 
 def tasks_line(accuracy):
-    """score_tasks' accuracy for the eval line: ', TASK acc_norm A (chance C)' per task; '' without
+    """score_tasks' accuracy for the eval line: ', TASK acc_norm A on N examples (chance C)' per
+    task (N: eval_tasks_examples' first N, which evaluate.py's all may differ from); '' without
     tasks."""
-    return ''.join(f", {task} acc_norm {a['acc_norm']:.4f} (chance {a['chance']:.2f})"
-                   for task, a in accuracy.items())
+    return ''.join(f", {task} acc_norm {a['acc_norm']:.4f} on {a['examples']} examples (chance "
+                   f"{a['chance']:.2f})" for task, a in accuracy.items())
 
 
 def wilson_interval(correct, n, z=Z_95):

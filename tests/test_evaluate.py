@@ -421,6 +421,9 @@ def test_accuracy_in_the_loop_on_one_and_two_ranks(data_dir, tmp_path):
     assert (f"best acc_norm {chosen['toy_task/acc_norm']:.4f} at iteration {best}, "
             f"val loss {chosen['val_loss']:.4f} there") in result.stdout
     assert '- toy_task: acc ' in open(os.path.join(one, 'report.md')).read()
+    # how many examples: evaluate.py scores all of a task's by default, eval_tasks_examples the first
+    assert (f"toy_task acc_norm {evals[-1]['toy_task/acc_norm']:.4f} on 13 examples (chance 0.33)"
+            in result.stdout)
 
 
 def test_a_bad_task_file_stops_the_run_before_anything_is_written(data_dir, tmp_path):

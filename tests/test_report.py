@@ -298,12 +298,13 @@ def test_tasks_added_on_resume_are_reported_from_the_evaluations_that_scored_the
     records = [{'kind': 'start', 'step': 0, 'time': 1000.0}]
     records += [train_record(s, 1000.0 + s) for s in range(1, 31)]
     for step, scored in ((10, {}), (20, {'qa/acc': 0.5, 'qa/acc_norm': 0.6, 'qa/chance': 0.25}),
-                         (30, {'qa/acc': 0.5, 'qa/acc_norm': 0.4, 'qa/chance': 0.25})):
+                         (30, {'qa/acc': 0.5, 'qa/acc_norm': 0.4, 'qa/chance': 0.25,
+                               'qa/examples': 100})):
         records.append({'kind': 'eval', 'step': step, 'train_loss': 2.0, 'val_loss': 2.1,
                         'best_val_loss': 2.1, 'val_bits_per_token': 3.0, **scored})
     text = made_up_report(out, config, {'command': ['train.py']}, records)
     assert ('- qa: acc 0.5000, acc_norm 0.4000 at the last evaluation, best acc_norm 0.6000 at '
-            'iteration 20 (chance 0.2500)' in text)
+            'iteration 20 (chance 0.2500; the first 100 examples)' in text)
     assert os.path.exists(os.path.join(out, 'curves.png'))
 
 
