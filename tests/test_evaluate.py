@@ -421,7 +421,7 @@ def test_accuracy_in_the_loop_on_one_and_two_ranks(data_dir, tmp_path):
     assert (f"best acc_norm {chosen['toy_task/acc_norm']:.4f} at iteration {best}, "
             f"val loss {chosen['val_loss']:.4f} there") in result.stdout
     assert '- toy_task: acc ' in open(os.path.join(one, 'report.md')).read()
-    # how many examples: evaluate.py scores all of a task's by default, eval_tasks_examples the first
+    # how many: evaluate.py scores all of a task's by default, eval_tasks_examples the first ones
     assert (f"toy_task acc_norm {evals[-1]['toy_task/acc_norm']:.4f} on 13 examples (chance 0.33)"
             in result.stdout)
 
