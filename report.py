@@ -14,6 +14,7 @@ import shlex
 import statistics
 import sys
 
+import checkpoint
 from configurator import HELP, fail, print_help
 
 
@@ -411,8 +412,12 @@ def write_report(out_dir):
     else:
         ended = word == 'stopped' and last_event(records)['step'] == config['max_iters']['value']
         command = resume_command(meta, has_last, ended=ended)
-        how = (f"{'Resume' if has_last else 'No last.pt yet: redo'} the run (from the directory it "
-               f"was started in):")
+        what = 'Resume the run' if has_last else 'No last.pt yet: redo the run'
+        # a kill comes after the last save: the resume starts from there, not the last record
+        held = (checkpoint.saved_state(os.path.join(out_dir, 'last.pt')) or {}).get('iter_num')
+        if held is not None:
+            what += f" from last.pt's iteration {held}"
+        how = f"{what} (from the directory it was started in):"
         if word == 'failed':
             how = "Change what train.log's error line names, then redo the run:"
     lines += ["- curves: curves.png", "", how, "", f"    {command}", ""]

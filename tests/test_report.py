@@ -9,6 +9,7 @@ import sys
 
 import matplotlib.image
 import pytest
+import torch
 
 import forked
 import report
@@ -241,6 +242,21 @@ def made_up_report(out, config, meta, records):
             f.write(content)
     report.write_report(out)
     return read_report(out)
+
+
+def test_a_killed_run_s_report_resumes_from_the_iteration_last_pt_holds(tmp_path):
+    out = tmp_path / 'run'
+    out.mkdir()
+    records = ([{'kind': 'start', 'step': 0, 'time': 1000.0}]
+               + [train_record(s, 1000.0 + s) for s in range(1, 44)])
+    text = made_up_report(str(out), made_up_config(100, 0.0), {'command': ['train.py']}, records)
+    assert 'No last.pt yet: redo the run' in text
+    # killed at 43, after last.pt was written at 40: the resume redoes 41-43
+    torch.save({'iter_num': 40}, out / 'last.pt')
+    text = made_up_report(str(out), made_up_config(100, 0.0), {'command': ['train.py']}, records)
+    assert ('Status: **incomplete**: the run did not finish (killed or still running?) at '
+            'iteration 43' in text)
+    assert "Resume the run from last.pt's iteration 40 (from the directory it was" in text
 
 
 def test_diagnoses_from_made_up_metrics(tmp_path):
