@@ -117,6 +117,8 @@ def configure(defaults, argv, choices=None, minimums=None):
         if not arg.startswith('--'):
             if not arg.endswith('.py'):
                 hint = f": did you mean {arg}.py?" if os.path.isfile(arg + '.py') else ''
+                if os.path.isdir(arg) and 'out_dir' in defaults:  # sample.py out/tiny
+                    hint = f": did you mean --out_dir={arg}?"
                 raise ConfigError(f"'{arg}' is neither a config file (*.py) nor a --key=value "
                                   f"override{hint}")
             try:

@@ -263,6 +263,10 @@ def test_a_config_file_named_without_py_is_suggested():
     with pytest.raises(ConfigError) as refusal:
         configure(DEFAULTS, [tiny])
     assert str(refusal.value).endswith(f"override: did you mean {tiny}.py?")
+    # a run's folder, as report.py takes it: sample.py's, evaluate.py's and verify.py's is out_dir
+    with pytest.raises(ConfigError) as refusal:
+        configure(DEFAULTS, [REPO])
+    assert str(refusal.value).endswith(f"override: did you mean --out_dir={REPO}?")
 
 
 @pytest.mark.parametrize('argv, message', [
