@@ -218,6 +218,13 @@ def start(config, sources, defaults, model_config, resume, data_meta, dataset_id
         for key in ('batch_size', 'gradient_accumulation_steps'):
             config[key] = ckpt['config'][key]
             sources[key] = f"fit_batch, as the run in {ckpt_path} found it"
+        # settings() checked the command's count, not this one: rounded down, a rank could get none
+        found = config['gradient_accumulation_steps']
+        processes = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        check(found % processes == 0,
+              f"{ckpt_path}'s run found micro-batches of {config['batch_size']}, {found} a step "
+              f"(fit_batch), which {processes} processes cannot share: resume on a number of "
+              f"processes that divides {found}")
     if resuming:
         # a key neither run reads (muon_dtype under AdamW) changes nothing: it may come or go
         unread_by_both = unread(config).keys() & unread(defaults | ckpt['config']).keys()

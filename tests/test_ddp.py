@@ -178,6 +178,19 @@ def test_bad_config_ends_every_rank(tmp_path, data_dir):
         assert not (tmp_path / 'bad').exists()
 
 
+def test_a_fit_batch_resume_that_processes_cannot_share_is_refused(tmp_path, data_dir):
+    # what a run found comes back on resume: one micro-batch of 16 a step, which 2 processes cannot
+    # share (its count, rounded down, was 0 a rank: steps of no data, loss 0)
+    out = str(tmp_path / 'run')
+    fit = ['--fit_batch=True', '--max_iters=2', '--eval_interval=2']
+    run_train(out, data_dir, *fit, '--batch_size=16', '--gradient_accumulation_steps=1')
+    result = torchrun(out, data_dir, *fit, '--batch_size=8', '--gradient_accumulation_steps=2',
+                      '--init_from=resume', '--max_iters=4', timeout=120)
+    assert result.returncode != 0 and ("run found micro-batches of 16, 1 a step (fit_batch), which "
+                                       "2 processes cannot share") in result.stderr, result.stderr
+    assert [r['step'] for r in read_metrics(out, 'train')] == [1, 2]
+
+
 @pytest.mark.parametrize('rank', [0, 1])
 def test_a_rank_without_the_data_ends_every_rank_in_one_line(tmp_path, data_dir, rank):
     # rank 0 fails hashing (the first of its node), rank 1 after: neither may leave the other in a
