@@ -34,6 +34,9 @@ def check(ok, message):
     if ok:
         return
     if not runlog.master:
+        # torchrun's SIGTERM ends this rank at once, also once catch_stop_signals() would have it
+        # save first (a failed smoke test): else torchrun waits 30 s, then kills it
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(60)
         sys.exit(2)
     if runlog.files:

@@ -178,6 +178,16 @@ def test_bad_config_ends_every_rank(tmp_path, data_dir):
         assert not (tmp_path / 'bad').exists()
 
 
+def test_a_failed_smoke_test_ends_every_rank_at_once(tmp_path, data_dir):
+    # rank 1 waits for torchrun's SIGTERM, which the stop-signal handler took for a stop to save
+    # at: torchrun waited 30 s, then killed it
+    result = torchrun(str(tmp_path / 'run'), data_dir, '--gradient_accumulation_steps=2',
+                      '--smoke_steps=5', '--learning_rate=1e-7', '--min_lr=1e-8', timeout=120)
+    errors = [line for line in result.stderr.splitlines() if line.startswith('error: ')]
+    assert result.returncode != 0 and len(errors) == 1 and 'smoke test' in errors[0], result.stderr
+    assert 'forcefully exiting' not in result.stderr, result.stderr
+
+
 def test_a_fit_batch_resume_that_processes_cannot_share_is_refused(tmp_path, data_dir):
     # what a run found comes back on resume: one micro-batch of 16 a step, which 2 processes cannot
     # share (its count, rounded down, was 0 a rank: steps of no data, loss 0)
