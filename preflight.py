@@ -226,6 +226,11 @@ def start(config, sources, defaults, model_config, resume, data_meta, dataset_id
               f"(fit_batch), which {processes} processes cannot share: resume on a number of "
               f"processes that divides {found}")
     if resuming:
+        # DCP's load fills shards; a whole state would need translating into them (not done here)
+        check(not sharded or 'shards' in ckpt,
+              f"{ckpt_path} holds the whole state, as one process writes it: parallel='fsdp' on "
+              f"several processes resumes the shards that such a run writes: resume this one on "
+              f"one process")
         # a key neither run reads (muon_dtype under AdamW) changes nothing: it may come or go
         unread_by_both = unread(config).keys() & unread(defaults | ckpt['config']).keys()
         why = (checkpoint.why_not_resume(ckpt, config, defaults, unread_by_both)

@@ -3,6 +3,7 @@ sharded checkpoints, an exported single-file state_dict, and activation checkpoi
 recomputes every block and changes no loss."""
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -111,6 +112,13 @@ def test_a_resume_on_one_process_removes_the_shards_no_checkpoint_names(tmp_path
     run_train(out, data_dir, *args, '--init_from=resume')
     assert torch.load(os.path.join(out, 'best.pt'), weights_only=True)['iter_num'] == 30
     assert not [f for f in os.listdir(out) if f.startswith('shards-')]
+    # such a whole state is not DCP's shards: on several processes again, one line, not a traceback
+    # from every rank's load_state_dict into sharded parameters
+    result = torchrun(out, data_dir, *args, '--init_from=resume', '--max_iters=40', timeout=120)
+    errors = [line for line in result.stderr.splitlines() if line.startswith('error: ')]
+    assert (result.returncode != 0 and len(errors) == 1
+            and 'holds the whole state, as one process writes it' in errors[0]), result.stderr
+    assert not re.search(r'(train|checkpoint|preflight)\.py", line', result.stderr)
 
 
 def test_exported_state_dict_gives_the_runs_own_val_loss(tmp_path, data_dir):
