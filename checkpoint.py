@@ -388,9 +388,19 @@ def load_shards(state, path, shards):
     at path. In one process (a sharded run resumed or sampled there) DCP warns that it has no
     process group: that is meant, and the warning is dropped."""
     import torch.distributed.checkpoint as dcp  # imported only for sharded checkpoints: ~1 s
-    with warnings.catch_warnings():
-        warnings.filterwarnings('ignore', message='torch.distributed is disabled')
-        dcp.load(state, checkpoint_id=os.path.join(os.path.dirname(path), shards))
+    folder = os.path.join(os.path.dirname(path), shards)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings('ignore', message='torch.distributed is disabled')
+            dcp.load(state, checkpoint_id=folder)
+    # a damaged file, whole in size (check_shards passed it): DCP gathers every rank's errors into
+    # one CheckpointException (a BaseException), which each rank raises
+    except (Exception, dcp.api.CheckpointException) as e:
+        failures = getattr(e, 'failures', {})  # {rank: (its exception, traceback)}
+        first = next(iter(failures.values()))[0] if failures else e
+        why = f"{type(first).__name__}: {(str(first).strip().splitlines() or [''])[0][:120]}"
+        raise CheckpointError(f"{path} keeps its weights in {folder}, which cannot be read "
+                              f"({why}): use another checkpoint") from None
 
 
 def sharded_state(model, optimizer=None, ema=None):

@@ -271,7 +271,10 @@ if ema:
 # the run folder
 progress = checkpoint.Progress()  # the loop's counters: a checkpoint saves and restores them whole
 if resuming:
-    progress = checkpoint.resume(ckpt, ckpt_path, parts, rank, world_size, device)
+    try:  # a shard damaged in place: every rank raises it (DCP's load gathers the ranks' errors)
+        progress = checkpoint.resume(ckpt, ckpt_path, parts, rank, world_size, device)
+    except checkpoint.CheckpointError as e:
+        check(False, e)
 start_iter = progress.iter_num
 # rank 0's files (and in fsdp mode every rank's shards): written at once or, with async_save, in
 # the background (last_saved: the iteration last.pt holds)

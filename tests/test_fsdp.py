@@ -107,6 +107,17 @@ def test_a_resume_on_one_process_removes_the_shards_no_checkpoint_names(tmp_path
     args = [*SAME, '--parallel=fsdp', '--keep_checkpoints=1', '--always_save_checkpoint=False']
     ok(torchrun(out, data_dir, *args, '--max_iters=20'))
     assert sorted(f for f in os.listdir(out) if f.startswith('shards-')) == ['shards-20']
+    # a shard damaged in place, its size kept: one line, not DCP's traceback
+    damaged = str(tmp_path / 'damaged')
+    shutil.copytree(out, damaged)
+    shard = os.path.join(damaged, 'shards-20', '__0_0.distcp')
+    with open(shard, 'r+b') as f:
+        f.write(bytes(os.path.getsize(shard)))
+    result = run_train(damaged, data_dir, *args, '--init_from=resume', check=False)
+    assert result.returncode == 2 and result.stderr.startswith(
+        f"error: {damaged}/last.pt keeps its weights in {damaged}/shards-20, which cannot be "
+        f"read (UnpicklingError: "), result.stderr
+    assert result.stderr.count('\n') == 1
     # one process writes its state into the files: best.pt, last.pt and the kept checkpoint of 30
     # name no folder, and the run's last write removes shards-20
     run_train(out, data_dir, *args, '--init_from=resume')
