@@ -629,13 +629,12 @@ class Writer:
                 with contextlib.suppress(OSError):  # one left behind harms nothing
                     os.remove(path)
         # then the shards folders no checkpoint names (also after a resume on one process, which
-        # writes its state into the file)
+        # writes its state into the file): every .pt here counts, a copy a user made too
         folders = [f for f in os.listdir(self.out_dir) if f.startswith('shards-')]
         if folders:
-            named = [os.path.join(self.out_dir, n) for n in ('best.pt', 'last.pt', 'stable.pt')]
             try:
-                in_use = {shards_named(path) for path in named + kept_checkpoints(self.out_dir)
-                          if os.path.exists(path)}
+                in_use = {shards_named(path)
+                          for path in glob.glob(os.path.join(glob.escape(self.out_dir), '*.pt'))}
             except Exception:  # a file torch cannot read (truncated) may name any: keep them all
                 in_use = set(folders)
             for folder in set(folders) - in_use:  # one left behind harms nothing

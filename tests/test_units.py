@@ -983,6 +983,17 @@ def test_kept_checkpoints_count_only_those_up_to_the_one_written(tmp_path):
     assert writer.last_saved == 200
 
 
+def test_a_shards_folder_that_any_checkpoint_file_names_is_kept(tmp_path):
+    # a copy a user made (cp last.pt mine-20.pt) names shards-20: removing it lost its weights
+    for folder in ('shards-10', 'shards-20', 'shards-30'):
+        (tmp_path / folder).mkdir()
+    torch.save({'iter_num': 20, 'shards': 'shards-20'}, tmp_path / 'mine-20.pt')
+    writer = checkpoint.Writer(str(tmp_path), keep=0, background=False, last_saved=0)
+    assert writer.write({'iter_num': 30, 'shards': 'shards-30'}, ['last.pt']) is None
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith('shards-')) == ['shards-20',
+                                                                                'shards-30']
+
+
 def test_only_a_gone_peer_is_a_lost_rank_and_a_timeout_keeps_its_traceback():
     # gloo's own lines (torch 2.13): test_ddp's elastic restart meets the first for real; the
     # second is a rank waiting in a collective another rank skipped, whose traceback says where
