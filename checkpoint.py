@@ -628,18 +628,23 @@ class Writer:
             for path in kept_checkpoints(self.out_dir, up_to=ckpt['iter_num'])[:-self.keep]:
                 with contextlib.suppress(OSError):  # one left behind harms nothing
                     os.remove(path)
-        # then the shards folders no checkpoint names (also after a resume on one process, which
-        # writes its state into the file): every .pt here counts, a copy a user made too
-        folders = [f for f in os.listdir(self.out_dir) if f.startswith('shards-')]
-        if folders:
-            try:
-                in_use = {shards_named(path)
-                          for path in glob.glob(os.path.join(glob.escape(self.out_dir), '*.pt'))}
-            except Exception:  # a file torch cannot read (truncated) may name any: keep them all
-                in_use = set(folders)
-            for folder in set(folders) - in_use:  # one left behind harms nothing
-                shutil.rmtree(os.path.join(self.out_dir, folder), ignore_errors=True)
+        self.remove_unnamed_shards()  # also after a resume on one process, which writes its
+        # state into the file
         return None
+
+    def remove_unnamed_shards(self):
+        """Rank 0 removes the shards folders no checkpoint file in out_dir names (every .pt counts,
+        a copy a user made too): those of older saves, and of a save that failed halfway."""
+        folders = [f for f in os.listdir(self.out_dir) if f.startswith('shards-')]
+        if not (self.master and folders):
+            return
+        try:
+            in_use = {shards_named(path)
+                      for path in glob.glob(os.path.join(glob.escape(self.out_dir), '*.pt'))}
+        except Exception:  # a file torch cannot read (truncated) may name any: keep them all
+            in_use = set(folders)
+        for folder in set(folders) - in_use:  # one left behind harms nothing
+            shutil.rmtree(os.path.join(self.out_dir, folder), ignore_errors=True)
 
     def _write_in_background(self, ckpt, names, shards_written):
         try:
