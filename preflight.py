@@ -240,14 +240,14 @@ def start(config, sources, defaults, model_config, resume, data_meta, dataset_id
         # auto, the command a scheduler repeats: run again on its finished run (at max_iters, or
         # out of patience), it redoes the end (the test split, the sample, the report) a kill may
         # have cut short
-        auto, done_is_fine = c['init_from'] == 'auto', c['eval_only']  # eval_only takes no step
-        check(ckpt['iter_num'] < c['max_iters'] or done_is_fine
+        auto, evaluating_only = c['init_from'] == 'auto', c['eval_only']  # eval_only takes no step
+        check(ckpt['iter_num'] < c['max_iters'] or evaluating_only
               or (auto and ckpt['iter_num'] == c['max_iters']),
               f"{ckpt_path} is at iteration {ckpt['iter_num']}: max_iters={c['max_iters']} "
               f"leaves nothing to do: raise max_iters (README, Resume, says what the learning rate "
               f"does then)")
         progress = checkpoint.Progress(evals_since_best=ckpt.get('evals_since_best', 0))
-        check(auto or done_is_fine or not progress.out_of_patience(c['patience']),
+        check(auto or evaluating_only or not progress.out_of_patience(c['patience']),
               f"{ckpt_path} is at iteration {ckpt['iter_num']}, {progress.evals_since_best} "
               f"evaluations after its best: patience={c['patience']} stops the run there, leaving "
               f"nothing to do: raise patience")
