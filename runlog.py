@@ -88,8 +88,8 @@ def log_pieces(pieces):
 
 def record(entry):
     """One metrics.jsonl line (entry: a dict with 'kind' and 'step'); its numbers also go to
-    TensorBoard and wandb as KIND/KEY at that step."""
-    if not master:
+    TensorBoard and wandb as KIND/KEY at that step; none before start() (eval_only's run)."""
+    if not (master and files):
         return
     files['metrics.jsonl'].write(json.dumps(entry) + '\n')
     files['metrics.jsonl'].flush()

@@ -302,6 +302,25 @@ del ckpt  # restored: kept, its weights (on a GPU its optimizer state too) would
 # out of memory anywhere, or another rank lost: one line instead of a traceback (exit code 1)
 sys.excepthook = lambda *exc: exits.explain_failure(exc, progress.iter_num + 1, batch_size,
                                                     block_size, dtype, device)
+
+def split_loss(split, model):
+    """model's mean loss over a split's evaluation windows. A shard changed under the run ends the
+    run here on every rank, before anything is saved."""
+    try:
+        return evaluate.loss(model, eval_loaders[split], device, autocast, f"eval {split}")
+    except data.DataError as e:  # every rank raises it, having met in evaluate.loss's all-reduce
+        exits.data_fault(progress.iter_num, e, writer)
+
+if eval_only:  # nanoGPT's: the weights as they start, evaluated once and printed; Ctrl-C ends it
+    losses = {split: split_loss(split, eval_model) for split in ('train', 'val')}
+    ema_loss = ''
+    if ema:
+        ema_loss = f", EMA val {split_loss('val', ema_eval_model):.4f}"
+    accuracy, _ = evaluate.score_tasks(ema_eval_model if ema else eval_model, init.tasks,
+                                       batch_size, device, autocast, rank, world_size)
+    log(f"eval only, iteration {progress.iter_num}: train {losses['train']:.4f}, val "
+        f"{losses['val']:.4f}{ema_loss}{evaluate.tasks_line(accuracy)}")
+    sys.exit(0)
 exits.catch_stop_signals()  # Ctrl-C or SIGTERM: save last.pt after the step under way, then exit
 
 # -----------------------------------------------------------------------------
@@ -362,14 +381,6 @@ def log_step(figures, profiler):
                 'ranks': gather(perf.memory_held(raw_model, optimizer, device))})
     runlog.train(progress.iter_num, figures, speed, log_interval)
 
-def split_loss(split, model):
-    """model's mean loss over a split's evaluation windows. A shard changed under the run ends the
-    run here on every rank, before anything is saved."""
-    try:
-        return evaluate.loss(model, eval_loaders[split], device, autocast, f"eval {split}")
-    except data.DataError as e:  # every rank raises it, having met in evaluate.loss's all-reduce
-        exits.data_fault(progress.iter_num, e, writer)
-
 def evaluate_and_choose_saves():
     """Train and val loss (and the EMA's val loss), each task's accuracy, the best so far (by
     best_by: the EMA's val loss when there is one), and which files to write: best.pt at a new best,
@@ -411,10 +422,6 @@ def save(names, rng):
         f"{' (a copy, written in the background)' if async_save else ''}")
     return seconds
 
-if eval_only:  # nanoGPT's: the losses of the weights as they start, printed, then the exit
-    train_loss, val_loss = split_loss('train', eval_model), split_loss('val', eval_model)
-    log(f"eval only, iteration {progress.iter_num}: train {train_loss:.4f}, val {val_loss:.4f}")
-    sys.exit(0)
 smoke_stopped = False  # a stop signal during the smoke test: the run stops before its first step
 if smoke_steps and progress.iter_num == 0:  # steps on one batch must lower its loss; all undone
     smoke_stopped = smoke.smoke_test(smoke_steps, train_step, splits['train'], parts, device)

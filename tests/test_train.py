@@ -197,14 +197,15 @@ def test_help_prints_the_docstring_and_the_settings_and_writes_nothing(tmp_path,
 def test_eval_only_prints_the_starting_weights_losses_and_writes_nothing(tmp_path, data_dir):
     # nanoGPT's key (its config/eval_gpt2*.py set it): a checkpoint's losses as its run logged them
     out = tmp_path / 'run'
-    run_train(str(out), data_dir, '--max_iters=6', '--lr_decay_iters=6', '--eval_interval=6')
+    ema = '--ema_decay=0.9'  # its val loss too, which chose best.pt
+    run_train(str(out), data_dir, '--max_iters=6', '--lr_decay_iters=6', '--eval_interval=6', ema)
     logged = read_metrics(str(out), 'eval')[-1]
     files = lambda: {f: os.stat(out / f).st_mtime_ns for f in os.listdir(out)}
     before = files()
     # a finished run: no step left to take, none taken
-    result = run_train(str(out), data_dir, '--init_from=resume', '--eval_only=True')
+    result = run_train(str(out), data_dir, '--init_from=resume', '--eval_only=True', ema)
     assert (f"eval only, iteration 6: train {logged['train_loss']:.4f}, val "
-            f"{logged['val_loss']:.4f}\n") in result.stdout
+            f"{logged['val_loss']:.4f}, EMA val {logged['ema_val_loss']:.4f}\n") in result.stdout
     assert files() == before
     fresh = tmp_path / 'fresh'
     result = run_train(str(fresh), data_dir, '--eval_only=True')
