@@ -218,36 +218,40 @@ def start(config, sources, defaults, model_config, resume, data_meta, dataset_id
         for key in ('batch_size', 'gradient_accumulation_steps'):
             config[key] = ckpt['config'][key]
             sources[key] = f"fit_batch, as the run in {ckpt_path} found it"
-        # settings() checked the command's count, not this one: rounded down, a rank could get none
-        found = config['gradient_accumulation_steps']
-        processes = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        check(found % processes == 0,
-              f"{ckpt_path}'s run found micro-batches of {config['batch_size']}, {found} a step "
-              f"(fit_batch), which {processes} processes cannot share: resume on a number of "
-              f"processes that divides {found}")
     if resuming:
-        # DCP's load fills shards; a whole state would need translating into them (not done here)
-        check(not sharded or 'shards' in ckpt,
-              f"{ckpt_path} holds the whole state, as one process writes it: parallel='fsdp' on "
-              f"several processes resumes the shards that such a run writes: resume this one on "
-              f"one process")
         # a key neither run reads (muon_dtype under AdamW) changes nothing: it may come or go
         unread_by_both = unread(config).keys() & unread(defaults | ckpt['config']).keys()
         why = (checkpoint.why_not_resume(ckpt, config, defaults, unread_by_both)
                or datafiles.data_change(ckpt['dataset'], dataset_id, splits))
         check(not why,
               f"{ckpt_path} {why}: use the checkpoint's settings and data, or a new out_dir")
+        # the same parallel='fsdp' run, resumed on one process, wrote its whole state: DCP's load
+        # fills shards, and a whole state would need translating into them (not built)
+        check(not sharded or 'shards' in ckpt,
+              f"{ckpt_path} holds the whole state, as one process writes it: parallel='fsdp' on "
+              f"several processes resumes the shards that such a run writes: resume this one on "
+              f"one process")
+        # fit_batch: settings() checked the command's count, not the one the run found, which
+        # rounded down could give a rank no micro-batch
+        if c['fit_batch']:
+            found = config['gradient_accumulation_steps']
+            processes = (torch.distributed.get_world_size() if torch.distributed.is_initialized()
+                         else 1)
+            check(found % processes == 0,
+                  f"{ckpt_path}'s run found micro-batches of {config['batch_size']}, {found} a "
+                  f"step (fit_batch), which {processes} processes cannot share: resume on a "
+                  f"number of processes that divides {found}")
         # auto, the command a scheduler repeats: run again on its finished run (at max_iters, or
         # out of patience), it redoes the end (the test split, the sample, the report) a kill may
         # have cut short
-        auto, evaluating_only = c['init_from'] == 'auto', c['eval_only']  # eval_only takes no step
-        check(ckpt['iter_num'] < c['max_iters'] or evaluating_only
+        auto = c['init_from'] == 'auto'
+        check(ckpt['iter_num'] < c['max_iters'] or c['eval_only']  # which takes no step
               or (auto and ckpt['iter_num'] == c['max_iters']),
               f"{ckpt_path} is at iteration {ckpt['iter_num']}: max_iters={c['max_iters']} "
               f"leaves nothing to do: raise max_iters (README, Resume, says what the learning rate "
               f"does then)")
         progress = checkpoint.Progress(evals_since_best=ckpt.get('evals_since_best', 0))
-        check(auto or evaluating_only or not progress.out_of_patience(c['patience']),
+        check(auto or c['eval_only'] or not progress.out_of_patience(c['patience']),
               f"{ckpt_path} is at iteration {ckpt['iter_num']}, {progress.evals_since_best} "
               f"evaluations after its best: patience={c['patience']} stops the run there, leaving "
               f"nothing to do: raise patience")
@@ -260,7 +264,9 @@ def start(config, sources, defaults, model_config, resume, data_meta, dataset_id
     settled = dtypes(c, model_config, resumed, device, sharded)
     dtype, _, muon_dtype, _ = settled  # and how each was chosen, for the session's record
     peak_flops, peak_how = float('nan'), ''
-    if runlog.master:  # MFU's denominator: a known GPU's datasheet, else measured (once a machine)
+    # MFU's denominator: a known GPU's datasheet, else measured (once a machine); eval_only takes
+    # no step to divide
+    if runlog.master and not c['eval_only']:
         # a CPU that other work keeps busy measures low: not cached
         busy = device == 'cpu' and bool(busy_warning(torch.get_num_threads(), cpus))
         peak_flops, peak_how = perf.peak_flops(
