@@ -394,10 +394,9 @@ def load_shards(state, path, shards):
             warnings.filterwarnings('ignore', message='torch.distributed is disabled')
             dcp.load(state, checkpoint_id=folder)
     # a damaged file, whole in size (check_shards passed it): DCP gathers every rank's errors into
-    # one CheckpointException (a BaseException), which each rank raises
-    except (Exception, dcp.api.CheckpointException) as e:
-        failures = getattr(e, 'failures', {})  # {rank: (its exception, traceback)}
-        first = next(iter(failures.values()))[0] if failures else e
+    # one CheckpointException (a BaseException), which each rank raises, also in one process
+    except dcp.api.CheckpointException as e:
+        first = next(iter(e.failures.values()))[0]  # failures: {rank: (its error, traceback)}
         why = f"{type(first).__name__}: {(str(first).strip().splitlines() or [''])[0][:120]}"
         raise CheckpointError(f"{path} keeps its weights in {folder}, which cannot be read "
                               f"({why}): use another checkpoint") from None
@@ -488,9 +487,10 @@ def branch(out_dir, path, ckpt):
 
 def shards_named(path):
     """The shards folder a checkpoint file points to, or None where the file holds the state
-    itself: read memory-mapped (torch.save's zip format, every version's here), so a whole state is
-    not read for it."""
-    return torch.load(path, map_location='cpu', weights_only=True, mmap=True).get('shards')
+    itself (or another object: a user's .pt): read memory-mapped (torch.save's zip format, every
+    version's here), so a whole state is not read for it. Raises where torch cannot read it."""
+    ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
+    return ckpt.get('shards') if isinstance(ckpt, dict) else None
 
 
 def save(names, out_dir, parts, rng, progress, run, sharded, writer):
@@ -628,23 +628,28 @@ class Writer:
             for path in kept_checkpoints(self.out_dir, up_to=ckpt['iter_num'])[:-self.keep]:
                 with contextlib.suppress(OSError):  # one left behind harms nothing
                     os.remove(path)
-        self.remove_unnamed_shards()  # also after a resume on one process, which writes its
-        # state into the file
+        # also after a resume on one process, which writes its state into the file
+        self.remove_unnamed_shards()
         return None
 
     def remove_unnamed_shards(self):
         """Rank 0 removes the shards folders no checkpoint file in out_dir names (every .pt counts,
         a copy a user made too): those of older saves, and of a save that failed halfway."""
-        folders = [f for f in os.listdir(self.out_dir) if f.startswith('shards-')]
-        if not (self.master and folders):
+        if not self.master:
             return
-        try:
-            in_use = {shards_named(path)
-                      for path in glob.glob(os.path.join(glob.escape(self.out_dir), '*.pt'))}
-        except Exception:  # a file torch cannot read (truncated) may name any: keep them all
-            in_use = set(folders)
-        for folder in set(folders) - in_use:  # one left behind harms nothing
-            shutil.rmtree(os.path.join(self.out_dir, folder), ignore_errors=True)
+        own = [os.path.join(self.out_dir, name) for name in ('best.pt', 'last.pt', 'stable.pt')]
+        with contextlib.suppress(OSError):  # one left behind harms nothing
+            folders = {f for f in os.listdir(self.out_dir) if f.startswith('shards-')}
+            for path in glob.glob(os.path.join(glob.escape(self.out_dir), '*.pt')):
+                try:
+                    folders.discard(shards_named(path))
+                except Exception:
+                    # unreadable: one of the run's own checkpoints may name any folder, so all are
+                    # kept; another .pt (a user's object, a damaged copy) names none
+                    if path in own + kept_checkpoints(self.out_dir):
+                        return
+            for folder in folders:
+                shutil.rmtree(os.path.join(self.out_dir, folder), ignore_errors=True)
 
     def _write_in_background(self, ckpt, names, shards_written):
         try:

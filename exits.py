@@ -102,6 +102,7 @@ def unsaved(failed, step, writer, device):
     iteration, why), or None; writer: the run's checkpoint.Writer), with every file on disk
     whole."""
     if any_rank(failed, device):
+        writer.wait()  # a background write in flight ends first
         writer.remove_unnamed_shards()  # the failed save's, left halfway (a full disk)
         names, iter_num, why = failed or (['last.pt'], step, None)  # (None: another rank's)
         why = why or 'on another rank'

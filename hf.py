@@ -9,6 +9,7 @@ its files carry a 'transformer.' prefix (or none, in OpenAI's originals), and it
 store their weights as (in, out) where nn.Linear has (out, in). transformers itself is not needed
 for either direction.
 """
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -95,10 +96,10 @@ def fetch(name):
         raise HFError(f"init_from={name} looks GPT-2 up in the Hugging Face cache with the "
                       f"huggingface_hub package, which is not installed: {how}") from None
     files = ('config.json', 'model.safetensors')
-    try:  # cached: no request at all (GPT-2's files never change)
+    # cached: no request at all (GPT-2's files never change); not cached, or a broken cache:
+    # downloaded below
+    with contextlib.suppress(Exception):
         return [hf_hub_download(name, filename, local_files_only=True) for filename in files]
-    except Exception:  # not cached, or a broken cache: downloaded below
-        pass
     try:
         # one request without retries first: out of reach, a download retries for about 25 s
         get_hf_file_metadata(hf_hub_url(name, files[0]))
