@@ -98,11 +98,12 @@ def print_help(settings=True):
     declares them (between its first two '# ---' lines: each default and what it means); exit
     code 0."""
     script = sys.modules['__main__']
-    print(script.__doc__.strip())
-    if settings:
-        with open(script.__file__) as f:
-            block = f.read().split('\n# ---')[1].partition('\n')[2]
-        print(f"\nSettings: a config file (*.py) or --key=value overrides these\n\n{block}")
+    print((script.__doc__ or '').strip())
+    with open(script.__file__) as f:
+        parts = f.read().split('\n# ---')
+    if settings and len(parts) > 2:  # a script without the lines has no settings to show
+        block = parts[1].partition('\n')[2]
+        print(f"\nSettings, with their defaults (--key=value overrides one):\n\n{block}")
     sys.exit(0)
 
 
@@ -117,7 +118,8 @@ def configure(defaults, argv, choices=None, minimums=None):
         if not arg.startswith('--'):
             if not arg.endswith('.py'):
                 hint = f": did you mean {arg}.py?" if os.path.isfile(arg + '.py') else ''
-                if os.path.isdir(arg) and 'out_dir' in defaults:  # sample.py out/tiny
+                # sample.py out/tiny: a run's folder, as report.py takes it
+                if os.path.isfile(os.path.join(arg, 'metrics.jsonl')) and 'out_dir' in defaults:
                     hint = f": did you mean --out_dir={arg}?"
                 raise ConfigError(f"'{arg}' is neither a config file (*.py) nor a --key=value "
                                   f"override{hint}")

@@ -302,8 +302,8 @@ def task_fields(accuracy):
 
 def tasks_line(accuracy):
     """score_tasks' accuracy for the eval line: ', TASK acc_norm A on N examples (chance C)' per
-    task (N: eval_tasks_examples' first N, which evaluate.py's all may differ from); '' without
-    tasks."""
+    task, '' without tasks. N says how many were scored: train.py's eval_tasks_examples takes a
+    file's first N, evaluate.py all of them by default."""
     return ''.join(f", {task} acc_norm {a['acc_norm']:.4f} on {a['examples']} examples (chance "
                    f"{a['chance']:.2f})" for task, a in accuracy.items())
 

@@ -1,6 +1,6 @@
 """
-A run's report, rebuilt from its out_dir alone (metrics.jsonl, config.json, meta.json), so it works
-for finished, early-stopped, aborted and killed runs alike:
+A run's report, rebuilt from its out_dir alone (metrics.jsonl, config.json, meta.json, and the
+iteration last.pt holds), so it works for finished, early-stopped, aborted and killed runs alike:
 
     python report.py out/tiny    # writes out/tiny/report.md and out/tiny/curves.png
 
@@ -14,7 +14,6 @@ import shlex
 import statistics
 import sys
 
-import checkpoint
 from configurator import HELP, fail, print_help
 
 
@@ -322,7 +321,7 @@ def loss_lines(evals, train, test, split_rule):
                      f"{last[f'{task}/acc_norm']:.4f} at the last evaluation, best acc_norm "
                      f"{best[f'{task}/acc_norm']:.4f} at iteration {best['step']} (chance "
                      f"{last[f'{task}/chance']:.4f}"
-                     f"{f'; the first {examples} examples' if examples else ''})")
+                     f"{f'; {examples} examples' if examples else ''})")
     lines.append(f"- read: {fit_read(evals)}")
     leak = leakage(evals, train)
     return lines + ([f"- **possible leakage**: {leak}"] if leak else [])
@@ -414,6 +413,7 @@ def write_report(out_dir):
         command = resume_command(meta, has_last, ended=ended)
         what = 'Resume the run' if has_last else 'No last.pt yet: redo the run'
         # a kill comes after the last save: the resume starts from there, not the last record
+        import checkpoint  # torch: here alone, for python report.py's other paths' sake
         held = (checkpoint.saved_state(os.path.join(out_dir, 'last.pt')) or {}).get('iter_num')
         if held is not None:
             what += f" from last.pt's iteration {held}"

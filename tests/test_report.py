@@ -320,7 +320,7 @@ def test_tasks_added_on_resume_are_reported_from_the_evaluations_that_scored_the
                         'best_val_loss': 2.1, 'val_bits_per_token': 3.0, **scored})
     text = made_up_report(out, config, {'command': ['train.py']}, records)
     assert ('- qa: acc 0.5000, acc_norm 0.4000 at the last evaluation, best acc_norm 0.6000 at '
-            'iteration 20 (chance 0.2500; the first 100 examples)' in text)
+            'iteration 20 (chance 0.2500; 100 examples)' in text)
     assert os.path.exists(os.path.join(out, 'curves.png'))
 
 

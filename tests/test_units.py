@@ -258,15 +258,21 @@ def test_a_model_no_device_holds_is_refused_with_its_count_before_it_is_built(mo
     assert "more than cpu's 0.0 GiB" in capsys.readouterr().err
 
 
-def test_a_config_file_named_without_py_is_suggested():
+def test_a_config_file_named_without_py_is_suggested(tmp_path):
     tiny = os.path.join(REPO, 'config', 'tiny')
     with pytest.raises(ConfigError) as refusal:
         configure(DEFAULTS, [tiny])
     assert str(refusal.value).endswith(f"override: did you mean {tiny}.py?")
     # a run's folder, as report.py takes it: sample.py's, evaluate.py's and verify.py's is out_dir
+    run = tmp_path / 'run'
+    run.mkdir()
+    (run / 'metrics.jsonl').write_text('')
     with pytest.raises(ConfigError) as refusal:
-        configure(DEFAULTS, [REPO])
-    assert str(refusal.value).endswith(f"override: did you mean --out_dir={REPO}?")
+        configure(DEFAULTS, [str(run)])
+    assert str(refusal.value).endswith(f"override: did you mean --out_dir={run}?")
+    with pytest.raises(ConfigError) as refusal:  # another folder: no such guess
+        configure(DEFAULTS, [str(tmp_path)])
+    assert str(refusal.value).endswith("nor a --key=value override")
 
 
 @pytest.mark.parametrize('argv, message', [
@@ -988,9 +994,19 @@ def test_a_shards_folder_that_any_checkpoint_file_names_is_kept(tmp_path):
     for folder in ('shards-10', 'shards-20', 'shards-30'):
         (tmp_path / folder).mkdir()
     torch.save({'iter_num': 20, 'shards': 'shards-20'}, tmp_path / 'mine-20.pt')
+    # a .pt that is no checkpoint, which torch cannot read weights-only, names none: once it kept
+    # every folder for the rest of the run
+    torch.save(torch.nn.Linear(2, 2), tmp_path / 'model.pt')
     writer = checkpoint.Writer(str(tmp_path), keep=0, background=False, last_saved=0)
     assert writer.write({'iter_num': 30, 'shards': 'shards-30'}, ['last.pt']) is None
     assert sorted(f for f in os.listdir(tmp_path) if f.startswith('shards-')) == ['shards-20',
+                                                                                'shards-30']
+    # the run's own checkpoint unreadable (what could it name?): every folder is kept
+    (tmp_path / 'shards-10').mkdir()
+    (tmp_path / 'best.pt').write_bytes(b'not a checkpoint')
+    assert writer.write({'iter_num': 40, 'shards': 'shards-30'}, ['last.pt']) is None
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith('shards-')) == ['shards-10',
+                                                                                'shards-20',
                                                                                 'shards-30']
 
 
