@@ -519,15 +519,25 @@ def save(names, out_dir, parts, rng, progress, run, sharded, writer):
         elif not writer.master:  # rank 0 writes the whole state
             return None
         last = os.path.join(out_dir, 'last.pt')
-        # one new file (the other names link to it), with room to spare
-        if (writer.master and os.path.exists(last)
-                and shutil.disk_usage(out_dir).free < 2 * os.path.getsize(last)):
-            print(f"warning: {out_dir} has {shutil.disk_usage(out_dir).free / 2**20:,.0f} MB free "
-                  f"and a checkpoint takes {os.path.getsize(last) / 2**20:,.0f} MB: free space "
-                  f"before a save fails", file=sys.stderr)
+        # one new checkpoint (the other names link to it), with room to spare
+        if writer.master and os.path.exists(last):
+            size, free = stored_bytes(last), shutil.disk_usage(out_dir).free
+            if free < 2 * size:
+                print(f"warning: {out_dir} has {free / 2**20:,.0f} MB free and a checkpoint takes "
+                      f"{size / 2**20:,.0f} MB: free space before a save fails", file=sys.stderr)
         return writer.write(state(parts, rng, progress, run, shards), names, shards_written)
     except (OSError, CheckpointError) as e:
         return names, progress.iter_num, reason(e)
+
+
+def stored_bytes(path):
+    """A checkpoint's bytes on disk: its file and, in fsdp mode, the shards folder it names (the
+    file alone is a pointer there)."""
+    shards = (saved_state(path) or {}).get('shards')
+    folder = os.path.join(os.path.dirname(path), shards) if shards else None
+    in_folder = (sum(entry.stat().st_size for entry in os.scandir(folder) if entry.is_file())
+                 if folder and os.path.isdir(folder) else 0)
+    return os.path.getsize(path) + in_folder
 
 
 def unused_name(out_dir, name):

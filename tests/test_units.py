@@ -12,6 +12,7 @@ import math
 import multiprocessing
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -839,14 +840,19 @@ def test_the_smoke_test_ends_at_the_first_step_that_decides_it(capsys, monkeypat
         assert why in error
 
 
-def test_one_state_saved_under_two_names_is_written_once_and_each_name_replaced_alone(
-        tmp_path, monkeypatch):
+def small_parts():
+    """A run's parts (checkpoint.state's) around a 2 x 2 linear layer."""
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    parts = dict(model=model, optimizer=optimizer,
-                 scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
-                 scaler=torch.amp.GradScaler('cpu', enabled=False),
-                 sampler=data.TrainSampler(10_000, 8, 2, 2, seed=0))
+    return dict(model=model, optimizer=optimizer,
+                scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+                scaler=torch.amp.GradScaler('cpu', enabled=False),
+                sampler=data.TrainSampler(10_000, 8, 2, 2, seed=0))
+
+
+def test_one_state_saved_under_two_names_is_written_once_and_each_name_replaced_alone(
+        tmp_path, monkeypatch):
+    parts = small_parts()
     rng, out = [checkpoint.rng_state('cpu')], str(tmp_path)
     best, last = tmp_path / 'best.pt', tmp_path / 'last.pt'
 
@@ -866,6 +872,27 @@ def test_one_state_saved_under_two_names_is_written_once_and_each_name_replaced_
     save(['best.pt', 'last.pt'], 30)
     assert not os.path.samefile(best, last) and best.read_bytes() == last.read_bytes()
     assert not list(tmp_path.glob('*.tmp'))
+
+
+def test_a_save_warns_when_the_disk_holds_less_than_two_more_checkpoints(tmp_path, monkeypatch,
+                                                                         capsys):
+    parts = small_parts()
+    writer = checkpoint.Writer(str(tmp_path), keep=0, background=False, last_saved=0)
+
+    def save_with_free(free):
+        monkeypatch.setattr(shutil, 'disk_usage', lambda path: shutil._ntuple_diskusage(
+            10 * free, 9 * free, free))
+        assert checkpoint.save(['best.pt'], str(tmp_path), parts, [checkpoint.rng_state('cpu')],
+                               checkpoint.Progress(iter_num=20), {}, False, writer) is None
+        return capsys.readouterr().err
+    # an fsdp run's last.pt points to its shards: they are the checkpoint's size, not the file
+    torch.save({'iter_num': 10, 'shards': 'shards-10'}, tmp_path / 'last.pt')
+    (tmp_path / 'shards-10').mkdir()
+    (tmp_path / 'shards-10' / '__0_0.distcp').write_bytes(bytes(3 * 2**20))
+    assert save_with_free(5 * 2**20).startswith(
+        f"warning: {tmp_path} has 5 MB free and a checkpoint takes 3 MB: free space before a "
+        f"save fails")
+    assert save_with_free(7 * 2**20) == ''
 
 
 def test_shards_folders_no_checkpoint_names_go_and_an_unreadable_checkpoint_keeps_them(tmp_path):
