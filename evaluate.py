@@ -335,15 +335,16 @@ def describe(name, result):
 
 def load_pretrained(source, tokenizer_spec, device):
     """(GPT in eval mode on device, tokenizer.Tokenizer) of GPT-2 weights and a tiktoken tokenizer
-    of their vocabulary."""
+    of their vocabulary. The weights first: a folder that holds none is said as such, not as the
+    tokenizer an offline machine lacks."""
+    # all the positions, the weights' vocabulary
+    model_args, state, _ = hf.load_gpt2(source, None, None)
     try:
         tok = (tokenizers.gpt2() if tokenizer_spec == 'gpt2'
                else tokenizers.ranks_file(tokenizer_spec))
     except tokenizers.TokenizerError as e:  # offline: GPT-2's ranks, written once, serve as well
         raise tokenizers.TokenizerError(f"{e}, or pass --tokenizer=gpt2.tiktoken (README.md, "
                                         f"Finetune GPT-2)") from None
-    # all the positions, the weights' vocabulary
-    model_args, state, _ = hf.load_gpt2(source, None, None)
     if model_args['vocab_size'] != tok.vocab_size:
         raise hf.HFError(f"the weights of {source} know {model_args['vocab_size']} tokens, "
                          f"tokenizer {tokenizer_spec} {tok.vocab_size}: pass the tokenizer they "
@@ -361,7 +362,10 @@ def load(config, device):
                                   "GPT-2 weights")
         check(hf.is_source(config['init_from']), f"init_from='{config['init_from']}': use a GPT-2 "
               f"name ({', '.join(hf.GPT2_NAMES)}) or the path of a Hugging Face model folder or "
-              f".safetensors file")
+              f".safetensors file (a checkpoint of a run: ckpt=PATH)")
+        run = os.path.isfile(os.path.join(config['init_from'], 'metrics.jsonl'))
+        check(not run, f"init_from='{config['init_from']}' is a train.py run's folder: evaluate its "
+                       f"best.pt with out_dir={config['init_from']}")
         spec = config['tokenizer'] or 'gpt2'
         check(spec == 'gpt2' or spec.endswith('.tiktoken'),
               f"tokenizer='{spec}': with init_from use gpt2 (GPT-2's own) or the path of a "

@@ -346,7 +346,16 @@ def test_command_mistakes_are_one_line_with_exit_2(tiny_gpt2, bpe, task, tmp_pat
                       [{'ctx': 'the cat', 'endings': ['sees', 'loves'], 'label': 0},
                                                {'ctx': 'a', 'endings': ['b'], 'label': 0}])
     gpt2 = [f'--init_from={tiny_gpt2[1]}', f'--tokenizer={bpe[0]}']
+    (tmp_path / 'run').mkdir()
+    (tmp_path / 'run' / 'metrics.jsonl').write_text('')  # a train.py run's folder
+    (tmp_path / 'empty').mkdir()
     for args, message in (
+            # the weights are checked before GPT-2's tokenizer, which an offline machine lacks
+            ([f'--init_from={tmp_path}/run', f'--tasks={task}'],
+             f"error: init_from='{tmp_path}/run' is a train.py run's folder: evaluate its best.pt "
+             f"with out_dir={tmp_path}/run"),
+            ([f'--init_from={tmp_path}/empty', f'--tasks={task}'],
+             f"error: {tmp_path}/empty is not a Hugging Face model folder"),
             ([*gpt2, f'--tasks={task},{bad}'],
              f"error: {bad}:2: endings must be a list of at least 2 strings"),
             ([f'--out_dir={tmp_path}', f'--tasks={task}'],
