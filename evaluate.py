@@ -363,9 +363,10 @@ def load(config, device):
         check(hf.is_source(config['init_from']), f"init_from='{config['init_from']}': use a GPT-2 "
               f"name ({', '.join(hf.GPT2_NAMES)}) or the path of a Hugging Face model folder or "
               f".safetensors file (a checkpoint of a run: ckpt=PATH)")
-        run = os.path.isfile(os.path.join(config['init_from'], 'metrics.jsonl'))
-        check(not run, f"init_from='{config['init_from']}' is a train.py run's folder: evaluate its "
-                       f"best.pt with out_dir={config['init_from']}")
+        run = config['init_from']
+        check(not os.path.isfile(os.path.join(run, 'metrics.jsonl')),
+              f"init_from='{run}' is a train.py run's folder: evaluate its best.pt with "
+              f"out_dir={run}")
         spec = config['tokenizer'] or 'gpt2'
         check(spec == 'gpt2' or spec.endswith('.tiktoken'),
               f"tokenizer='{spec}': with init_from use gpt2 (GPT-2's own) or the path of a "
