@@ -519,12 +519,15 @@ def save(names, out_dir, parts, rng, progress, run, sharded, writer):
         elif not writer.master:  # rank 0 writes the whole state
             return None
         last = os.path.join(out_dir, 'last.pt')
-        # one new checkpoint (the other names link to it), with room to spare
+        # one new checkpoint (the other names link to it), with room to spare; a warning that
+        # cannot be worked out is left out, not taken for a failed save
         if writer.master and os.path.exists(last):
-            size, free = stored_bytes(last), shutil.disk_usage(out_dir).free
-            if free < 2 * size:
-                print(f"warning: {out_dir} has {free / 2**20:,.0f} MB free and a checkpoint takes "
-                      f"{size / 2**20:,.0f} MB: free space before a save fails", file=sys.stderr)
+            with contextlib.suppress(OSError):
+                size, free = stored_bytes(last), shutil.disk_usage(out_dir).free
+                if free < 2 * size:
+                    print(f"warning: {out_dir} has {free / 2**20:,.0f} MB free and a checkpoint "
+                          f"takes {size / 2**20:,.0f} MB: free space before a save fails",
+                          file=sys.stderr)
         return writer.write(state(parts, rng, progress, run, shards), names, shards_written)
     except (OSError, CheckpointError) as e:
         return names, progress.iter_num, reason(e)
@@ -650,6 +653,8 @@ class Writer:
         own = [os.path.join(self.out_dir, name) for name in ('best.pt', 'last.pt', 'stable.pt')]
         with contextlib.suppress(OSError):  # one left behind harms nothing
             folders = {f for f in os.listdir(self.out_dir) if f.startswith('shards-')}
+            if not folders:  # not an fsdp run's folder: no checkpoint need be read
+                return
             for path in glob.glob(os.path.join(glob.escape(self.out_dir), '*.pt')):
                 try:
                     folders.discard(shards_named(path))

@@ -99,11 +99,12 @@ def print_help(settings=True):
     code 0."""
     script = sys.modules['__main__']
     print((script.__doc__ or '').strip())
-    with open(script.__file__) as f:
-        parts = f.read().split('\n# ---')
-    if settings and len(parts) > 2:  # a script without the lines has no settings to show
-        block = parts[1].partition('\n')[2]
-        print(f"\nSettings, with their defaults (--key=value overrides one):\n\n{block}")
+    if settings:
+        with open(script.__file__) as f:
+            parts = f.read().split('\n# ---')
+        if len(parts) > 2:  # a script without the lines has no settings to show
+            block = parts[1].partition('\n')[2]
+            print(f"\nSettings, with their defaults (--key=value overrides one):\n\n{block}")
     sys.exit(0)
 
 

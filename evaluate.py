@@ -371,6 +371,9 @@ def load(config, device):
         check(spec == 'gpt2' or spec.endswith('.tiktoken'),
               f"tokenizer='{spec}': with init_from use gpt2 (GPT-2's own) or the path of a "
               f".tiktoken file")
+        # before the weights, which may take a download of gigabytes
+        check(spec == 'gpt2' or os.path.isfile(spec),
+              f"tokenizer file {spec} does not exist: pass an existing .tiktoken file, or gpt2")
         try:
             return *load_pretrained(config['init_from'], spec, device), config['init_from']
         except (hf.HFError, tokenizers.TokenizerError) as e:

@@ -314,8 +314,9 @@ def split_loss(split, model):
 if eval_only:  # nanoGPT's: the weights as they start, evaluated once and printed; Ctrl-C ends it
     losses = {split: split_loss(split, eval_model) for split in ('train', 'val')}
     ema_loss = ''
-    if ema:
-        ema_loss = f", EMA val {split_loss('val', ema_eval_model):.4f}"
+    if ema:  # what chose best.pt
+        ema_val_loss = split_loss('val', ema_eval_model)
+        ema_loss = f", EMA val {ema_val_loss:.4f}"
     accuracy, _ = evaluate.score_tasks(ema_eval_model if ema else eval_model, init.tasks,
                                        batch_size, device, autocast, rank, world_size)
     log(f"eval only, iteration {progress.iter_num}: train {losses['train']:.4f}, val "

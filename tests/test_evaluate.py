@@ -356,6 +356,9 @@ def test_command_mistakes_are_one_line_with_exit_2(tiny_gpt2, bpe, task, tmp_pat
              f"with out_dir={tmp_path}/run"),
             ([f'--init_from={tmp_path}/empty', f'--tasks={task}'],
              f"error: {tmp_path}/empty is not a Hugging Face model folder"),
+            # but a tokenizer file that is not there comes first: the weights may be a download
+            ([f'--init_from={tmp_path}/empty', f'--tokenizer={tmp_path}/typo.tiktoken',
+              f'--tasks={task}'], f"error: tokenizer file {tmp_path}/typo.tiktoken does not exist"),
             ([*gpt2, f'--tasks={task},{bad}'],
              f"error: {bad}:2: endings must be a list of at least 2 strings"),
             ([f'--out_dir={tmp_path}', f'--tasks={task}'],

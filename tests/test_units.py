@@ -1037,6 +1037,20 @@ def test_a_shards_folder_that_any_checkpoint_file_names_is_kept(tmp_path):
                                                                                 'shards-30']
 
 
+def test_a_save_where_no_shards_folder_is_reads_no_checkpoint(tmp_path, monkeypatch):
+    # a run without fsdp: its kept checkpoints are not loaded after every save to look for names
+    torch.save({'iter_num': 10}, tmp_path / 'ckpt-000010.pt')
+    loads, torch_load = [], torch.load
+
+    def counting_load(*args, **kwargs):
+        loads.append(args[0])
+        return torch_load(*args, **kwargs)
+    monkeypatch.setattr(torch, 'load', counting_load)
+    writer = checkpoint.Writer(str(tmp_path), keep=2, background=False, last_saved=0)
+    assert writer.write({'iter_num': 20}, ['last.pt', 'ckpt-000020.pt']) is None
+    assert loads == []
+
+
 def test_only_a_gone_peer_is_a_lost_rank_and_a_timeout_keeps_its_traceback():
     # gloo's own lines (torch 2.13): test_ddp's elastic restart meets the first for real; the
     # second is a rank waiting in a collective another rank skipped, whose traceback says where
