@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from model import padded_vocab
 
 GPT2_NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
+GPT2_HEADS = {768: 12, 1024: 16, 1280: 20, 1600: 25}  # their widths' head counts: heads of 64
 # GPTConfig.activation -> config.json's activation_function (a name in transformers' ACT2FN)
 HF_ACTIVATION = {'gelu': 'gelu', 'gelu_tanh': 'gelu_new'}
 # and back, with transformers' other name for the tanh approximation
@@ -191,8 +192,12 @@ def load_gpt2(source, block_size, vocab_size):
         raise HFError(f"{weights_path} is not a GPT-2 this GPT can load ({'; '.join(problems)}): "
                       f"pass a GPT2LMHeadModel with GPT-2's layout")
     block_size, vocab_size = block_size or n_positions, vocab_size or n_vocab
-    # a single file without config.json: GPT-2's head size, 64
-    n_head = hf_config.get('n_head', max(1, n_embd // 64))
+    # a single file without config.json: only OpenAI's four widths say their head count (heads of
+    # 64); another width's would be a guess, and a wrong one loads a different network silently
+    if 'n_head' not in hf_config and n_embd not in GPT2_HEADS:
+        raise HFError(f"{weights_path} has no config.json beside it to give its head count, and its "
+                      f"width {n_embd} is none of GPT-2's: put its config.json in its folder")
+    n_head = hf_config.get('n_head') or GPT2_HEADS[n_embd]
     if block_size > n_positions:
         raise HFError(f"block_size={block_size} exceeds the {n_positions} positions of the weights "
                       f"in {weights_path}: set block_size={n_positions} or less")

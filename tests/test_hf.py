@@ -179,6 +179,18 @@ def test_load_errors_are_one_line(tiny_gpt2, tmp_path, monkeypatch):
     assert refusal(str(lone)) == (
         f"{lone.parent}/config.json is not a Hugging Face GPT-2 config.json (a dict whose n_head "
         f"is a positive integer): put the weights in a folder with their own config.json")
+    # a lone file: its width (64) gives no head count; GPT-2's own widths do
+    os.remove(lone.parent / 'config.json')
+    assert refusal(str(lone)) == (
+        f"{lone} has no config.json beside it to give its head count, and its width 64 is none of "
+        f"GPT-2's: put its config.json in its folder")
+    from transformers import GPT2Config, GPT2LMHeadModel
+    GPT2LMHeadModel(GPT2Config(vocab_size=N_VOCAB, n_positions=8, n_embd=768, n_layer=1,
+                               n_head=12)).save_pretrained(str(tmp_path / 'wide'))
+    args, _, _ = hf.load_gpt2(str(tmp_path / 'wide' / 'model.safetensors'), None, None)
+    assert args['n_head'] == 12
+    os.remove(tmp_path / 'wide' / 'config.json')
+    assert hf.load_gpt2(str(tmp_path / 'wide' / 'model.safetensors'), None, None)[0] == args
     monkeypatch.setitem(sys.modules, 'huggingface_hub', None)  # as if not installed
     assert 'pip install huggingface_hub' in refusal('gpt2')
 
