@@ -57,15 +57,19 @@ class PrepareError(Exception):
 # file, a document with None, 0
 
 def decode_utf8(raw, where, offset=0):
+    """A file's bytes (from offset in it) as text; bytes no UTF-8 text file holds are refused."""
+    if offset == 0 and raw[:2] in (b'\xff\xfe', b'\xfe\xff'):  # text, with NULs: not binary
+        raise PrepareError(f'{where} is UTF-16 (its byte-order mark), not UTF-8: convert it '
+                           f'first, e.g. iconv -f UTF-16 -t UTF-8 IN > OUT')
+    # no text file holds one, in any 8-bit encoding; a valid UTF-8 one is binary (a .tar) or
+    # UTF-16 without its mark, every other byte a NUL
+    if b'\0' in raw:
+        raise PrepareError(f'{where} is binary or UTF-16, not UTF-8 text (a NUL byte at offset '
+                           f'{offset + raw.index(0)}): leave it out of --input, or convert UTF-16 '
+                           f'first, e.g. iconv -f UTF-16LE -t UTF-8 IN > OUT')
     try:
         return raw.decode('utf-8')
     except UnicodeDecodeError as e:
-        if offset == 0 and raw[:2] in (b'\xff\xfe', b'\xfe\xff'):  # text, with NULs: not binary
-            raise PrepareError(f'{where} is UTF-16 (its byte-order mark), not UTF-8: convert it '
-                               f'first, e.g. iconv -f UTF-16 -t UTF-8 IN > OUT') from None
-        if b'\0' in raw:  # no text file holds one, in any 8-bit encoding: iconv would not help
-            raise PrepareError(f'{where} is binary, not text (a NUL byte at offset '
-                               f'{offset + raw.index(0)}): leave it out of --input') from None
         raise PrepareError(f'{where} is not UTF-8 (invalid byte at offset {offset + e.start}): '
                            f'convert it first, e.g. iconv -f LATIN1 -t UTF-8 IN > OUT') from None
 
@@ -91,7 +95,7 @@ def is_hidden_or_cache(name):
 
 
 def is_records_file(path):
-    return path.endswith(('.jsonl', '.jsonl.gz', '.parquet'))
+    return path.lower().endswith(('.jsonl', '.jsonl.gz', '.parquet'))  # DATA.JSONL too
 
 
 class Reader:
@@ -109,11 +113,11 @@ class Reader:
         for path in self.files:
             rel = os.path.relpath(path, self.root) if self.root else os.path.basename(path)
             with open(path, 'rb') as raw:
-                if path.endswith('.parquet'):
+                if path.lower().endswith('.parquet'):
                     for k, text in enumerate(parquet_texts(path, self.text_key)):
-                        yield f'{rel}:{k}', text.encode('utf-8'), 'text', None, 0
+                        yield f'{rel}:{k}', text.encode('utf-8'), 'record', None, 0
                 elif is_records_file(path):
-                    lines = gzip_lines(raw, path) if path.endswith('.gz') else raw
+                    lines = gzip_lines(raw, path) if path.lower().endswith('.gz') else raw
                     for k, line in enumerate(lines):
                         self.bytes_done = done + raw.tell()
                         if line.strip():
@@ -217,6 +221,10 @@ def source_items(name, input_path, text_key, work_dir):
     if os.path.isfile(input_path):
         if is_records_file(input_path):
             return source, None, Reader([input_path], None, text_key)
+        if input_path.lower().endswith('.json'):  # its records would be trained on as JSON text
+            raise PrepareError(f'input {input_path} is JSON: prepare.py reads records from .jsonl '
+                               f'(JSON Lines) and .parquet files: rename JSON Lines to .jsonl, or '
+                               f"convert an array first, e.g. jq -c '.[]' IN > OUT.jsonl")
         return source, input_path, None
     if os.path.exists(input_path):  # a device, a pipe
         raise PrepareError(f'input {input_path} is neither a file nor a folder: point --input at '
@@ -315,6 +323,8 @@ def process_batch(batch):
             except UnicodeEncodeError as e:  # JSON's \ud800 escapes can name half a character
                 raise PrepareError(f'{doc_id} holds a lone surrogate {text[e.start]!r}, which is '
                                    f'not text: fix or drop that record') from None
+        elif kind == 'record':  # a parquet record's text: any character, NUL too, is its own
+            text, encoded = raw.decode('utf-8'), raw
         else:
             text, encoded = decode_utf8(raw, doc_id, offset), raw
         digest = int.from_bytes(hashlib.blake2b(encoded, digest_size=8).digest(), 'little')

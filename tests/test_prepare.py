@@ -233,8 +233,11 @@ def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
      r'UTF-8: convert it first, e.g. iconv -f UTF-16 -t UTF-8 IN > OUT$'),
     # iconv was the advice
     (['x', '--input', 'code'],
-     r'^error: logo.png is binary, not text \(a NUL byte at offset 8\): '
-     r'leave it out of --input$'),
+     r'^error: logo.png is binary or UTF-16, not UTF-8 text \(a NUL byte at offset 8\): leave '
+     r'it out of --input, or convert UTF-16 first, e.g. iconv -f UTF-16LE -t UTF-8 IN > OUT$'),
+    # valid UTF-8, every other byte a NUL: it was trained on as text
+    (['x', '--input', 'utf16le.txt'], r'utf16le.txt is binary or UTF-16, not UTF-8 text \(a NUL '
+     r'byte at offset 1\)'),
     (['x', '--input', 'tiny.txt'], 'split has no tokens'),
     # it did nothing: a text file has no fields
     (['x', '--input', 'good.txt', '--text_key', 'body'], r'--text_key names a field of .jsonl and '
@@ -258,6 +261,10 @@ def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
     # a pool of that many processes never started, and prepare.py waited
     (['x', '--input', 'good.txt', '--num_proc', '100000'],
      f'num_proc=100000 must be from 1 to the {os.cpu_count()} CPUs of this machine'),
+    # JSON Lines named .json: trained on as JSON text
+    (['x', '--input', 'records.json'], r"^error: input records.json is JSON: prepare.py reads "
+     r"records from .jsonl \(JSON Lines\) and .parquet files: rename JSON Lines to .jsonl, or "
+     r"convert an array first, e.g. jq -c '.\[\]' IN > OUT.jsonl$"),
     (['x', '--input', 'null.jsonl'],
      "null.jsonl:2 has 'text': null, not a string: fix or drop that record"),
     (['x', '--input', 'number.jsonl'], "number.jsonl:1 has 'text': 42, not a string"),
@@ -296,6 +303,7 @@ def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
     (tmp_path / 'two_docs' / 'c').write_text('one')
     (tmp_path / 'good.txt').write_text('some good text\n' * 20)
     (tmp_path / 'utf16.txt').write_bytes(('some text\n' * 20).encode('utf-16'))
+    (tmp_path / 'utf16le.txt').write_bytes(('some text\n' * 20).encode('utf-16-le'))
     (tmp_path / 'code').mkdir()
     (tmp_path / 'code' / 'm.py').write_text('x = 1\n')
     (tmp_path / 'code' / 'logo.png').write_bytes(b'\x89PNG\r\n\x1a\n\0\0\0\rIHDR')
@@ -304,6 +312,7 @@ def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
     (tmp_path / 'negative.tiktoken').write_text('YQ== -1\n')
     (tmp_path / 'null.jsonl').write_text('{"text": "a"}\n{"text": null}\n')
     (tmp_path / 'number.jsonl').write_text('{"text": 42}\n')
+    (tmp_path / 'records.json').write_text('{"text": "a record"}\n' * 20)
     (tmp_path / 'surrogate.jsonl').write_text('{"text": "half \\ud800 a character"}\n')
     (tmp_path / 'latin1.jsonl').write_bytes('{"text": "caf\u00e9"}\n'.encode('latin-1'))
     records = gzip.compress(b''.join(b'{"text": "record %d"}\n' % i for i in range(1000)))
@@ -520,11 +529,11 @@ def test_jsonl_and_gzip_records_split_like_the_same_documents_in_files(tmp_path,
     monkeypatch.setattr(prepare, 'BATCH_BYTES', 256)
     records = [json.dumps({'id': k, 'body': texts[name]}) for k, name in enumerate(sorted(texts))]
     (tmp_path / 'docs.jsonl').write_text('\n'.join(records) + '\n\n')  # a blank line is no record
-    with gzip.open(tmp_path / 'docs.jsonl.gz', 'wt') as f:
+    with gzip.open(tmp_path / 'docs.JSONL.gz', 'wt') as f:  # any case: it was trained on as text
         f.write('\n'.join(records) + '\n')
     outs = [prepare.prepare('d', data_dir=tmp_path / f'out_{name}', input_path=tmp_path / name,
                             text_key=key, num_proc=2)
-            for name, key in (('docs.jsonl', 'body'), ('docs.jsonl.gz', 'body'), ('docs', None))]
+            for name, key in (('docs.jsonl', 'body'), ('docs.JSONL.gz', 'body'), ('docs', None))]
     for split in prepare.SPLITS:  # the same distinct documents in the same order: the same splits
         assert (read_split(outs[0], split).tolist() == read_split(outs[1], split).tolist()
                 == read_split(outs[2], split).tolist())
