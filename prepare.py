@@ -446,6 +446,14 @@ def given_tokenizer(spec):
     return tokenizer.ranks_file(os.path.abspath(spec)), 0
 
 
+def copy_ranks(path, folder, name):
+    """The .tiktoken ranks file at path copied beside the shards, as NAME.tiktoken (a learned
+    BPE's name); returns its Tokenizer. The dataset then moves whole to another machine, and a later
+    change to the file given (another dataset's BPE, prepared again) leaves it as it was."""
+    shutil.copyfile(path, os.path.join(folder, f'{name}.tiktoken'))
+    return tokenizer.ranks_file(f'{name}.tiktoken', folder)
+
+
 def collect_chars(text, digest):
     return ''.join(set(text))
 
@@ -585,12 +593,11 @@ def splits_meta(counts, writers, text_path, char_level):
     return splits
 
 
-def replaced(out_dir, input_path, ranks_path=None):
+def replaced(out_dir, input_path):
     """Refuses to prepare into out_dir where that would destroy what is not a dataset prepare.py
     wrote (its meta.json holds source_sha256; an older prepare.py's, train.bin beside it): a
-    dataset is replaced whole, so a folder of the user's files there, downloaded shards, the input
-    itself, or the --tokenizer ranks file the new dataset names (its NAME.tiktoken) would be
-    lost. An empty folder is replaced."""
+    dataset is replaced whole, so a folder of the user's files there, downloaded shards or the input
+    itself would be lost. An empty folder is replaced."""
     target = os.path.realpath(out_dir)
     if input_path is not None:
         source = os.path.realpath(input_path)
@@ -601,10 +608,6 @@ def replaced(out_dir, input_path, ranks_path=None):
         if os.path.isdir(source) and target.startswith(source + os.sep):
             raise PrepareError(f'{out_dir} is inside the input folder {input_path}: pass a '
                                f'--data_dir outside it')
-    if ranks_path is not None and os.path.realpath(ranks_path).startswith(target + os.sep):
-        raise PrepareError(f'tokenizer {ranks_path} is in {out_dir}, the folder this dataset '
-                           f'replaces, and the new dataset would name it: copy it out of that '
-                           f'folder and pass the copy, or pick another name')
     if not os.path.lexists(out_dir):
         return
     try:
@@ -646,7 +649,7 @@ def prepare(name, data_dir=DATA_DIR, input_path=None, tokenizer=None, seed=1337,
     # build the dataset in a temp folder beside the target and swap it in at the end,
     # so a failed run never leaves a half-written dataset or destroys the previous one
     out_dir = os.path.join(data_dir, name)
-    replaced(out_dir, input_path, tokenizer if tokenizer.endswith('.tiktoken') else None)
+    replaced(out_dir, input_path)
     # the first folder of data_dir's path that is missing: a refused run removes what it made
     made, folder = None, os.path.abspath(data_dir)
     while not os.path.lexists(folder):
@@ -671,6 +674,8 @@ def prepare(name, data_dir=DATA_DIR, input_path=None, tokenizer=None, seed=1337,
             tok = train_chars(text_path, reader, num_proc, seed)
         elif bpe_vocab_size:
             tok = train_bpe(bpe_vocab_size, text_path, reader, num_proc, seed, new_dir, name)
+        elif tokenizer.endswith('.tiktoken'):
+            tok = copy_ranks(tokenizer, new_dir, name)
         dtype = np.uint16 if tok.vocab_size <= 65535 else np.uint32
 
         writers = {split: ShardWriter(new_dir, name, split, dtype, shard_size) for split in SPLITS}

@@ -4,6 +4,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -162,11 +163,14 @@ def test_bpe_from_local_tiktoken_file(tmp_path, monkeypatch):
     out_dir = prepare.prepare('b', data_dir=tmp_path / 'data', input_path=tmp_path / 'docs',
                               tokenizer=str(ranks))
     meta = read_meta(out_dir)
-    assert meta['tokenizer'] == {'kind': 'tiktoken', 'encoding': str(ranks),
+    # a copy beside the shards, named relative to them: the dataset moves whole
+    copy = os.path.join(out_dir, 'b.tiktoken')
+    assert open(copy, 'rb').read() == ranks.read_bytes()
+    assert meta['tokenizer'] == {'kind': 'tiktoken', 'encoding': 'b.tiktoken',
                                  'ranks_sha256': hashlib.sha256(ranks.read_bytes()).hexdigest(),
                                  'pat_str': tokenizer.GPT2_PAT_STR, 'eot_id': 259}
     assert meta['vocab_size'] == 260 and 'unknown_chars' not in meta['splits']['train']
-    tok = tokenizer.load(meta['tokenizer'])
+    tok = tokenizer.load(meta['tokenizer'], out_dir)
     assert tok.encode('the') == [258]
     id_of = {text: name for name, text in docs.items()}
     seen, n_text_tokens = [], 0
@@ -185,13 +189,17 @@ def test_bpe_from_local_tiktoken_file(tmp_path, monkeypatch):
     assert 258 in read_split(out_dir, 'train')
     assert n_text_tokens < sum(len(t.encode()) for t in docs.values()), 'merges were used'
 
-    # same path, different merges: neither meta nor the cache may go stale
+    # the file given changed: the dataset keeps its copy
     write_ranks(ranks, [b'th', b'he'])
+    assert tokenizer.load(meta['tokenizer'], out_dir).encode('the') == [258]
+    # the copy changed: refused
+    shutil.copy(ranks, copy)
     with pytest.raises(tokenizer.TokenizerError, match='changed since'):
-        tokenizer.load(meta['tokenizer'])
+        tokenizer.load(meta['tokenizer'], out_dir)
+    # prepared again from the changed file: neither meta nor tiktoken's cache may go stale
     out_dir = prepare.prepare('b', data_dir=tmp_path / 'data', input_path=tmp_path / 'docs',
                               tokenizer=str(ranks))
-    assert tokenizer.load(read_meta(out_dir)['tokenizer']).encode('the') == [256, ord('e')]
+    assert tokenizer.load(read_meta(out_dir)['tokenizer'], out_dir).encode('the') == [256, ord('e')]
     assert read_meta(out_dir)['tokenizer']['eot_id'] == 258
 
 
@@ -461,20 +469,20 @@ def test_a_running_prepare_s_folder_is_left_to_it(tmp_path):
         lock.close()
 
 
-def test_a_ranks_file_in_the_dataset_it_replaces_is_refused(tmp_path):
-    # a dataset prepared again with its own BPE named that file by path, and the swap deleted it
-    # with the old folder: the new dataset could not be opened
+def test_a_dataset_prepared_again_with_its_own_ranks_file_keeps_a_copy(tmp_path):
+    # the dataset named the file by path: the swap deleted it with the old folder, and the new
+    # dataset could not be opened
     (tmp_path / 'good.txt').write_text('some good text\n' * 20)
-    assert run_cli('x', '--input', 'good.txt', cwd=tmp_path).returncode == 0
-    write_ranks(tmp_path / 'data' / 'x' / 'x.tiktoken', [b'so', b'me'])
-    before = folder_snapshot(tmp_path / 'data' / 'x')
+    result = run_cli('x', '--input', 'good.txt', '--tokenizer', 'bpe:260', cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    ranks = (tmp_path / 'data' / 'x' / 'x.tiktoken').read_bytes()
     result = run_cli('x', '--input', 'good.txt', '--tokenizer', 'data/x/x.tiktoken',
                      cwd=tmp_path)
-    assert result.returncode == 2 and result.stderr == (
-        "error: tokenizer data/x/x.tiktoken is in data/x, the folder this dataset replaces, and "
-        "the new dataset would name it: copy it out of that folder and pass the copy, or pick "
-        "another name\n")
-    assert folder_snapshot(tmp_path / 'data' / 'x') == before
+    assert result.returncode == 0, result.stderr
+    meta = read_meta(tmp_path / 'data' / 'x')
+    assert meta['tokenizer']['encoding'] == 'x.tiktoken'
+    assert (tmp_path / 'data' / 'x' / 'x.tiktoken').read_bytes() == ranks
+    assert tokenizer.load(meta['tokenizer'], str(tmp_path / 'data' / 'x')).vocab_size == 260
 
 
 def test_an_empty_folder_is_prepared_into(tmp_path):
