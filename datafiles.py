@@ -3,7 +3,6 @@ A dataset's files: its folder (or glob) of shards and meta.json, each shard's he
 its size, the shards' fingerprints (sha256 and largest id, cached per folder), and whether a
 checkpoint's data is this run's. data.py reads the windows and batches of a dataset found here.
 """
-import contextlib
 import difflib
 import fcntl
 import glob
@@ -16,6 +15,7 @@ import shlex
 import numpy as np
 
 import checkpoint
+import perf
 import prepare
 import tokenizer
 from prepare import SHARD
@@ -49,25 +49,38 @@ def read_shard_header(path):
     return dtype, num_tokens
 
 
+def read_json(path):
+    """The JSON in the file at path; {} where there is none yet, or a broken one."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
 def fingerprints(paths):
     """{shard file name: [sha256 of its whole content, its largest token id (-1: none)]}. Both read
     every byte, so each folder keeps them in FINGERPRINTS with the size and modification time of the
-    file read and the shard format it was read as, and a shard is read again when one has changed
-    (every time where the folder cannot be written). Any write or copy of a file moves its
-    modification time; an edit that keeps size and time both (touch -d) goes unseen."""
+    file read and the shard format it was read as, and a shard is read again when one has changed.
+    A folder that cannot be written (a cluster's read-only dataset) has them kept in the machine's
+    cache instead, by its path: else every start, and every process of it, would read every byte
+    again. Any write or copy of a file moves its modification time; an edit that keeps size and
+    time both (touch -d) goes unseen."""
     result = {}
     for folder in sorted({os.path.dirname(p) for p in paths}):
-        cache = os.path.join(folder, FINGERPRINTS)
-        try:
-            with open(cache) as f:
-                known = json.load(f)
-        except (OSError, ValueError):  # none yet, or a broken one: hash again
-            known = {}
-        changed = False
+        path_id = hashlib.sha256(os.path.realpath(folder).encode()).hexdigest()[:16]
+        caches = [os.path.join(folder, FINGERPRINTS),
+                  os.path.join(perf.cache_folder(), 'fingerprints', f'{path_id}.json')]
+        cached = [read_json(cache) for cache in caches]
+        known, changed = cached[1] | cached[0], False  # the folder's own entries first
         for path in (p for p in paths if os.path.dirname(p) == folder):
             stat, name = os.stat(path), os.path.basename(path)
-            entry, read_as = known.get(name, []), [stat.st_size, stat.st_mtime_ns, SHARD.__name__]
-            if entry[:3] != read_as or len(entry) != 5:
+            read_as = [stat.st_size, stat.st_mtime_ns, SHARD.__name__]
+            entries = [c.get(name, []) for c in cached]
+            valid = [e for e in entries if e[:3] == read_as and len(e) == 5]
+            if valid:  # either cache's: a stale entry in one is no matter
+                known[name] = valid[0]
+            else:
                 with open(path, 'rb') as f:
                     digest = hashlib.file_digest(f, 'sha256').hexdigest()
                 dtype, n = read_shard_header(path)
@@ -75,9 +88,13 @@ def fingerprints(paths):
                 largest = int(ids.max())
                 known[name], changed = read_as + [digest, largest], True
             result[name] = known[name][3:]
-        if changed:
-            with contextlib.suppress(OSError):  # a read-only dataset: hashed again next time
+        for cache in caches if changed else []:  # the folder's, else (read-only) the machine's
+            try:
+                os.makedirs(os.path.dirname(cache), exist_ok=True)
                 checkpoint.write_json(cache, known)
+                break
+            except OSError:  # neither can be written: read again next time
+                pass
     return result
 
 

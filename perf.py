@@ -115,15 +115,20 @@ def read_cache(path):
         return {}
 
 
+def cache_folder():
+    """Where what is the same on every run of a machine is kept (perf.json; the fingerprints of
+    datasets that cannot be written): HONESTGPT_CACHE, or ~/.cache/honestgpt."""
+    return os.environ.get('HONESTGPT_CACHE',
+                          os.path.join(os.path.expanduser('~'), '.cache', 'honestgpt'))
+
+
 def cached(key, measure, again=False, store=True):
     """measure()'s JSON-able result, stored under key in the cache file; 'cached' says which run
     measured it (None: this one). Processes that get here at once take turns (a lock beside the
     file): the first measures, the others read its result, so runs started together agree (a
     resume needs the same dtype) and none is timed while another measures. again: measure anew and
     replace what is stored; store=False: a measurement for this run only."""
-    folder = os.environ.get('HONESTGPT_CACHE',
-                            os.path.join(os.path.expanduser('~'), '.cache', 'honestgpt'))
-    path = os.path.join(folder, 'perf.json')
+    path = os.path.join(cache_folder(), 'perf.json')
     with locked(path + '.lock'):
         entries = read_cache(path)
         if key in entries and not again:

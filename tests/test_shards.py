@@ -110,6 +110,32 @@ def test_a_token_id_past_meta_json_s_vocab_size_is_refused_when_the_data_opens(t
     assert sorted(digests) == ['d_train_000000.bin', 'd_val_000000.bin']
 
 
+def test_a_dataset_folder_that_cannot_be_written_has_its_shards_read_once(tmp_path, monkeypatch):
+    """A cluster's read-only dataset: its fingerprints are kept in the machine's cache. Each start
+    read every shard whole twice (the first process of a node, then every process), FineWeb's
+    20 GB among them."""
+    folder = tmp_path / 'ro'
+    folder.mkdir()
+    llmc_shard(folder / 'd_val_000000.bin', list(range(40)))
+    llmc_shard(folder / 'd_train_000000.bin', list(range(60)) * 2)
+    (folder / 'meta.json').write_text('{"vocab_size": 60, "tokenizer": "gpt2"}')
+    (folder / datafiles.FINGERPRINTS).mkdir()  # cannot be written, even by root
+    monkeypatch.setenv('HONESTGPT_CACHE', str(tmp_path / 'cache'))
+    digests, hash_file = [], hashlib.file_digest
+    def file_digest(f, algorithm):
+        digests.append(os.path.basename(f.name))
+        return hash_file(f, algorithm)
+    monkeypatch.setattr(datafiles.hashlib, 'file_digest', file_digest)
+    first = data.open_splits(str(tmp_path), 'ro', 8)[2]
+    assert sorted(digests) == ['d_train_000000.bin', 'd_val_000000.bin']
+    assert len(os.listdir(tmp_path / 'cache' / 'fingerprints')) == 1
+    assert data.open_splits(str(tmp_path), 'ro', 8)[2] == first and len(digests) == 2
+    # a shard written anew is read again
+    llmc_shard(folder / 'd_val_000000.bin', list(range(41)))
+    data.open_splits(str(tmp_path), 'ro', 8)
+    assert digests[2:] == ['d_val_000000.bin']
+
+
 def test_dataset_mistakes_are_one_line(tmp_path):
     def error(dataset):
         with pytest.raises(data.DataError) as e:
