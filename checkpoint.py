@@ -54,6 +54,11 @@ RESUMABLE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'eval_only', 'ma
              'muon_lr', 'decay_lr', 'lr_schedule', 'wsd_decay_frac', 'warmup_iters',
              'lr_decay_iters', 'min_lr', 'grad_clip'}
 
+# what the weights (and the EMA's) are, and what they were trained on: eval_only may change only the
+# other keys (dropout: evaluation runs none)
+WEIGHTS_KEYS = ({f.name for f in dataclasses.fields(GPTConfig)} - {'dropout', 'zero_init'}
+                | {'ema_decay', 'dataset'})
+
 
 @dataclasses.dataclass
 class Progress:
@@ -307,12 +312,18 @@ def why_not_resume(ckpt, config, defaults, unread=()):
     """Why this config may not resume the checkpoint ('was trained with other settings (...)'), or
     ''. unread: keys neither run reads (preflight.unread's), which may change. What measures the
     best so far may not: eval_iters (the val windows) under best_by='val_loss', the tasks under
-    'acc_norm' (their mean): a best.pt chosen over two measures would be chosen by the change."""
+    'acc_norm' (their mean): a best.pt chosen over two measures would be chosen by the change.
+    eval_only, which loads only the weights and evaluates them, may change all but WEIGHTS_KEYS."""
     chooses_best = (('eval_tasks', 'eval_tasks_examples') if config['best_by'] == 'acc_norm'
                     else ('eval_iters',))
+
+    def fixed(key):
+        if config['eval_only']:
+            return key in WEIGHTS_KEYS
+        return key not in RESUMABLE or key in chooses_best
     changed = [f"{k}={old!r} there, {new!r} here"
                for k, (old, new) in changed_settings(ckpt, config, defaults).items()
-               if (k not in RESUMABLE or k in chooses_best) and k not in unread]
+               if fixed(k) and k not in unread]
     return f"was trained with other settings ({'; '.join(changed)})" if changed else ''
 
 
@@ -338,14 +349,19 @@ def state(parts, rng, progress, run, shards=None):
             **{name: parts[name].state_dict() for name in OTHER_PARTS}, 'rng': rng}
 
 
-def resume(ckpt, path, parts, rank, world_size, device):
+def resume(ckpt, path, parts, rank, world_size, device, weights_only=False):
     """Apply a checkpoint to a run built from the same config; returns the loop's counters (a
     Progress) it holds: one added after its code was written (best_acc_norm) keeps its default.
     The LR schedule is this config's: each group's base rate comes from the config,
     not the file, so a lowered learning_rate applies from here on. RNG states are restored only on
-    the number of processes that wrote them."""
+    the number of processes that wrote them. weights_only (eval_only): the weights, the EMA's and
+    the counters, built from a config that may differ but in WEIGHTS_KEYS."""
     optimizer, scheduler = parts['optimizer'], parts['scheduler']
-    load_weights(ckpt, path, parts['model'], optimizer, parts.get('ema'))
+    load_weights(ckpt, path, parts['model'], None if weights_only else optimizer, parts.get('ema'))
+    names = [field.name for field in dataclasses.fields(Progress)]
+    progress = Progress(**{name: ckpt[name] for name in names if name in ckpt})
+    if weights_only:
+        return progress
     configured = scheduler.base_lrs
     for name in OTHER_PARTS:
         parts[name].load_state_dict(ckpt[name])
@@ -354,8 +370,7 @@ def resume(ckpt, path, parts, rank, world_size, device):
         group['lr'] = base_lr * factor(scheduler.last_epoch)
     if len(ckpt['rng']) == world_size:
         set_rng_state(ckpt['rng'][rank], device)
-    names = [field.name for field in dataclasses.fields(Progress)]
-    return Progress(**{name: ckpt[name] for name in names if name in ckpt})
+    return progress
 
 
 def load_weights(ckpt, path, model, optimizer=None, ema=None):

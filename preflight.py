@@ -367,7 +367,8 @@ def dtypes(config, model_config, resumed, device, sharded):
     """(dtype, how it was chosen, muon_dtype, how): as set; or kept from the run a resume continues
     (resumed: (its path, its checkpoint)); or for 'auto' rank 0's choice, for every rank."""
     c = config
-    kept = {key: (resumed[0], resumed[1][key]) if resumed else None
+    # 'auto' there: never chosen (muon_dtype of an AdamW run, which eval_only may evaluate as Muon)
+    kept = {key: (resumed[0], resumed[1][key]) if resumed and resumed[1][key] != 'auto' else None
             for key in ('dtype', 'muon_dtype')}
     if c['dtype'] == 'auto' and not resumed:
         log("choosing the dtype for dtype='auto'")

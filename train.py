@@ -272,7 +272,7 @@ if ema:
 progress = checkpoint.Progress()  # the loop's counters: a checkpoint saves and restores them whole
 if resuming:
     try:  # a shard damaged in place: every rank raises it (DCP's load gathers the ranks' errors)
-        progress = checkpoint.resume(ckpt, ckpt_path, parts, rank, world_size, device)
+        progress = checkpoint.resume(ckpt, ckpt_path, parts, rank, world_size, device, eval_only)
     except checkpoint.CheckpointError as e:
         check(False, e)
 start_iter = progress.iter_num

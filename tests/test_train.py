@@ -207,6 +207,14 @@ def test_eval_only_prints_the_starting_weights_losses_and_writes_nothing(tmp_pat
     assert (f"eval only, iteration 6: train {logged['train_loss']:.4f}, val "
             f"{logged['val_loss']:.4f}, EMA val {logged['ema_val_loss']:.4f}\n") in result.stdout
     assert files() == before
+    # a closer look, as nanoGPT takes one: other training settings, other windows; not another shape
+    result = run_train(str(out), data_dir, '--init_from=resume', '--eval_only=True', ema,
+                       '--eval_iters=0', '--batch_size=4', '--dropout=0.1', '--beta2=0.9',
+                       '--optimizer=muon', '--dtype=float16')
+    assert 'eval only, iteration 6: train ' in result.stdout and files() == before
+    result = run_train(str(out), data_dir, '--init_from=resume', '--eval_only=True', ema,
+                       '--n_embd=64', check=False)
+    assert result.returncode == 2 and 'n_embd=32 there, 64 here' in result.stderr
     fresh = tmp_path / 'fresh'
     result = run_train(str(fresh), data_dir, '--eval_only=True')
     assert 'eval only, iteration 0: train ' in result.stdout and not fresh.exists()
