@@ -17,7 +17,8 @@ figure printed also goes to a JSON file.
         --reference='cd ../nanoGPT && python train.py config/train_shakespeare_char.py ...'
 
 Takes the keys below (one that the measurement asked for never reads is refused); every other
-argument goes to train.py as it is (train.py checks it). Each run of train.py gets a fresh out_dir
+argument goes to train.py as it is (train.py checks it), but the step timing's own (own_settings),
+which it refuses. Each run of train.py gets a fresh out_dir
 in a temporary folder and bench_warmup + bench_iters iterations, each one logged, then one more that
 the first round profiles; its one evaluation (of 1 batch) and checkpoint come after, outside the
 timed iterations. With compare, a setting B (the same arguments plus those overrides) runs too; with
@@ -146,10 +147,25 @@ for key, path in (('json', json), ('trace', trace)):  # known before the runs, n
     if path and (os.path.isdir(path) or not writable):
         stop(f"{key}={path} is a folder, or in one that does not exist or cannot be written: name "
              f"a file in a folder of yours")
+
+
+def own_settings(out_dir, iters, profile_iter):
+    """The train.py keys the step timing sets itself: each iteration logged, nothing else run."""
+    return dict(out_dir=out_dir, max_iters=iters, eval_interval=iters + 1, eval_iters=1,
+                log_interval=1, checkpoint_interval=0, eval_only=False, test_eval=False,
+                sample_tokens=0, write_report=False, wandb_log=False, tensorboard_log=False,
+                smoke_steps=0, profile_iter=profile_iter)
+
+
 try:
     settings = {'A': train_args} | ({'B': train_args + shlex.split(compare)} if compare else {})
 except ValueError as e:  # an unclosed quote
     stop(f"compare={compare!r} cannot be split into arguments ({e}): quote it as a shell would")
+# given on the command line, one of the step timing's own keys would do nothing
+given = {arg[2:].partition('=')[0] for args in settings.values() for arg in args}
+if not (loader or sample or whole) and (taken := sorted(given & own_settings('', 0, 0).keys())):
+    stop(f"the step timing sets {', '.join(taken)} itself: drop "
+         f"{'it' if len(taken) == 1 else 'them'}, or time the whole process with --whole=True")
 names = list(settings) + (['reference'] if reference else [])
 # loader and sample run nothing: a folder only for their default json; the runs' beside json's
 folder = None if (loader or sample) and json else tempfile.mkdtemp(
@@ -158,12 +174,10 @@ json = json or os.path.join(folder, 'bench.json')
 
 
 def train_argv(args, out_dir, iters, profile_iter):
-    """train.py's command line: the arguments given, then the bench's own, which win."""
-    return [TRAIN, *args, f'--out_dir={out_dir}', f'--max_iters={iters}',
-            f'--eval_interval={iters + 1}', '--eval_iters=1', '--log_interval=1',
-            '--checkpoint_interval=0', '--init_from=scratch', '--test_eval=False',
-            '--sample_tokens=0', '--write_report=False', '--wandb_log=False',
-            '--tensorboard_log=False', '--smoke_steps=0', f'--profile_iter={profile_iter}']
+    """train.py's command line: the arguments given, then the bench's own, which win over a
+    config file's."""
+    return [TRAIN, *args,
+            *(f'--{k}={v}' for k, v in own_settings(out_dir, iters, profile_iter).items())]
 
 
 def run(command, log_path, shell=False):
