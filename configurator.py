@@ -130,16 +130,19 @@ def configure(defaults, argv, choices=None, minimums=None):
             except OSError as e:
                 raise ConfigError(f"cannot read config file {arg}: {e.strerror} "
                                   f"({config_files(arg)})")
-            namespace = {}
+            # as nanoGPT's, a file sees the settings so far: min_lr = learning_rate / 10
+            namespace = dict(config)
             try:
                 exec(compile(code, arg, 'exec'), namespace)
             except (Exception, SystemExit) as e:  # exit() too: else the script ended, silently
                 raise ConfigError(f"config file {arg} failed: {type(e).__name__}: {e}")
             for key, value in namespace.items():
-                if key.startswith('_') or type(value).__name__ in ('module', 'function', 'type'):
-                    continue  # imports and helpers a config file may use
+                if key.startswith('_') or callable(value) or type(value).__name__ == 'module':
+                    continue  # imports and helpers a config file may use (from math import sqrt)
                 if key not in defaults:
                     raise ConfigError(f"{arg}: " + str(_unknown(key, defaults)))
+                if value is config[key]:  # not set here
+                    continue
                 config[key], sources[key] = _checked(key, value, defaults[key], arg), arg
         else:
             key, eq, text = arg[2:].partition('=')

@@ -224,6 +224,14 @@ def test_configure_file_then_overrides(tmp_path):
                       'out_dir': '2024'}
     assert sources == {'batch_size': 'command line', 'learning_rate': str(cfg),
                        'compile': 'default', 'device': 'command line', 'out_dir': 'command line'}
+    # as nanoGPT's, a file sees the settings before it, and may import functions
+    derived = tmp_path / 'd.py'
+    derived.write_text("from math import sqrt\nlearning_rate = sqrt(4) * learning_rate\n"
+                       "batch_size = batch_size // 2\n")
+    config, sources = configure(DEFAULTS, ['--batch_size=8', str(cfg), str(derived)])
+    assert config['learning_rate'] == 2.0 and config['batch_size'] == 2
+    assert sources['learning_rate'] == sources['batch_size'] == str(derived)
+    assert sources['device'] == 'default'
 
 
 @pytest.mark.parametrize('argv, message', [
