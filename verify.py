@@ -103,6 +103,23 @@ def largest_drift(run, replay):
                default=0.0)
 
 
+def state_drift(expected, replayed, keys):
+    """The largest difference of a tensor under keys relative to the replay's largest value in it,
+    and its name: '0' where none differs."""
+    drifts = [(0.0, '')]
+    for key in keys:
+        a, b = leaves(expected.get(key), key), leaves(replayed.get(key), key)
+        for name, ran in a.items():
+            here = b.get(name)
+            if (isinstance(ran, torch.Tensor) and isinstance(here, torch.Tensor)
+                    and ran.is_floating_point() and ran.shape == here.shape and ran.numel()):
+                ran, here = ran.double(), here.double()
+                scale = here.abs().max().clamp(min=1e-30)
+                drifts.append((((ran - here).abs().max() / scale).item(), name))
+    drift, name = max(drifts)
+    return f"{drift:.3g} ({name})" if name else '0'
+
+
 def leaves(state, prefix):
     """{name: value} of every tensor and plain value in a nested state (dicts, lists, tuples)."""
     if isinstance(state, dict):
@@ -262,6 +279,15 @@ def main(config, sources):
     for figures in [] if same_evaluations else [*run_figures.values(), *replay_figures.values()]:
         figures.pop('best_val_loss', None)  # the eval records' best so far
     weights = state_difference(expected, replayed, rest)
+    # records the run's settings wrote for certain (the replay's last iteration aside): one gone
+    # from its metrics.jsonl would leave its figures uncompared
+    every = {'train': settings['log_interval'], 'eval': settings['eval_interval']}
+    missing = [f"{kind} {step}" for step, kind in sorted(replay_figures)
+               if step % every[kind] == 0 and (step, kind) not in run_figures]
+    if missing:
+        print(f"not verified: {run_dir}/metrics.jsonl lacks record(s) the run's settings write "
+              f"and the replay wrote: {', '.join(missing)}")
+        sys.exit(1)
     compared = [key for key in replay_figures if key in run_figures]
     steps = sum(kind == 'train' for _, kind in compared)
     divergence = first_divergence(run_figures, replay_figures)
@@ -279,8 +305,9 @@ def main(config, sources):
     if on_gpu and not settings.get('deterministic') and not counters:
         print(f"drifted, as a GPU run without deterministic=True does (its kernels add in varying "
               f"order): the largest relative difference over iterations {first + 1}-{last} is "
-              f"{largest_drift(run_figures, replay_figures):.3g}; train with deterministic=True to "
-              f"verify bitwise")
+              f"{largest_drift(run_figures, replay_figures):.3g} in the logged figures, "
+              f"{state_drift(expected, replayed, rest)} in the state; train with "
+              f"deterministic=True to verify bitwise")
         return
     if divergence:
         step, figure, ran, here = divergence

@@ -59,6 +59,16 @@ def test_a_run_verifies_and_an_edited_weight_and_logged_loss_are_named(tmp_path,
     assert lines[1] == ('diverged in the state at iteration 20: model.blocks.1.mlp.c_fc.weight '
                         'differs (largest difference 1e-06)'), result.stdout
     assert lines[2] == "this machine matches the run's (hardware and versions in meta.json)"
+    # records removed: their figures went uncompared, and the run verified
+    with open(os.path.join(run, 'metrics.jsonl')) as f:
+        records = [r for r in map(json.loads, f)
+                   if (r['kind'], r.get('step')) not in (('train', 13), ('eval', 20))]
+    with open(os.path.join(run, 'metrics.jsonl'), 'w') as f:
+        f.writelines(json.dumps(r) + '\n' for r in records)
+    result = verify(run)
+    assert result.returncode == 1 and result.stdout == (
+        f"not verified: {run}/metrics.jsonl lacks record(s) the run's settings write and the "
+        f"replay wrote: train 13, eval 20\n"), result.stdout
 
 
 def test_evaluations_and_the_loops_counters_are_compared_too(tmp_path, data_dir):
@@ -116,13 +126,18 @@ def test_a_gpu_run_without_deterministic_drifts_and_says_by_how_much(tmp_path, d
         with open(os.path.join(run, 'meta.json'), 'w') as f:
             json.dump({**meta, 'device': 'cuda:0'}, f)
     edit_logged_loss(run, 15)  # at least this drift, whatever the kernels' order of addition gives
+    # and a weight far past any drift: said, not dropped
+    later = os.path.join(run, 'ckpt-000020.pt')
+    ckpt = torch.load(later, weights_only=True)
+    ckpt['model']['wte.weight'][0, 0] += 1000.0
+    torch.save(ckpt, later)
     result = verify(run)
     assert result.returncode == 0, result.stdout + result.stderr
     drift = re.fullmatch(r"drifted, as a GPU run without deterministic=True does \(its kernels add "
                          r"in varying order\): the largest relative difference over iterations "
-                         r"11-20 is (\S+); train with deterministic=True to verify bitwise\n",
-                         result.stdout)
-    assert drift and float(drift.group(1)) > 0, result.stdout
+                         r"11-20 is (\S+) in the logged figures, (\S+) \(model.wte.weight\) in the "
+                         r"state; train with deterministic=True to verify bitwise\n", result.stdout)
+    assert drift and float(drift.group(1)) > 0 and float(drift.group(2)) > 100, result.stdout
 
 
 def test_a_two_rank_run_verifies_under_torchrun(tmp_path, data_dir):
