@@ -75,13 +75,24 @@ def decode_utf8(raw, where, offset=0):
 
 
 def walk_files(root, keep_dir=lambda name: True, keep_file=lambda name: True):
-    """Every kept file under root, walking in sorted order."""
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if keep_dir(d))
+    """Every kept file under root, walking in sorted order, into linked folders too (each folder
+    once: a link to a folder above would loop); a broken link is refused."""
+    seen = {os.path.realpath(root)}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        kept = []
+        for name in sorted(filter(keep_dir, dirnames)):
+            real = os.path.realpath(os.path.join(dirpath, name))
+            if real not in seen:
+                seen.add(real)
+                kept.append(name)
+        dirnames[:] = kept
         for filename in sorted(filter(keep_file, filenames)):
             path = os.path.join(dirpath, filename)
             if os.path.isfile(path):
                 yield path
+            elif not os.path.exists(path):
+                raise PrepareError(f'{path} is a link to {os.readlink(path)}, which does not '
+                                   f'exist: fix or remove the link')
 
 
 def is_stdlib_code_dir(name):
@@ -310,11 +321,14 @@ def process_batch(batch):
         if kind.startswith('json:'):
             key = kind[5:]
             try:
-                text = json.loads(decode_utf8(raw, doc_id))[key]
-            except (ValueError, KeyError, TypeError):
+                record = json.loads(decode_utf8(raw, doc_id))
+            except ValueError as e:  # cut short, or a byte-order mark
+                raise PrepareError(f'{doc_id} is not valid JSON ({e}): fix or drop that '
+                                   f'line') from None
+            if not isinstance(record, dict) or key not in record:
                 raise PrepareError(f'{doc_id} is not a JSON object with a {key!r} field: '
-                                   f'pass --text_key NAME of the field that holds the '
-                                   f'text') from None
+                                   f'pass --text_key NAME of the field that holds the text')
+            text = record[key]
             if not isinstance(text, str):
                 raise PrepareError(f'{doc_id} has {key!r}: {json.dumps(text)[:40]}, not a string: '
                                    f'fix or drop that record')
@@ -631,7 +645,8 @@ def replaced(out_dir, input_path):
 def prepare(name, data_dir=DATA_DIR, input_path=None, tokenizer=None, seed=1337, text_key=None,
             num_proc=None, shard_size=100_000_000):
     """Write data_dir/name/ (shards and meta.json); returns data_dir/name."""
-    if not name or name.startswith('.') or '/' in name or os.sep in name:
+    # train.py reads *?[ in its dataset as a glob
+    if not name or name.startswith('.') or any(c in name for c in '/*?[' + os.sep):
         raise PrepareError(f'dataset name {name!r} must be a plain folder name, like my_data')
     if not 0 < shard_size < 2**31:
         raise PrepareError(f'shard_size={shard_size} must be between 1 and 2**31-1 (the header '
@@ -793,6 +808,10 @@ def main(argv=None):
                           args.text_key, args.num_proc, args.shard_size)
     except (PrepareError, tokenizer.TokenizerError) as e:
         fail(e)
+    except OSError as e:  # a full disk, a file that cannot be read
+        where = f" ({e.filename})" if e.filename else ''
+        fail(f"prepare.py stopped: {e.strerror or e}{where}; the old dataset is kept: free space, "
+             f"fix the file's permissions, or pass --data_dir PATH on another disk")
     except KeyboardInterrupt as e:
         signum = e.args[0] if e.args else signal.SIGINT
         print(f"prepare.py: stopped by {signal.Signals(signum).name}: a dataset is replaced whole "

@@ -4,6 +4,7 @@ import json
 import os
 import random
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -279,6 +280,15 @@ def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
     (['x', '--input', 'surrogate.jsonl'], r"surrogate.jsonl:1 holds a lone surrogate '\\ud800'"),
     (['x', '--input', 'latin1.jsonl'],
      r'latin1.jsonl:1 is not UTF-8 \(invalid byte at offset 13\).*iconv'),
+    # the field was there: the line was cut short, or began with a byte-order mark
+    (['x', '--input', 'cut.jsonl'],
+     r"cut.jsonl:2 is not valid JSON \(.*\): fix or drop that line$"),
+    (['x', '--input', 'bom.jsonl'], r"bom.jsonl:1 is not valid JSON \(Unexpected UTF-8 BOM"),
+    # train.py would read it as a glob
+    (['web*', '--input', 'good.txt'], "dataset name 'web\\*' must be a plain folder name"),
+    # a folder's file skipped, unsaid
+    (['x', '--input', 'linked'], r"linked/gone.txt is a link to .*missing.txt, which does not "
+     r"exist: fix or remove the link$"),
     (['x', '--input', 'truncated.jsonl.gz'], 'truncated.jsonl.gz is not a readable gzip file'),
     (['x', '--input', 'corrupt.jsonl.gz'], 'corrupt.jsonl.gz is not a readable gzip file'),
     (['x', '--input', 'good.txt', '--seed', 'abc'],
@@ -323,6 +333,11 @@ def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
     (tmp_path / 'records.json').write_text('{"text": "a record"}\n' * 20)
     (tmp_path / 'surrogate.jsonl').write_text('{"text": "half \\ud800 a character"}\n')
     (tmp_path / 'latin1.jsonl').write_bytes('{"text": "caf\u00e9"}\n'.encode('latin-1'))
+    (tmp_path / 'cut.jsonl').write_text('{"text": "a"}\n{"text": "b\n')
+    (tmp_path / 'bom.jsonl').write_text('\ufeff{"text": "a"}\n', encoding='utf-8')
+    (tmp_path / 'linked').mkdir()
+    (tmp_path / 'linked' / 'a.txt').write_text('a document\n')
+    (tmp_path / 'linked' / 'gone.txt').symlink_to(tmp_path / 'missing.txt')
     records = gzip.compress(b''.join(b'{"text": "record %d"}\n' % i for i in range(1000)))
     (tmp_path / 'truncated.jsonl.gz').write_bytes(records[:len(records) // 2])
     (tmp_path / 'corrupt.jsonl.gz').write_bytes(records[:100]
@@ -338,6 +353,19 @@ def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
     assert re.search(expected, result.stderr)
     assert not (tmp_path / 'data').exists()
     assert tree() == before
+
+
+def test_a_full_disk_is_one_line(tmp_path):
+    # a traceback and exit code 1
+    (tmp_path / 'big.txt').write_text('a text that fills more than the disk has\n' * 20000)
+    result = subprocess.run(
+        [sys.executable, PREPARE_PY, 'x', '--input', 'big.txt'], cwd=tmp_path, text=True,
+        capture_output=True, timeout=60,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000)))
+    assert result.returncode == 2 and re.fullmatch(
+        r"error: prepare.py stopped: File too large; the old dataset is kept: free space, fix the "
+        r"file's permissions, or pass --data_dir PATH on another disk\n", result.stderr)
+    assert not (tmp_path / 'data').exists()  # made by this run, and removed
 
 
 def test_a_tokenizer_process_that_dies_of_a_panic_is_an_error_not_a_hang():
@@ -529,6 +557,19 @@ def test_pystdlib_char(tmp_path):
                         for d in dirs))
     documents = sum(meta['splits'][s]['documents'] for s in prepare.SPLITS)
     assert documents + meta['duplicates_dropped'] == len(reader.files)
+
+
+def test_a_linked_folder_is_read_and_each_folder_once(tmp_path):
+    # os.walk left linked folders out, unsaid; followed, a link to a folder above would loop
+    texts = write_docs(tmp_path / 'docs')
+    (tmp_path / 'input').mkdir()
+    (tmp_path / 'input' / 'linked').symlink_to(tmp_path / 'docs')
+    (tmp_path / 'input' / 'linked_again').symlink_to(tmp_path / 'docs')
+    (tmp_path / 'docs' / 'up').symlink_to(tmp_path / 'input')
+    meta = read_meta(prepare.prepare('d', data_dir=tmp_path / 'data',
+                                     input_path=tmp_path / 'input'))
+    assert sum(meta['splits'][s]['documents'] for s in prepare.SPLITS) == 30
+    assert meta['duplicates_dropped'] == len(texts) - 30  # write_docs' own copies only
 
 
 def test_jsonl_and_gzip_records_split_like_the_same_documents_in_files(tmp_path, monkeypatch):
