@@ -20,7 +20,8 @@ import prepare
 import tokenizer
 from prepare import SHARD
 
-SHARD_NAME = re.compile(r'_(train|val|test)_(\d+)\.bin$')  # fineweb_train_000001.bin
+# fineweb_train_000001.bin; llm.c's one-shard datasets: tiny_shakespeare_val.bin
+SHARD_NAME = re.compile(r'_(train|val|test)(?:_(\d+))?\.bin$')
 # in a shards' folder: each shard's hash and largest token id, and the size and time they were
 # taken at
 FINGERPRINTS = 'fingerprints.json'
@@ -137,7 +138,7 @@ def open_dataset(data_dir, dataset):
     path = os.path.join(data_dir, dataset)
     globbed = any(c in dataset for c in '*?[')
     if globbed:
-        files = sorted(glob.glob(path))
+        files = sorted(f for f in glob.glob(path) if f.endswith('.bin'))  # not meta.json
         if not files:
             raise DataError(f"no files match dataset='{dataset}' in {data_dir}: check the pattern")
         folder = os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in files])
@@ -186,6 +187,11 @@ def open_dataset(data_dir, dataset):
                         f"or a .tiktoken path")
     if isinstance(entry, str):  # a hand-written meta.json: 'gpt2' or a .tiktoken path
         entry = {'kind': 'tiktoken', 'encoding': entry}
+    encoding = entry.get('encoding') if isinstance(entry, dict) else None
+    if not (isinstance(entry, dict) and entry.get('kind') == 'char' or encoding == 'gpt2'
+            or isinstance(encoding, str) and encoding.endswith('.tiktoken')):
+        raise DataError(f"{meta_path} has tokenizer {json.dumps(meta['tokenizer'])[:60]}: write "
+                        f"\"gpt2\" or the path of a .tiktoken ranks file")
     try:  # a ranks file that is missing or changed would give the ids another meaning
         meta['tokenizer'] = tokenizer.resolve(entry, folder)
     except tokenizer.TokenizerError as e:
@@ -199,9 +205,9 @@ def open_dataset(data_dir, dataset):
                             f"run {prepare_command(meta['name'], data_dir)} again (with the "
                             f"--input it had, if any)")
         if match is None:
-            raise DataError(f"{f} is not named like NAME_SPLIT_000000.bin with SPLIT train, val or "
-                            f"test: rename it or narrow the dataset's glob")
-        shards.setdefault(match.group(1), []).append((int(match.group(2)), f))
+            raise DataError(f"{f} is not named like NAME_SPLIT_000000.bin (or NAME_SPLIT.bin) with "
+                            f"SPLIT train, val or test: rename it or narrow the dataset's glob")
+        shards.setdefault(match.group(1), []).append((int(match.group(2) or 0), f))
     # one dataset's shards: another's copied in would be read with this one's vocabulary
     names = sorted({SHARD_NAME.sub('', os.path.basename(f)) for f in files})
     if len(names) > 1 and not globbed:

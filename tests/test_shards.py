@@ -79,6 +79,18 @@ def test_llmc_shards_with_a_written_meta_are_a_dataset(tmp_path):
     with pytest.raises(data.DataError,
                        match=r'has no val shards .*: widen the glob, or add them$'):
         datafiles.open_dataset(str(tmp_path), 'fineweb10B/fineweb_train_*.bin')
+    # llm.c's one-shard datasets, named without an index, were refused; a glob of every file met
+    # meta.json and fingerprints.json, and was refused
+    folder = tmp_path / 'tinyshakespeare'
+    folder.mkdir()
+    llmc_shard(folder / 'tiny_shakespeare_val.bin', streams['val'])
+    llmc_shard(folder / 'tiny_shakespeare_train.bin', streams['train'])
+    (folder / 'meta.json').write_text(json.dumps({'vocab_size': 50257, 'tokenizer': 'gpt2'}))
+    (folder / datafiles.FINGERPRINTS).write_text('{}')
+    for dataset in ('tinyshakespeare', 'tinyshakespeare/*'):
+        _, shards = datafiles.open_dataset(str(tmp_path), dataset)
+        assert {s: [os.path.basename(p) for p in paths] for s, paths in shards.items()} == {
+            'val': ['tiny_shakespeare_val.bin'], 'train': ['tiny_shakespeare_train.bin']}
 
 
 def test_a_token_id_past_meta_json_s_vocab_size_is_refused_when_the_data_opens(tmp_path,
@@ -192,6 +204,11 @@ def test_dataset_mistakes_are_one_line(tmp_path):
     with pytest.raises(tokenizer.TokenizerError,
                        match="the char tokenizer's characters are missing"):
         tokenizer.load({'kind': 'char'})
+    # tracebacks, or a typo read as a file name
+    for entry in ('5', '{"kind": "tiktoken"}', '"gpt3"'):
+        (tmp_path / 'old' / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": %s}' % entry)
+        assert error('old').endswith(f'meta.json has tokenizer {entry}: write "gpt2" or the path '
+                                     f'of a .tiktoken ranks file')
     (tmp_path / 'old' / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": "gpt2",}')
     assert ('meta.json is not valid JSON (Expecting property name' in error('old')
             and ': fix it' in error('old'))
