@@ -216,10 +216,12 @@ if __name__ == '__main__':
         fail(e)
     autocast = precision.autocast(device_type, dtype)
     start = start or tok.start
+    # as id 0, which the model met only as train's unknown: a sample of another prompt than asked
     if unknown := tok.unknown(start):  # a FILE: prompt may hold many: the first ten
         more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ''
-        print(f"warning: prompt characters not in the vocabulary, encoded as id 0 (shown as "
-              f"\ufffd): {', '.join(map(repr, unknown[:10]))}{more}", file=sys.stderr)
+        fail(f"the prompt holds characters the vocabulary lacks: "
+             f"{', '.join(map(repr, unknown[:10]))}{more}: write it with the dataset's characters "
+             f"(its meta.json's tokenizer 'chars')")
     # after every check: a mistake is one line
     if busy := distributed.busy_warning(torch.get_num_threads(), distributed.cpu_use()):
         print(busy, file=sys.stderr)

@@ -60,14 +60,15 @@ def test_top_k_1_is_greedy_with_a_prompt_file(run_dir, tmp_path):
     assert result.stdout == tok.decode(idx[0].tolist()) + '\n' + SEPARATOR
 
 
-def test_prompt_characters_the_vocabulary_lacks_are_named_in_a_warning(run_dir):
-    # the corpus is lower-case: 13 characters unknown, the first ten named
+def test_prompt_characters_the_vocabulary_lacks_are_refused_in_one_line(run_dir):
+    # the corpus is lower-case: 13 characters unknown, the first ten named. They were sampled as
+    # the unknown id 0, with a warning
     result = run_sample(f'--out_dir={run_dir}', '--start=€uro {€} ABCDEFGHIJ',
                         '--num_samples=1', '--max_new_tokens=1', '--device=cpu')
-    assert result.returncode == 0, result.stderr
-    assert ("warning: prompt characters not in the vocabulary, encoded as id 0 (shown as \ufffd): "
-            "'€', '{', '}', 'A', 'B', 'C', 'D', 'E', 'F', 'G' and 3 more\n" in result.stderr)
-    assert result.stdout.startswith('\ufffduro \ufffd\ufffd\ufffd '), 'encoded as before'
+    assert result.returncode == 2 and result.stdout == ''
+    assert result.stderr == ("error: the prompt holds characters the vocabulary lacks: '€', '{', "
+                             "'}', 'A', 'B', 'C', 'D', 'E', 'F', 'G' and 3 more: write it with the "
+                             "dataset's characters (its meta.json's tokenizer 'chars')\n")
 
 
 @pytest.mark.fresh
