@@ -83,8 +83,9 @@ def _parse(key, text, default):
     except (ValueError, SyntaxError):
         if isinstance(default, str):
             return text  # --device=cpu: a bare word is a string
-        raise ConfigError(f"command line: cannot parse --{key}={text}: expected "
-                          f"{type(default).__name__} like the default {default!r}")
+        expected = ('True or False' if isinstance(default, bool)  # not true, yes or 1
+                    else f"{type(default).__name__} like the default {default!r}")
+        raise ConfigError(f"command line: cannot parse --{key}={text}: write {expected}")
     if isinstance(default, str) and not isinstance(value, str):
         return text  # --out_dir=2024 stays the string '2024'
     return value

@@ -237,7 +237,8 @@ def test_configure_file_then_overrides(tmp_path):
 @pytest.mark.parametrize('argv, message', [
     (['--batch_sise=8'], "unknown config key 'batch_sise': did you mean batch_size"),
     (['--batch_size=8.5'], "batch_size=8.5 has type float, expected int"),
-    (['--compile=yes'], "cannot parse --compile=yes"),
+    (['--compile=yes'], "cannot parse --compile=yes: write True or False$"),
+    (['--batch_size=abc'], "cannot parse --batch_size=abc: write int like the default 12$"),
     (['--compile=1'], "compile=1 has type int, expected bool"),
     (['--batch_size'], "has no value"),
     (['nonsense'], "nor a --key=value override$"),
