@@ -918,12 +918,17 @@ def test_shards_folders_no_checkpoint_names_go_and_an_unreadable_checkpoint_keep
 
 def test_what_chooses_best_pt_may_not_change_on_resume():
     defaults = {'best_by': 'val_loss', 'eval_tasks': 'a.jsonl', 'eval_tasks_examples': 500,
-                'eval_iters': 200}
+                'eval_iters': 200, 'eval_only': False, 'n_embd': 64}
     ckpt = {'config': defaults}
     assert checkpoint.why_not_resume(ckpt, {**defaults, 'eval_tasks': 'b.jsonl'}, defaults) == ''
     # the val loss of other windows
     assert checkpoint.why_not_resume(ckpt, {**defaults, 'eval_iters': 20}, defaults) == (
         "was trained with other settings (eval_iters=200 there, 20 here)")
+    # eval_only chooses nothing, and loads only the weights, whose shape may not change
+    eval_only = {**defaults, 'eval_only': True}
+    assert checkpoint.why_not_resume(ckpt, {**eval_only, 'eval_iters': 20}, defaults) == ''
+    assert checkpoint.why_not_resume(ckpt, {**eval_only, 'n_embd': 32}, defaults) == (
+        "was trained with other settings (n_embd=64 there, 32 here)")
     # best_by='acc_norm': the best so far is the tasks' mean acc_norm
     by_tasks = {**defaults, 'best_by': 'acc_norm'}
     ckpt = {'config': by_tasks}
