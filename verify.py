@@ -228,6 +228,16 @@ def main(config, sources):
              f"({', '.join(changed)}): name two checkpoints of one session")
     records = run_records(run_dir)
     run_figures = computed(records, first + 1, last)
+    # records the run's settings write for certain: one gone from its metrics.jsonl would leave its
+    # figures uncompared
+    missing = [f"{kind} {step}" for step in range(first + 1, last + 1)
+               for kind, every in (('train', settings['log_interval']),
+                                   ('eval', settings['eval_interval']))
+               if step % every == 0 and (step, kind) not in run_figures]
+    if missing:
+        print(f"not verified: {run_dir}/metrics.jsonl lacks record(s) the run's settings write: "
+              f"{', '.join(missing)}")
+        sys.exit(1)
     # a state per process: the end's session's, which may have resumed start on another count; a
     # session between them on another count cannot be replayed on the end's
     world_size = len(end_ckpt['rng'])
@@ -279,15 +289,6 @@ def main(config, sources):
     for figures in [] if same_evaluations else [*run_figures.values(), *replay_figures.values()]:
         figures.pop('best_val_loss', None)  # the eval records' best so far
     weights = state_difference(expected, replayed, rest)
-    # records the run's settings wrote for certain (the replay's last iteration aside): one gone
-    # from its metrics.jsonl would leave its figures uncompared
-    every = {'train': settings['log_interval'], 'eval': settings['eval_interval']}
-    missing = [f"{kind} {step}" for step, kind in sorted(replay_figures)
-               if step % every[kind] == 0 and (step, kind) not in run_figures]
-    if missing:
-        print(f"not verified: {run_dir}/metrics.jsonl lacks record(s) the run's settings write "
-              f"and the replay wrote: {', '.join(missing)}")
-        sys.exit(1)
     compared = [key for key in replay_figures if key in run_figures]
     steps = sum(kind == 'train' for _, kind in compared)
     divergence = first_divergence(run_figures, replay_figures)

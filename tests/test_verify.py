@@ -67,8 +67,8 @@ def test_a_run_verifies_and_an_edited_weight_and_logged_loss_are_named(tmp_path,
         f.writelines(json.dumps(r) + '\n' for r in records)
     result = verify(run)
     assert result.returncode == 1 and result.stdout == (
-        f"not verified: {run}/metrics.jsonl lacks record(s) the run's settings write and the "
-        f"replay wrote: train 13, eval 20\n"), result.stdout
+        f"not verified: {run}/metrics.jsonl lacks record(s) the run's settings write: train 13, "
+        f"eval 20\n"), result.stdout
 
 
 def test_evaluations_and_the_loops_counters_are_compared_too(tmp_path, data_dir):
