@@ -18,10 +18,9 @@ figure printed also goes to a JSON file.
 
 Takes the keys below (one that the measurement asked for never reads is refused); every other
 argument goes to train.py as it is (train.py checks it), but the step timing's own (own_settings),
-which it refuses. Each run of train.py gets a fresh out_dir
-in a temporary folder and bench_warmup + bench_iters iterations, each one logged, then one more that
-the first round profiles; its one evaluation (of 1 batch) and checkpoint come after, outside the
-timed iterations. With compare, a setting B (the same arguments plus those overrides) runs too; with
+which it refuses. Each run of train.py gets a fresh out_dir in a temporary folder and bench_warmup +
+bench_iters iterations, each one logged, then one more that the first round profiles; its one
+evaluation (of 1 batch) and checkpoint come after, outside the timed iterations. With compare, a setting B (the same arguments plus those overrides) runs too; with
 reference, that shell command runs as B instead, timed by the lines it prints in nanoGPT's format,
 "iter N: loss X, time Y ms". The settings run in turns, A B A B ..., one process each, so that other
 load on the machine hits both alike. With loader, no model runs: the batches/s of the train loader a

@@ -134,16 +134,20 @@ def configure(defaults, argv, choices=None, minimums=None):
             # as nanoGPT's, a file sees the settings so far: min_lr = learning_rate / 10
             namespace = dict(config)
             try:
-                exec(compile(code, arg, 'exec'), namespace)
+                tree = ast.parse(code, arg)
+                exec(compile(tree, arg, 'exec'), namespace)
             except (Exception, SystemExit) as e:  # exit() too: else the script ended, silently
                 raise ConfigError(f"config file {arg} failed: {type(e).__name__}: {e}")
+            # the names its code assigns: a key it leaves alone keeps its value and its source
+            assigned = {node.id for node in ast.walk(tree)
+                        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)}
             for key, value in namespace.items():
-                if key.startswith('_') or callable(value) or type(value).__name__ == 'module':
-                    continue  # imports and helpers a config file may use (from math import sqrt)
-                if key not in defaults:
-                    raise ConfigError(f"{arg}: " + str(_unknown(key, defaults)))
-                if value is config[key]:  # not set here
+                if key.startswith('_') or key in defaults and key not in assigned:
                     continue
+                if key not in defaults:
+                    if callable(value) or type(value).__name__ == 'module':
+                        continue  # imports and helpers a file may use: from math import sqrt
+                    raise ConfigError(f"{arg}: " + str(_unknown(key, defaults)))
                 config[key], sources[key] = _checked(key, value, defaults[key], arg), arg
         else:
             key, eq, text = arg[2:].partition('=')

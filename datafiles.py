@@ -50,15 +50,6 @@ def read_shard_header(path):
     return dtype, num_tokens
 
 
-def read_json(path):
-    """The JSON in the file at path; {} where there is none yet, or a broken one."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-
-
 def fingerprints(paths):
     """{shard file name: [sha256 of its whole content, its largest token id (-1: none)]}. Both read
     every byte, so each folder keeps them in FINGERPRINTS with the size and modification time of the
@@ -72,7 +63,7 @@ def fingerprints(paths):
         path_id = hashlib.sha256(os.path.realpath(folder).encode()).hexdigest()[:16]
         caches = [os.path.join(folder, FINGERPRINTS),
                   os.path.join(perf.cache_folder(), 'fingerprints', f'{path_id}.json')]
-        cached = [read_json(cache) for cache in caches]
+        cached = [perf.read_cache(cache) for cache in caches]
         known, changed = cached[1] | cached[0], False  # the folder's own entries first
         for path in (p for p in paths if os.path.dirname(p) == folder):
             stat, name = os.stat(path), os.path.basename(path)
@@ -187,9 +178,7 @@ def open_dataset(data_dir, dataset):
                         f"or a .tiktoken path")
     if isinstance(entry, str):  # a hand-written meta.json: 'gpt2' or a .tiktoken path
         entry = {'kind': 'tiktoken', 'encoding': entry}
-    encoding = entry.get('encoding') if isinstance(entry, dict) else None
-    if not (isinstance(entry, dict) and entry.get('kind') == 'char' or encoding == 'gpt2'
-            or isinstance(encoding, str) and encoding.endswith('.tiktoken')):
+    if not readable_tokenizer(entry):
         raise DataError(f"{meta_path} has tokenizer {json.dumps(meta['tokenizer'])[:60]}: write "
                         f"\"gpt2\" or the path of a .tiktoken ranks file")
     try:  # a ranks file that is missing or changed would give the ids another meaning
@@ -225,6 +214,18 @@ def open_dataset(data_dir, dataset):
             raise DataError(f"dataset '{dataset}' has no {split} shards (files like "
                             f"NAME_{split}_000000.bin in {folder}): {fix}")
     return meta, {split: [f for _, f in sorted(files)] for split, files in shards.items()}
+
+
+def readable_tokenizer(entry):
+    """Whether a meta.json's tokenizer entry (a hand-written one made a dict) is one tokenizer.load
+    reads: prepare.py's char vocabulary, GPT-2's, or a .tiktoken ranks file's."""
+    if not isinstance(entry, dict):
+        return False
+    if entry.get('kind') == 'char':
+        return isinstance(entry.get('chars'), list)
+    encoding = entry.get('encoding')
+    return (entry.get('kind') == 'tiktoken' and isinstance(encoding, str)
+            and (encoding == 'gpt2' or encoding.endswith('.tiktoken')))
 
 
 def few(names):

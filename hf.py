@@ -195,8 +195,8 @@ def load_gpt2(source, block_size, vocab_size):
     # a single file without config.json: only OpenAI's four widths say their head count (heads of
     # 64); another width's would be a guess, and a wrong one loads a different network silently
     if 'n_head' not in hf_config and n_embd not in GPT2_HEADS:
-        raise HFError(f"{weights_path} has no config.json beside it to give its head count, and its "
-                      f"width {n_embd} is none of GPT-2's: put its config.json in its folder")
+        raise HFError(f"{weights_path} has no config.json beside it to give its head count, and "
+                      f"its width {n_embd} is none of GPT-2's: put its config.json in its folder")
     n_head = hf_config.get('n_head') or GPT2_HEADS[n_embd]
     if block_size > n_positions:
         raise HFError(f"block_size={block_size} exceeds the {n_positions} positions of the weights "

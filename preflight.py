@@ -209,7 +209,10 @@ def start(config, sources, defaults, model_config, resume, data_meta, dataset_id
         check(not lacking,
               f"GPT-2's weights cannot have {', '.join(lacking)}: leave those keys at the defaults")
     check_fits(model_config, device, sharded)
-    if resuming and c['fit_batch']:  # the micro-batches its run found, not the command's
+    # the micro-batches its run found, not the command's: eval_only, which takes no step, may
+    # evaluate in others
+    fitted = c['fit_batch'] and not c['eval_only']
+    if resuming and fitted:
         ran = ckpt['config']['batch_size'] * ckpt['config']['gradient_accumulation_steps']
         asked = c['batch_size'] * c['gradient_accumulation_steps']
         check(asked == ran, f"{ckpt_path} took {ran} windows a step (batch_size x "
@@ -233,7 +236,7 @@ def start(config, sources, defaults, model_config, resume, data_meta, dataset_id
               f"one process")
         # fit_batch: settings() checked the command's count, not the one the run found, which
         # rounded down could give a rank no micro-batch
-        if c['fit_batch']:
+        if fitted:
             found = config['gradient_accumulation_steps']
             processes = (torch.distributed.get_world_size() if torch.distributed.is_initialized()
                          else 1)

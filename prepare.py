@@ -90,9 +90,9 @@ def walk_files(root, keep_dir=lambda name: True, keep_file=lambda name: True):
             path = os.path.join(dirpath, filename)
             if os.path.isfile(path):
                 yield path
-            elif not os.path.exists(path):
-                raise PrepareError(f'{path} is a link to {os.readlink(path)}, which does not '
-                                   f'exist: fix or remove the link')
+            elif not os.path.exists(path):  # to nothing, or to a link back
+                raise PrepareError(f'{path} is a link (to {os.readlink(path)}) that leads to no '
+                                   f'file: fix or remove it')
 
 
 def is_stdlib_code_dir(name):

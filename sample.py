@@ -215,13 +215,14 @@ if __name__ == '__main__':
     except ValueError as e:
         fail(e)
     autocast = precision.autocast(device_type, dtype)
-    start = start or tok.start
-    # as id 0, which the model met only as train's unknown: a sample of another prompt than asked
+    # as id 0, which the model met only as train's unknown: a sample of another prompt than asked.
+    # The default, '\n', is not the user's: where train has none it is id 0, as in train.py's sample
     if unknown := tok.unknown(start):  # a FILE: prompt may hold many: the first ten
         more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ''
         fail(f"the prompt holds characters the vocabulary lacks: "
              f"{', '.join(map(repr, unknown[:10]))}{more}: write it with the dataset's characters "
              f"(its meta.json's tokenizer 'chars')")
+    start = start or tok.start
     # after every check: a mistake is one line
     if busy := distributed.busy_warning(torch.get_num_threads(), distributed.cpu_use()):
         print(busy, file=sys.stderr)

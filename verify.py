@@ -104,20 +104,25 @@ def largest_drift(run, replay):
 
 
 def state_drift(expected, replayed, keys):
-    """The largest difference of a tensor under keys relative to the replay's largest value in it,
-    and its name: '0' where none differs."""
-    drifts = [(0.0, '')]
+    """(difference, name) of the tensor under keys that differs most, relative to the replay's
+    largest value in it; (0.0, '') where none differs. inf where the replay lacks it, shapes it
+    otherwise or holds a NaN apart from the run's: no order of addition does that."""
+    largest = (0.0, '')
     for key in keys:
         a, b = leaves(expected.get(key), key), leaves(replayed.get(key), key)
         for name, ran in a.items():
             here = b.get(name)
-            if (isinstance(ran, torch.Tensor) and isinstance(here, torch.Tensor)
-                    and ran.is_floating_point() and ran.shape == here.shape and ran.numel()):
+            if not (isinstance(ran, torch.Tensor) and ran.is_floating_point()):
+                continue
+            if not isinstance(here, torch.Tensor) or here.shape != ran.shape:
+                drift = math.inf
+            elif torch.allclose(ran, here, rtol=0, atol=0, equal_nan=True):
+                continue
+            else:
                 ran, here = ran.double(), here.double()
-                scale = here.abs().max().clamp(min=1e-30)
-                drifts.append((((ran - here).abs().max() / scale).item(), name))
-    drift, name = max(drifts)
-    return f"{drift:.3g} ({name})" if name else '0'
+                drift = ((ran - here).abs().max() / here.abs().max().clamp(min=1e-30)).item()
+            largest = max(largest, (math.inf if math.isnan(drift) else drift, name))
+    return largest
 
 
 def leaves(state, prefix):
@@ -175,6 +180,19 @@ def machine_differences(run_meta, replay_meta):
     return lines
 
 
+def missing_records(records, settings, first, last):
+    """The records of iterations first+1..last that settings, those of the session that reached
+    last, write for certain ('train 13', 'eval 20'), missing from records. Only from that session's
+    start: an earlier one may have logged less often."""
+    logged = {(r['step'], r['kind']) for r in records if r['kind'] in ('train', 'eval')}
+    session_start = max([r['step'] for r in records if r['kind'] == 'start' and r['step'] < last],
+                        default=first)
+    return [f"{kind} {step}" for step in range(max(first, session_start) + 1, last + 1)
+            for kind, every in (('train', settings['log_interval']),
+                                ('eval', settings['eval_interval']))
+            if step % every == 0 and (step, kind) not in logged]
+
+
 # settings that may differ between the two checkpoints' sessions: where things are, how long
 FREE = {'out_dir', 'data_dir', 'init_from', 'resume_from', 'max_iters'}
 
@@ -228,13 +246,8 @@ def main(config, sources):
              f"({', '.join(changed)}): name two checkpoints of one session")
     records = run_records(run_dir)
     run_figures = computed(records, first + 1, last)
-    # records the run's settings write for certain: one gone from its metrics.jsonl would leave its
-    # figures uncompared
-    missing = [f"{kind} {step}" for step in range(first + 1, last + 1)
-               for kind, every in (('train', settings['log_interval']),
-                                   ('eval', settings['eval_interval']))
-               if step % every == 0 and (step, kind) not in run_figures]
-    if missing:
+    # one gone from its metrics.jsonl would leave its figures uncompared
+    if missing := missing_records(records, settings, first, last):
         print(f"not verified: {run_dir}/metrics.jsonl lacks record(s) the run's settings write: "
               f"{', '.join(missing)}")
         sys.exit(1)
@@ -303,11 +316,12 @@ def main(config, sources):
               f"gradient norm, learning rate, ...), and {state} equal to {end_path}'s")
         return
     on_gpu = str(run_meta.get('device', '')).startswith('cuda')
-    if on_gpu and not settings.get('deterministic') and not counters:
+    drift, drifted = state_drift(expected, replayed, rest)
+    if on_gpu and not settings.get('deterministic') and not counters and math.isfinite(drift):
         print(f"drifted, as a GPU run without deterministic=True does (its kernels add in varying "
               f"order): the largest relative difference over iterations {first + 1}-{last} is "
               f"{largest_drift(run_figures, replay_figures):.3g} in the logged figures, "
-              f"{state_drift(expected, replayed, rest)} in the state; train with "
+              f"{drift:.3g}{f' ({drifted})' if drifted else ''} in the state; train with "
               f"deterministic=True to verify bitwise")
         return
     if divergence:

@@ -247,6 +247,8 @@ def test_bench_mistakes_fail_in_one_line(tmp_path):
                            f"json={tmp_path}/no/b.json is a folder, or in one that does not exist"),
                           ([f'--trace={tmp_path}'], f"trace={tmp_path} is a folder"),
                           (["--compare='"], "compare=\"'\" cannot be split into arguments"),
+                          # train.py's own refusal: init_from is passed on, not made 'scratch'
+                          (['--init_from=nowhere'], "init_from='nowhere': use 'scratch'"),
                           # taken, and overridden by the bench's own
                           (['--max_iters=1000', '--compare=--eval_only=True'], "the step timing "
                            "sets eval_only, max_iters itself: drop them, or time the whole process "

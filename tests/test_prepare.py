@@ -287,8 +287,8 @@ def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
     # train.py would read it as a glob
     (['web*', '--input', 'good.txt'], "dataset name 'web\\*' must be a plain folder name"),
     # a folder's file skipped, unsaid
-    (['x', '--input', 'linked'], r"linked/gone.txt is a link to .*missing.txt, which does not "
-     r"exist: fix or remove the link$"),
+    (['x', '--input', 'linked'], r"linked/gone.txt is a link \(to .*missing.txt\) that leads to "
+     r"no file: fix or remove it$"),
     (['x', '--input', 'truncated.jsonl.gz'], 'truncated.jsonl.gz is not a readable gzip file'),
     (['x', '--input', 'corrupt.jsonl.gz'], 'corrupt.jsonl.gz is not a readable gzip file'),
     (['x', '--input', 'good.txt', '--seed', 'abc'],

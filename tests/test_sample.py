@@ -71,6 +71,18 @@ def test_prompt_characters_the_vocabulary_lacks_are_refused_in_one_line(run_dir)
                              "dataset's characters (its meta.json's tokenizer 'chars')\n")
 
 
+def test_the_default_prompt_is_sampled_where_train_has_no_newline(run_dir, tmp_path):
+    # the default prompt, '\n', was refused as a character the vocabulary lacks: a one-line
+    # corpus's (here its newline's place in the vocabulary given to another character)
+    ckpt = torch.load(os.path.join(run_dir, 'best.pt'), weights_only=True)
+    chars = ckpt['dataset']['tokenizer']['chars']
+    ckpt['dataset']['tokenizer']['chars'] = ['\x01' if c == '\n' else c for c in chars]
+    torch.save(ckpt, tmp_path / 'flat.pt')
+    result = run_sample(f'--ckpt={tmp_path / "flat.pt"}', '--num_samples=1',
+                        '--max_new_tokens=3', '--device=cpu')
+    assert result.returncode == 0, result.stderr
+
+
 @pytest.mark.fresh
 def test_missing_checkpoint_is_a_one_line_error(tmp_path):
     result = run_sample(f'--out_dir={tmp_path}')

@@ -205,7 +205,8 @@ def test_dataset_mistakes_are_one_line(tmp_path):
                        match="the char tokenizer's characters are missing"):
         tokenizer.load({'kind': 'char'})
     # tracebacks, or a typo read as a file name
-    for entry in ('5', '{"kind": "tiktoken"}', '"gpt3"'):
+    for entry in ('5', '{"kind": "tiktoken"}', '"gpt3"', '{"encoding": "gpt2"}',
+                  '{"kind": "char", "chars": 5}'):
         (tmp_path / 'old' / 'meta.json').write_text('{"vocab_size": 100, "tokenizer": %s}' % entry)
         assert error('old').endswith(f'meta.json has tokenizer {entry}: write "gpt2" or the path '
                                      f'of a .tiktoken ranks file')

@@ -210,7 +210,7 @@ def test_eval_only_prints_the_starting_weights_losses_and_writes_nothing(tmp_pat
     # a closer look, as nanoGPT takes one: other training settings, other windows; not another shape
     result = run_train(str(out), data_dir, '--init_from=resume', '--eval_only=True', ema,
                        '--eval_iters=0', '--batch_size=4', '--dropout=0.1', '--beta2=0.9',
-                       '--optimizer=muon', '--dtype=float16')
+                       '--optimizer=muon', '--dtype=float16', '--fit_batch=True')
     assert 'eval only, iteration 6: train ' in result.stdout and files() == before
     result = run_train(str(out), data_dir, '--init_from=resume', '--eval_only=True', ema,
                        '--n_embd=64', check=False)

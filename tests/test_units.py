@@ -232,6 +232,12 @@ def test_configure_file_then_overrides(tmp_path):
     assert config['learning_rate'] == 2.0 and config['batch_size'] == 2
     assert sources['learning_rate'] == sources['batch_size'] == str(derived)
     assert sources['device'] == 'default'
+    # a key set to its default is set there; a key given a function is refused, not passed over
+    derived.write_text("compile = False\ndevice = print\n")
+    with pytest.raises(ConfigError, match="device=<built-in function print> has type "):
+        configure(DEFAULTS, [str(derived)])
+    derived.write_text("compile = False\n")
+    assert configure(DEFAULTS, [str(derived)])[1]['compile'] == str(derived)
 
 
 @pytest.mark.parametrize('argv, message', [
@@ -1075,3 +1081,28 @@ def test_only_a_gone_peer_is_a_lost_rank_and_a_timeout_keeps_its_traceback():
     assert not exits.lost_a_rank(RuntimeError(
         f"{gloo}unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete"))
     assert not exits.lost_a_rank(RuntimeError('Connection reset by peer'))  # not a collective's
+
+
+def test_verify_names_the_records_the_last_session_wrote_for_certain():
+    import verify
+    settings = {'log_interval': 1, 'eval_interval': 5}
+    # sessions from 0 (logging each step), 12 (every 4th) and 15 (each step again)
+    records = ([{'kind': 'start', 'step': s} for s in (0, 12, 15)]
+               + [{'kind': 'train', 'step': s} for s in (*range(1, 13), 16, 20)]
+               + [{'kind': 'eval', 'step': s} for s in (5, 20)])
+    # 13 to 15 were another session's, which logged every 4th; 17 to 19 this one's
+    assert verify.missing_records(records, settings, 10, 20) == ['train 17', 'train 18', 'train 19']
+    assert verify.missing_records(records, settings, 5, 10) == ['eval 10']
+
+
+def test_verify_state_drift_is_relative_and_no_nan_or_missing_tensor_passes_as_drift():
+    import verify
+    run = {'model': {'w': torch.tensor([1.0, 2.0]), 'b': torch.tensor([math.nan, 1.0])}}
+    assert verify.state_drift(run, run, ['model']) == (0.0, '')
+    replay = {'model': {'w': torch.tensor([1.0, 2.5]), 'b': torch.tensor([math.nan, 1.0])}}
+    assert verify.state_drift(run, replay, ['model']) == (0.2, 'model.w')
+    # a NaN the replay lacks hid behind max() as no difference at all
+    replay['model']['b'] = torch.tensor([1.0, 1.0])
+    assert verify.state_drift(run, replay, ['model']) == (math.inf, 'model.b')
+    del replay['model']['b']
+    assert verify.state_drift(run, replay, ['model']) == (math.inf, 'model.b')
