@@ -20,16 +20,17 @@ Takes the keys below (one that the measurement asked for never reads is refused)
 argument goes to train.py as it is (train.py checks it), but the step timing's own (own_settings),
 which it refuses. Each run of train.py gets a fresh out_dir in a temporary folder and bench_warmup +
 bench_iters iterations, each one logged, then one more that the first round profiles; its one
-evaluation (of 1 batch) and checkpoint come after, outside the timed iterations. With compare, a setting B (the same arguments plus those overrides) runs too; with
-reference, that shell command runs as B instead, timed by the lines it prints in nanoGPT's format,
-"iter N: loss X, time Y ms". The settings run in turns, A B A B ..., one process each, so that other
-load on the machine hits both alike. With loader, no model runs: the batches/s of the train loader a
-run (its out_dir) used, built from its config.json in this process, over bench_iters batches. With
-sample, no training either: the tokens/s of model.generate() with the KV cache and without it, in
-turns, in this process, on the model of a run (its out_dir's last.pt), float32, batch 1, greedy from
-a 1-token prompt. With whole, each setting (and the reference) runs as a user runs it, its own
-iterations, evaluations and end-of-run extras: the whole process's wall time and, with target, the
-second its val loss was first printed at or below target.
+evaluation (of 1 batch) and checkpoint come after, outside the timed iterations. With compare, a
+setting B (the same arguments plus those overrides) runs too; with reference, that shell command
+runs as B instead, timed by the lines it prints in nanoGPT's format, "iter N: loss X, time Y ms".
+The settings run in turns, A B A B ..., one process each, so that other load on the machine hits
+both alike. With loader, no model runs: the batches/s of the train loader a run (its out_dir) used,
+built from its config.json in this process, over bench_iters batches. With sample, no training
+either: the tokens/s of model.generate() with the KV cache and without it, in turns, in this
+process, on the model of a run (its out_dir's last.pt), float32, batch 1, greedy from a 1-token
+prompt. With whole, each setting (and the reference) runs as a user runs it, its own iterations,
+evaluations and end-of-run extras: the whole process's wall time and, with target, the second its
+val loss was first printed at or below target.
 """
 import difflib
 import glob

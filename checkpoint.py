@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import glob
 import json
+import math
 import os
 import pickle
 import random
@@ -65,7 +66,7 @@ class Progress:
     """The training loop's counters: saved in every checkpoint and restored whole on resume."""
     iter_num: int = 0  # optimizer iterations done, float16's skipped ones included
     best_val_loss: float = float('inf')
-    best_acc_norm: float = 0.0  # for best_by='acc_norm'
+    best_acc_norm: float = -math.inf  # for best_by='acc_norm': an acc_norm of 0 can be the best
     best_iter: int = 0  # where best.pt was written; 0: not yet
     evals_since_best: int = 0  # for patience
     skipped_steps: int = 0  # float16 overflows the scaler skipped

@@ -219,7 +219,9 @@ class EvalSampler(Sampler):
                  equal_batches=False):
         starts = torch.arange(0, num_tokens - 1, block_size)
         if 0 < max_windows < len(starts):
-            starts = starts[torch.linspace(0, len(starts) - 1, max_windows).round().long().unique()]
+            # float64: float32's 24 bits rounded indices of 2**24 windows and more past the last
+            spread = torch.linspace(0, len(starts) - 1, max_windows, dtype=torch.float64)
+            starts = starts[spread.round().long().unique()]
         shard = starts[rank::world_size]
         windows = -(-len(starts) // world_size) if equal_batches else len(shard)
         padded_len = -(-windows // batch_size) * batch_size

@@ -300,12 +300,13 @@ def task_fields(accuracy):
             for k in ('acc', 'acc_norm', 'chance', 'examples')}
 
 
-def tasks_line(accuracy):
+def tasks_line(accuracy, whose=''):
     """score_tasks' accuracy for the eval line: ', TASK acc_norm A on N examples (chance C)' per
-    task, '' without tasks. N says how many were scored: train.py's eval_tasks_examples takes a
-    file's first N, evaluate.py all of them by default."""
-    return ''.join(f", {task} acc_norm {a['acc_norm']:.4f} on {a['examples']} examples (chance "
-                   f"{a['chance']:.2f})" for task, a in accuracy.items())
+    task, '' without tasks; whose ('EMA ') names weights other than the trained ones. N says how
+    many were scored: train.py's eval_tasks_examples takes a file's first N, evaluate.py all of
+    them by default."""
+    return ''.join(f", {whose}{task} acc_norm {a['acc_norm']:.4f} on {a['examples']} examples "
+                   f"(chance {a['chance']:.2f})" for task, a in accuracy.items())
 
 
 def wilson_interval(correct, n, z=Z_95):

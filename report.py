@@ -317,7 +317,8 @@ def loss_lines(evals, train, test, split_rule):
         best = max((e for e in evals if f'{task}/acc_norm' in e),
                    key=lambda e: e[f'{task}/acc_norm'])
         examples = last.get(f'{task}/examples')  # older runs' records lack it
-        lines.append(f"- {task}: acc {last[f'{task}/acc']:.4f}, acc_norm "
+        whose = " (the EMA's weights)" if last.get('ema_val_loss') is not None else ''
+        lines.append(f"- {task}{whose}: acc {last[f'{task}/acc']:.4f}, acc_norm "
                      f"{last[f'{task}/acc_norm']:.4f} at the last evaluation, best acc_norm "
                      f"{best[f'{task}/acc_norm']:.4f} at iteration {best['step']} (chance "
                      f"{last[f'{task}/chance']:.4f}"

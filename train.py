@@ -166,11 +166,12 @@ cpus = distributed.cpu_use()  # how busy other work keeps the machine, before th
 # micro-batches per optimizer step on this rank
 accum_steps = gradient_accumulation_steps // world_size
 global_batch = batch_size * gradient_accumulation_steps  # windows per optimizer step, all ranks
-eval_windows = eval_iters * batch_size  # per split and evaluation (0: all), whatever batches them
 
 def samplers(batch_size):
     """The train sampler and the evaluation loaders, in micro-batches of batch_size (fit_batch may
-    lower it): the same windows a step and an evaluation."""
+    lower it): the same windows a step and an evaluation, eval_iters of those batches (0: all) per
+    split, as a run that fit_batch resumes takes them."""
+    eval_windows = eval_iters * batch_size
     train_sampler = data.TrainSampler(splits['train'].num_tokens, block_size, batch_size,
                                       global_batch, seed, rank, world_size)
     # a sharded forward is a collective: every rank must run as many eval batches as the others
@@ -320,7 +321,7 @@ if eval_only:  # nanoGPT's: the weights as they start, evaluated once and printe
     accuracy, _ = evaluate.score_tasks(ema_eval_model if ema else eval_model, init.tasks,
                                        batch_size, device, autocast, rank, world_size)
     log(f"eval only, iteration {progress.iter_num}: train {losses['train']:.4f}, val "
-        f"{losses['val']:.4f}{ema_loss}{evaluate.tasks_line(accuracy)}")
+        f"{losses['val']:.4f}{ema_loss}{evaluate.tasks_line(accuracy, 'EMA ' if ema else '')}")
     sys.exit(0)
 exits.catch_stop_signals()  # Ctrl-C or SIGTERM: save last.pt after the step under way, then exit
 
@@ -401,7 +402,7 @@ def evaluate_and_choose_saves():
     runlog.evaluation(progress, {'train_loss': train_loss, 'val_loss': val_loss,
                                  'ema_val_loss': ema_val_loss, **evaluate.task_fields(accuracy),
                                  'seconds': seconds},
-                      evaluate.tasks_line(accuracy), best_by, improved)
+                      evaluate.tasks_line(accuracy, 'EMA ' if ema else ''), best_by, improved)
     if improved:
         return ['best.pt', 'last.pt'], seconds
     return ['last.pt'] if always_save_checkpoint else [], seconds

@@ -93,13 +93,17 @@ def test_fsdp_ema_updates_its_shards_after_an_evaluation_that_saves_nothing(tmp_
     # the EMA's weights that its evaluation gathered); a task scored on the EMA's weights is its
     # last forward there
     out = str(tmp_path / 'fsdp')
-    ok(torchrun(out, data_dir, *SAME, '--parallel=fsdp', '--ema_decay=0.8', '--learning_rate=0',
-                '--always_save_checkpoint=False', '--max_iters=4', '--lr_decay_iters=4',
-                '--warmup_iters=1', '--eval_interval=1',
-                f"--eval_tasks={toy_task(tmp_path / 'toy_task.jsonl')}"))
+    result = ok(torchrun(out, data_dir, *SAME, '--parallel=fsdp', '--ema_decay=0.8',
+                         '--learning_rate=0', '--always_save_checkpoint=False', '--max_iters=4',
+                         '--lr_decay_iters=4', '--warmup_iters=1', '--eval_interval=1',
+                         f"--eval_tasks={toy_task(tmp_path / 'toy_task.jsonl')}",
+                         '--write_report=True'))
     evals = read_metrics(out, 'eval')
     assert [e['step'] for e in evals] == [1, 2, 3, 4] and all(e['toy_task/examples'] == 13
                                                              for e in evals)
+    # the EMA's accuracy, said to be: it stood unnamed beside the trained weights' val loss
+    assert ', EMA toy_task acc_norm ' in result.stdout
+    assert "- toy_task (the EMA's weights): acc " in open(os.path.join(out, 'report.md')).read()
 
 
 def test_a_resume_on_one_process_removes_the_shards_no_checkpoint_names(tmp_path, data_dir):

@@ -145,6 +145,11 @@ def test_fit_batch_halves_to_what_fits_keeps_the_global_batch_and_resumes(tmp_pa
     steps = [[(r['step'], r['loss'], r['grad_norm']) for r in read_metrics(d, 'train')]
              for d in (fitted, by_hand)]
     assert steps[0] == steps[1] and len(steps[0]) == 6
+    # and evaluates the same windows: eval_iters batches of the micro-batch found, which a resume
+    # takes again (the command's batch_size gave them, which a resume may change)
+    evals = [[(r['step'], r['val_loss']) for r in read_metrics(d, 'eval')]
+             for d in (fitted, by_hand)]
+    assert evals[0] == evals[1] and len(evals[0]) == 2
 
 
 # CUDA's allocator alone can be capped (PROBE_CUDA_MEMORY): real out-of-memory errors, on a GPU

@@ -1106,3 +1106,17 @@ def test_verify_state_drift_is_relative_and_no_nan_or_missing_tensor_passes_as_d
     assert verify.state_drift(run, replay, ['model']) == (math.inf, 'model.b')
     del replay['model']['b']
     assert verify.state_drift(run, replay, ['model']) == (math.inf, 'model.b')
+
+
+def test_evaluation_windows_are_spread_over_splits_of_2_to_the_24_windows_and_more():
+    # float32's spacing rounded the last index past the end: FineWeb10B's train split at block 512
+    windows = 2**24 + 4  # the last index, 2**24 + 3, is no float32
+    sampler = data.EvalSampler(windows + 1, 1, 8, max_windows=8)
+    starts = torch.cat(sampler.batches)
+    assert len(starts) == 8 and starts[0] == 0 and starts[-1] == windows - 1
+
+
+def test_an_acc_norm_of_0_at_the_first_evaluation_is_the_best_so_far():
+    # best_acc_norm started at 0: no best.pt, and 'best acc_norm 0.0000 at iteration 0'
+    progress = checkpoint.Progress(iter_num=5)
+    assert progress.new_best(2.5, 0.0, 'acc_norm') and progress.best_iter == 5
