@@ -149,16 +149,23 @@ def wall_seconds(records):
     if end and end['kind'] == 'test':
         return (end['total_seconds'], "the training loop's in every session, evaluations and "
                                       "saves included, as train.log's done line says")
-    segments = [[]]
+    spans = sessions(records)
+    if not spans:
+        return None
+    return sum(s for s, _ in spans), "from each session's start to its last timed record"
+
+
+def sessions(records, world_size=1):
+    """[(seconds, processes)] of each session with timestamps: from its start record to its last
+    timed record before the next start (the time between a kill and its resume is not counted), on
+    the processes its start record names (older runs' name none: world_size)."""
+    spans = [[world_size, []]]  # records before any start record: an older run's
     for r in records:
         if r['kind'] == 'start':
-            segments.append([])
+            spans.append([r.get('world_size', world_size), []])
         if r.get('time') is not None:
-            segments[-1].append(r['time'])
-    if not any(segments):
-        return None
-    return (sum(max(s) - min(s) for s in segments if s),
-            "from each session's start to its last timed record")
+            spans[-1][1].append(r['time'])
+    return [(max(times) - min(times), n) for n, times in spans if times]
 
 
 def grad_spikes(train):
@@ -353,10 +360,16 @@ def throughput_lines(records, train, config, meta):
     if wall is None:
         return lines + ["- wall time unknown: metrics.jsonl has no timestamps"]
     seconds, what = wall
-    world_size = meta.get('world_size', 1)
-    compute_hours = seconds / 3600 * world_size
+    # each session on its own processes: a resume may run on another number
+    spans = sessions(records, meta.get('world_size', 1))
+    timed = sum(s for s, _ in spans)
+    processes = sum(s * n for s, n in spans) / timed if timed else meta.get('world_size', 1)
+    counts = sorted({n for _, n in spans}) or [meta.get('world_size', 1)]
+    held = (f"{counts[0]} process(es)" if len(counts) == 1
+            else f"{' and '.join(map(str, counts))} processes by session")
+    compute_hours = seconds / 3600 * processes
     lines.append(f"- wall time {seconds / 3600:.2f} h ({seconds:,.0f} s), {what}; "
-                 f"{compute_hours:.2f} compute hours ({world_size} process(es))")
+                 f"{compute_hours:.2f} compute hours ({held})")
     evals = [r.get('seconds') for r in records if r['kind'] == 'eval']
     if evals and None not in evals and seconds > 0:  # timed (older runs' are not)
         lines.append(f"- {len(evals)} evaluation(s): {sum(evals):,.1f} s, "

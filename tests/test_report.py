@@ -402,6 +402,20 @@ def test_the_evaluations_share_counts_a_run_killed_before_its_first_train_line()
     assert not any('evaluation(s)' in line for line in lines)
 
 
+def test_compute_hours_count_each_session_s_processes():
+    # 3,600 s on one process, then a resume on 2 for 1,800 s: 2 compute hours, not 3 (the last
+    # session's count times all of the time)
+    records = [{'kind': 'start', 'step': 0, 'time': 0.0, 'world_size': 1},
+               {'kind': 'train', 'step': 1, 'time': 3600.0},
+               {'kind': 'start', 'step': 1, 'time': 9000.0, 'world_size': 2},
+               {'kind': 'train', 'step': 2, 'time': 10800.0}]
+    config = {'resolved': {'device': 'cpu'}, 'cost_per_hour': {'value': 3.0}}
+    lines = '\n'.join(report.throughput_lines(records, [], config, {'world_size': 2}))
+    assert ('1.50 h (5,400 s), from each session' in lines
+            and '2.00 compute hours (1 and 2 processes by session)' in lines
+            and 'estimated cost 6.00' in lines), lines
+
+
 def test_fit_and_leakage_reads():
     def evals(*pairs):
         return [{'step': 10 * (i + 1), 'train_loss': t, 'val_loss': v}
