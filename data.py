@@ -218,10 +218,12 @@ class EvalSampler(Sampler):
     def __init__(self, num_tokens, block_size, batch_size, max_windows=0, rank=0, world_size=1,
                  equal_batches=False):
         starts = torch.arange(0, num_tokens - 1, block_size)
+        split_windows = len(starts)
         if 0 < max_windows < len(starts):
             # float64: float32's 24 bits rounded indices of 2**24 windows and more past the last
             spread = torch.linspace(0, len(starts) - 1, max_windows, dtype=torch.float64)
             starts = starts[spread.round().long().unique()]
+        self.coverage = (len(starts), split_windows)  # all ranks' windows of the split's
         shard = starts[rank::world_size]
         windows = -(-len(starts) // world_size) if equal_batches else len(shard)
         padded_len = -(-windows // batch_size) * batch_size

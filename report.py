@@ -288,6 +288,13 @@ def config_lines(config):
     return lines
 
 
+def windows_of(coverage):
+    """(windows taken, the split's) as words: '8 of its 1,743 windows' (eval_iters' sample), or
+    'all its 1,743 windows'."""
+    taken, split = coverage
+    return f"{'all' if taken == split else f'{taken:,} of'} its {split:,} windows"
+
+
 def loss_lines(evals, train, test, split_rule):
     if not evals:
         return ["## Loss", "", "- no evaluation yet"]
@@ -311,8 +318,9 @@ def loss_lines(evals, train, test, split_rule):
     if test and test.get('test_loss') is not None:
         tested = test.get('tested_iter', test['best_iter'])  # older runs' records lack it
         whose = 'the best' if tested == test['best_iter'] else 'the last'
-        lines.append(f"- test loss {loss_text(test['test_loss'])} with {whose} weights (iteration "
-                     f"{tested})")
+        windows = f" on {windows_of(test['test_windows'])}" if test.get('test_windows') else ''
+        lines.append(f"- test loss {loss_text(test['test_loss'])}{windows} with {whose} weights "
+                     f"(iteration {tested})")
         if (test['test_loss'] < (1 - LEAK_BELOW) * best_val['val_loss']
                 and split_rule.startswith('contiguous')):
             lines.append("- test loss sits well below val loss: with a single text, test is its "

@@ -341,7 +341,8 @@ def done(progress, best_by, figures, first_iter):
     holds the step, best_iter and best_by (best.pt's iteration and what chose it), best_val_loss
     (its val loss) and best_acc_norm (its tasks' mean acc_norm, best_by='acc_norm'), from progress
     (the run's checkpoint.Progress), and the figures: ema (whether those are the EMA's), test_loss
-    or None and tested_iter (the iteration of the weights it and the sample took), wall_seconds
+    or None, test_windows (how many windows it took of how many in the split: eval_iters') and
+    tested_iter (the iteration of the weights it and the sample took), wall_seconds
     and the eval_seconds and save_seconds within it, of this session, and total_seconds of every
     session. first_iter: the iteration this session started from (0 unless it resumed). Returns
     the words that name the weights tested ('the best weights'), for the sample's line."""
@@ -361,7 +362,8 @@ def done(progress, best_by, figures, first_iter):
     if test['tested_iter'] != test['best_iter'] and test['best_iter']:
         weights += f" (out_dir has no best.pt of iteration {test['best_iter']})"
     tested = '' if test_loss is None else \
-        (f", test loss {test_loss:.4f} ({test_loss / math.log(2):.3f} bits/token) with {weights}")
+        (f", test loss {test_loss:.4f} ({test_loss / math.log(2):.3f} bits/token) on "
+         f"{report.windows_of(test['test_windows'])} with {weights}")
     whose = ' (the EMA of the weights)' if test['ema'] else ''
     best = (f"best val loss{whose} {test['best_val_loss']:.4f} at iteration {test['best_iter']}"
             if test['best_by'] == 'val_loss' else

@@ -526,6 +526,7 @@ best_model = ema.module if ema else raw_model  # the weights best.pt was chosen 
 test_loss = split_loss('test', ema_eval_model if ema else eval_model) if test_eval else None
 weights = runlog.done(progress, best_by, {
     'ema': bool(ema), 'test_loss': test_loss, 'tested_iter': tested_iter,
+    'test_windows': eval_loaders['test'].batch_sampler.coverage if test_eval else None,
     'wall_seconds': session_seconds, 'eval_seconds': eval_seconds, 'save_seconds': save_seconds,
     'total_seconds': seconds_before + session_seconds}, start_iter)
 if sample_tokens and (master or sharded):  # a sharded model's forward needs every rank

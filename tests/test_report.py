@@ -54,6 +54,11 @@ def test_finished_run(finished):
     assert (f"best val loss {test['best_val_loss']:.4f}" in text
             and f"at iteration {test['best_iter']}" in text)
     assert f"test loss {test['test_loss']:.4f}" in text
+    # of how many windows: eval_iters batches' worth, a sample of the split's
+    config = json.load(open(os.path.join(finished, 'config.json')))
+    taken, split = test['test_windows']
+    assert taken == config['eval_iters']['value'] * config['batch_size']['value'] < split
+    assert f"on {taken} of its {split:,} windows with the best weights" in text
     report_seconds, done_seconds = seconds_said(finished)
     assert report_seconds == done_seconds
     eval_seconds = sum(e['seconds'] for e in read_metrics(finished, 'eval'))

@@ -573,10 +573,14 @@ def test_the_done_line_says_whose_val_loss_best_pt_has(capsys, monkeypatch):
     assert ("best acc_norm (the EMA of the weights) 0.7500 at iteration 20, val loss (the EMA of "
             "the weights) 2.5000 there;" in capsys.readouterr().out)
     # the test loss: with the best weights, or where no file held them the last
-    runlog.done(progress, 'acc_norm', {**figures, 'test_loss': 2.0}, 0)
-    assert " 2.5000 there, test loss 2.0000 (2.885 bits/token) with the best weights;" in (
-        capsys.readouterr().out)
-    runlog.done(progress, 'acc_norm', {**figures, 'test_loss': 2.0, 'tested_iter': 40}, 0)
+    # on how many of the split's windows: eval_iters' sample, or all of them
+    tested = {**figures, 'test_loss': 2.0, 'test_windows': (8, 1743)}
+    runlog.done(progress, 'acc_norm', tested, 0)
+    assert (" 2.5000 there, test loss 2.0000 (2.885 bits/token) on 8 of its 1,743 windows with the "
+            "best weights;" in capsys.readouterr().out)
+    runlog.done(progress, 'acc_norm', {**tested, 'test_windows': (1743, 1743)}, 0)
+    assert " on all its 1,743 windows with" in capsys.readouterr().out
+    runlog.done(progress, 'acc_norm', {**tested, 'tested_iter': 40}, 0)
     assert (" with the last weights (out_dir has no best.pt of iteration 20);"
             in capsys.readouterr().out)
 
