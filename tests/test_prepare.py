@@ -74,14 +74,17 @@ def doc_tags(out_dir, split):
 
 
 def test_folder_splits_are_disjoint_duplicates_dropped_and_tools_files_left_out(tmp_path):
-    write_docs(tmp_path / 'docs')
+    texts = write_docs(tmp_path / 'docs')
+    # a copy saved on Windows, and one with a blank line after it: it went to its own split
+    (tmp_path / 'docs' / 'windows_copy_of_05.txt').write_bytes(
+        texts['doc05.txt'].replace('\n', '\r\n').encode() + b'\r\n')
     # a repository's binary files, which would be refused as text
     for rel in ('.git/objects/ab/cdef', '__pycache__/doc00.cpython-311.pyc', 'sub/.DS_Store'):
         (tmp_path / 'docs' / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / 'docs' / rel).write_bytes(b'x\x9c\x00binary')
     out_dir = prepare.prepare('docs', data_dir=tmp_path / 'data', input_path=tmp_path / 'docs')
     meta = read_meta(out_dir)
-    assert meta['duplicates_dropped'] == 2
+    assert meta['duplicates_dropped'] == 3
     # the first block of 20 documents holds exactly 2 val and 1 test; of the last 10, this seed put
     # 1 in val
     assert ({s: meta['splits'][s]['documents'] for s in prepare.SPLITS}
