@@ -276,8 +276,8 @@ class DocumentSplitter:
     permutation from (seed, block) puts 2 in val, 1 in test, 17 in train. No list of all documents
     is needed, every block holds exactly 10% val and 5% test, so 20 documents make three splits.
     Copies (line endings and surrounding whitespace aside) are dropped (None), otherwise a copy in
-    train would make the model look better on val than it is. seen holds a Python int per distinct document: about 70 bytes each (69.5
-    measured with tracemalloc over a million)."""
+    train would make the model look better on val than it is. seen holds a Python int per distinct
+    document: about 70 bytes each (69.5 measured with tracemalloc over a million)."""
     BLOCK = ['val'] * 2 + ['test'] + ['train'] * 17
 
     def __init__(self, seed):
@@ -797,12 +797,16 @@ def main(argv=None):
     parser.add_argument('--tokenizer', help='char, gpt2, PATH.tiktoken, or bpe:VOCAB_SIZE to learn '
                                             'a BPE on the train split (default: gpt2 for '
                                             'shakespeare, else char)')
-    parser.add_argument('--data_dir', default=DATA_DIR, help='where the dataset folder is written')
-    parser.add_argument('--seed', type=int, default=1337, help='seed of the split of documents')
+    parser.add_argument('--data_dir', default=DATA_DIR,
+                        help='where the dataset folder is written (default: %(default)s)')
+    parser.add_argument('--seed', type=int, default=1337,
+                        help='seed of the split of documents (default: %(default)s)')
     parser.add_argument('--text_key', help='the field that holds the text in .jsonl and .parquet '
                                            'records (default: text)')
-    parser.add_argument('--num_proc', type=int, default=os.cpu_count(), help='tokenizer processes')
-    parser.add_argument('--shard_size', type=int, default=100_000_000, help='tokens per shard file')
+    parser.add_argument('--num_proc', type=int, default=os.cpu_count(),
+                        help='tokenizer processes (default: the %(default)s CPUs)')
+    parser.add_argument('--shard_size', type=int, default=100_000_000,
+                        help='tokens per shard file (default: %(default)s)')
     parser.error = lambda message: fail(f"{message} (python prepare.py --help lists the arguments)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, stopped)  # as Ctrl-C: prepare removes its temp folder

@@ -60,9 +60,9 @@ keep_checkpoints = 0
 # True: a save copies the state to host memory and a background thread writes it while training
 # goes on (parallel='fsdp': DCP's async_save); the next save, a stop and the end wait for it
 async_save = False
-# 'scratch', 'resume' (out_dir/last.pt or resume_from), 'auto' (resume if last.pt exists, else
-# scratch), or GPT-2's weights: 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl', a Hugging Face
-# folder or .safetensors file
+# 'scratch', 'resume' (out_dir/last.pt or resume_from), 'auto' (out_dir/last.pt if there is one,
+# else resume_from if given, else scratch), or GPT-2's weights: 'gpt2', 'gpt2-medium', 'gpt2-large',
+# 'gpt2-xl', a Hugging Face folder or .safetensors file
 init_from = 'scratch'
 resume_from = ''  # a checkpoint to resume instead of out_dir/last.pt: out/best.pt, out/stable.pt
 test_eval = True  # at the end, evaluate the best weights on the test split
