@@ -37,9 +37,21 @@ AT_LEAST_ONE = ('eval_interval', 'log_interval', 'gradient_accumulation_steps', 
                 'max_iters', 'max_consecutive_skips', 'init_scale')  # every other number: >= 0
 
 
+# what only training reads: eval_only evaluates the starting weights, takes no step and writes
+# nothing
+TRAINING_KEYS = ('max_iters', 'eval_interval', 'log_interval', 'always_save_checkpoint',
+                 'checkpoint_interval', 'keep_checkpoints', 'async_save', 'test_eval',
+                 'sample_tokens', 'write_report', 'wandb_log', 'tensorboard_log', 'cost_per_hour',
+                 'profile_iter', 'num_workers', 'dropout', 'learning_rate', 'weight_decay', 'beta1',
+                 'beta2', 'grad_clip', 'layer_lr_decay', 'patience', 'overfit_one_batch',
+                 'smoke_steps', 'activation_checkpointing')
+
+
 def unread(c):
     """{key: (the setting that reads it, the flag that sets that)} of the keys c never reads."""
     keys = {}
+    if c['eval_only']:
+        keys |= dict.fromkeys(TRAINING_KEYS, ('training', '--eval_only=False'))
     if c['optimizer'] != 'muon':
         keys |= dict.fromkeys(('muon_lr', 'muon_momentum', 'muon_dtype'),
                               ("optimizer='muon'", '--optimizer=muon'))

@@ -212,6 +212,8 @@ def test_eval_only_prints_the_starting_weights_losses_and_writes_nothing(tmp_pat
                        '--eval_iters=0', '--batch_size=4', '--dropout=0.1', '--beta2=0.9',
                        '--optimizer=muon', '--dtype=float16', '--fit_batch=True')
     assert 'eval only, iteration 6: train ' in result.stdout and files() == before
+    assert ("warning: dropout=0.1 is read only with training, so this run ignores it: add "
+            "--eval_only=False, or leave dropout out") in result.stdout
     result = run_train(str(out), data_dir, '--init_from=resume', '--eval_only=True', ema,
                        '--n_embd=64', check=False)
     assert result.returncode == 2 and 'n_embd=32 there, 64 here' in result.stderr
@@ -401,7 +403,7 @@ def test_a_key_typed_that_the_run_never_reads_is_said_and_may_go_on_resume(tmp_p
 
 def test_unread_names_the_keys_each_setting_leaves_unread():
     base = {'optimizer': 'muon', 'decay_lr': True, 'lr_schedule': 'wsd', 'dtype': 'auto',
-            'wandb_log': True, 'eval_tasks': 'task.jsonl'}
+            'wandb_log': True, 'eval_tasks': 'task.jsonl', 'eval_only': False}
     assert preflight.unread(base) == {}  # 'auto' may be float16
     assert set(preflight.unread(base | {'optimizer': 'adamw'})) == {
         'muon_lr', 'muon_momentum', 'muon_dtype'}
@@ -415,6 +417,8 @@ def test_unread_names_the_keys_each_setting_leaves_unread():
     assert set(preflight.unread(base | {'wandb_log': False})) == {'wandb_project',
                                                                   'wandb_run_name'}
     assert set(preflight.unread(base | {'eval_tasks': ''})) == {'eval_tasks_examples'}
+    assert preflight.unread(base | {'eval_only': True})['max_iters'] == ('training',
+                                                                          '--eval_only=False')
 
 
 @pytest.mark.slow
