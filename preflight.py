@@ -42,9 +42,11 @@ AT_LEAST_ONE = ('eval_interval', 'log_interval', 'gradient_accumulation_steps', 
 TRAINING_KEYS = ('max_iters', 'eval_interval', 'log_interval', 'always_save_checkpoint',
                  'checkpoint_interval', 'keep_checkpoints', 'async_save', 'test_eval',
                  'sample_tokens', 'write_report', 'wandb_log', 'tensorboard_log', 'cost_per_hour',
-                 'profile_iter', 'num_workers', 'dropout', 'learning_rate', 'weight_decay', 'beta1',
-                 'beta2', 'grad_clip', 'layer_lr_decay', 'patience', 'overfit_one_batch',
-                 'smoke_steps', 'activation_checkpointing')
+                 'profile_iter', 'num_workers', 'dropout', 'learning_rate', 'muon_lr',
+                 'muon_momentum', 'weight_decay', 'beta1', 'beta2', 'grad_clip', 'layer_lr_decay',
+                 'decay_lr', 'lr_schedule', 'wsd_decay_frac', 'warmup_iters', 'lr_decay_iters',
+                 'min_lr', 'patience', 'overfit_one_batch', 'smoke_steps',
+                 'activation_checkpointing')
 
 
 def unread(c):
