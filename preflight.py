@@ -232,6 +232,14 @@ def start(config, sources, defaults, model_config, resume, data_meta, dataset_id
         check(asked == ran, f"{ckpt_path} took {ran} windows a step (batch_size x "
               f"gradient_accumulation_steps), this command {asked}: use the run's, or a new "
               f"out_dir")
+        # the val windows best.pt is chosen over: eval_iters batches of the command's, which may
+        # split a step otherwise (a checkpoint older than eval_windows lacks them)
+        windows = c['eval_iters'] * c['batch_size']
+        evaluated = ckpt.get('eval_windows', windows)
+        check(evaluated == windows or c['best_by'] != 'val_loss',
+              f"{ckpt_path}'s run evaluated {evaluated} windows a split (eval_iters x batch_size), "
+              f"this command {windows}, and best.pt is chosen by val loss over them: use the "
+              f"run's batch_size and gradient_accumulation_steps")
         for key in ('batch_size', 'gradient_accumulation_steps'):
             config[key] = ckpt['config'][key]
             sources[key] = f"fit_batch, as the run in {ckpt_path} found it"

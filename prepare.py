@@ -275,9 +275,10 @@ class DocumentSplitter:
     """Splits of documents in the order they come, drawn in blocks of 20 distinct documents: a
     permutation from (seed, block) puts 2 in val, 1 in test, 17 in train. No list of all documents
     is needed, every block holds exactly 10% val and 5% test, so 20 documents make three splits.
-    Copies (line endings and surrounding whitespace aside) are dropped (None), otherwise a copy in
-    train would make the model look better on val than it is. seen holds a Python int per distinct
-    document: about 70 bytes each (69.5 measured with tracemalloc over a million)."""
+    Copies (process_batch's digest: line endings, a byte-order mark and surrounding whitespace
+    aside) are dropped (None), otherwise a copy in train would make the model look better on val
+    than it is. seen holds a Python int per distinct document: about 70 bytes each (69.5 measured
+    with tracemalloc over a million)."""
     BLOCK = ['val'] * 2 + ['test'] + ['train'] * 17
 
     def __init__(self, seed):
@@ -297,7 +298,8 @@ class DocumentSplitter:
 def split_rule(documents, seed):
     if documents:
         return (f'documents: in blocks of 20 distinct documents, a seeded permutation (seed '
-                f'{seed}) puts 2 in val, 1 in test, 17 in train; exact duplicates dropped')
+                f'{seed}) puts 2 in val, 1 in test, 17 in train; copies dropped (line endings, '
+                f'a byte-order mark and surrounding whitespace aside)')
     return 'contiguous: test [0, 0.05n), train [0.05n, 0.9n), val [0.9n, n) bytes'
 
 # -----------------------------------------------------------------------------
@@ -341,10 +343,12 @@ def process_batch(batch):
             text, encoded = raw.decode('utf-8'), raw
         else:
             text, encoded = decode_utf8(raw, doc_id, offset), raw
-        # a copy saved with Windows' line endings, or with other whitespace around it, is the same
-        # document: DocumentSplitter drops it, not puts it in another split
-        same = text.replace('\r\n', '\n').strip().encode('utf-8')
-        digest = int.from_bytes(hashlib.blake2b(same, digest_size=8).digest(), 'little')
+        # a copy saved with Windows' or old Macs' line endings, a byte-order mark or other
+        # whitespace around it is the same document: DocumentSplitter drops it, not puts it in
+        # another split
+        same = text.replace('\r\n', '\n').replace('\r', '\n').lstrip('\ufeff').strip()
+        digest = int.from_bytes(hashlib.blake2b(same.encode('utf-8'), digest_size=8).digest(),
+                                'little')
         out.append((digest, split, bool(text) and not text.isspace(), len(encoded),
                     worker['job'](text, digest)))
     return out
@@ -425,7 +429,7 @@ class Progress:
 def run_pass(what, text_path, reader, num_proc, job, splitter, source_hash=None):
     """One streaming pass over the source, job(text, digest) run on every item by num_proc
     processes: per item, in order, (split, has text, bytes of text, the job's result), split None
-    for an exact copy of a document."""
+    for a copy of a document."""
     progress = Progress(what, os.path.getsize(text_path) if text_path else reader.total_bytes)
     items = read_source(text_path, reader, progress, source_hash or hashlib.sha256())
     for digest, split, has_text, text_bytes, result in processed(items, num_proc, job):

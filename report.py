@@ -372,7 +372,7 @@ def throughput_lines(records, train, config, meta):
     spans = sessions(records, meta.get('world_size', 1))
     timed = sum(s for s, _ in spans)
     processes = sum(s * n for s, n in spans) / timed if timed else meta.get('world_size', 1)
-    counts = sorted({n for _, n in spans}) or [meta.get('world_size', 1)]
+    counts = sorted({n for s, n in spans if s}) or [meta.get('world_size', 1)]
     held = (f"{counts[0]} process(es)" if len(counts) == 1
             else f"{' and '.join(map(str, counts))} processes by session")
     compute_hours = seconds / 3600 * processes

@@ -166,12 +166,12 @@ cpus = distributed.cpu_use()  # how busy other work keeps the machine, before th
 # micro-batches per optimizer step on this rank
 accum_steps = gradient_accumulation_steps // world_size
 global_batch = batch_size * gradient_accumulation_steps  # windows per optimizer step, all ranks
+# per split and evaluation (0: all), whatever micro-batches fit_batch splits them into
+eval_windows = eval_iters * batch_size
 
 def samplers(batch_size):
     """The train sampler and the evaluation loaders, in micro-batches of batch_size (fit_batch may
-    lower it): the same windows a step and an evaluation, eval_iters of those batches (0: all) per
-    split, as a run that fit_batch resumes takes them."""
-    eval_windows = eval_iters * batch_size
+    lower it): the same windows a step and an evaluation."""
     train_sampler = data.TrainSampler(splits['train'].num_tokens, block_size, batch_size,
                                       global_batch, seed, rank, world_size)
     # a sharded forward is a collective: every rank must run as many eval batches as the others
@@ -291,7 +291,7 @@ if ddp and not sharded:  # buffers (rope's tables) are not broadcast in every fo
     model = distributed.data_parallel(model, [local_rank] if device_type == 'cuda' else None)
 run_record = {'config': config, 'model_args': dataclasses.asdict(model_config),
               'dataset': dataset_id, 'pretrained': init.pretrained, 'dtype': dtype,
-              'muon_dtype': muon_dtype}  # in every checkpoint, beside the state
+              'muon_dtype': muon_dtype, 'eval_windows': eval_windows}  # in every checkpoint
 # the run folder: created only now that the config, data and checkpoint are known to be good; an
 # out_dir that cannot be written stops every rank here
 if not eval_only:

@@ -139,14 +139,19 @@ def test_fit_batch_halves_to_what_fits_keeps_the_global_batch_and_resumes(tmp_pa
     result = run_train(fitted, data_dir, *args, *fit, '--batch_size=32', '--init_from=resume',
                        check=False)
     assert result.returncode == 2 and 'took 16 windows a step' in result.stderr, result.stderr
+    # and another split of it, which would evaluate other val windows: best.pt over two measures
+    result = run_train(fitted, data_dir, *args, *fit, '--batch_size=8',
+                       '--gradient_accumulation_steps=2', '--init_from=resume', check=False)
+    assert result.returncode == 2 and ("run evaluated 64 windows a split (eval_iters x "
+                                       "batch_size), this command 32") in result.stderr
     run_train(fitted, data_dir, *args, *fit, '--init_from=resume', probe=True, env=small_device)
     # the trials left nothing behind: the run is the run given those micro-batches by hand
-    run_train(by_hand, data_dir, *args, '--batch_size=4', '--gradient_accumulation_steps=4')
+    # evaluating eval_iters batches of the command's 16 windows, whatever the device holds
+    run_train(by_hand, data_dir, *args, '--batch_size=4', '--gradient_accumulation_steps=4',
+              '--eval_iters=16')
     steps = [[(r['step'], r['loss'], r['grad_norm']) for r in read_metrics(d, 'train')]
              for d in (fitted, by_hand)]
     assert steps[0] == steps[1] and len(steps[0]) == 6
-    # and evaluates the same windows: eval_iters batches of the micro-batch found, which a resume
-    # takes again (the command's batch_size gave them, which a resume may change)
     evals = [[(r['step'], r['val_loss']) for r in read_metrics(d, 'eval')]
              for d in (fitted, by_hand)]
     assert evals[0] == evals[1] and len(evals[0]) == 2

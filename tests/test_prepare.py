@@ -75,9 +75,10 @@ def doc_tags(out_dir, split):
 
 def test_folder_splits_are_disjoint_duplicates_dropped_and_tools_files_left_out(tmp_path):
     texts = write_docs(tmp_path / 'docs')
-    # a copy saved on Windows, and one with a blank line after it: it went to its own split
+    # a copy saved by Windows' Notepad (a byte-order mark, CRLF), a blank line after it: it went
+    # to a split of its own
     (tmp_path / 'docs' / 'windows_copy_of_05.txt').write_bytes(
-        texts['doc05.txt'].replace('\n', '\r\n').encode() + b'\r\n')
+        b'\xef\xbb\xbf' + texts['doc05.txt'].replace('\n', '\r\n').encode() + b'\r\n')
     # a repository's binary files, which would be refused as text
     for rel in ('.git/objects/ab/cdef', '__pycache__/doc00.cpython-311.pyc', 'sub/.DS_Store'):
         (tmp_path / 'docs' / rel).parent.mkdir(parents=True, exist_ok=True)
