@@ -48,7 +48,7 @@ def test_float16_consecutive_skips_abort(tmp_path, data_dir):
 
 
 def test_every_dtype_learns_like_float32(tmp_path, data_dir):
-    final = {}
+    final, first_norm = {}, {}
     for dtype in ('float32', 'bfloat16', 'float16'):
         out = str(tmp_path / dtype)
         run_train(out, data_dir, f'--dtype={dtype}', probe=True,
@@ -58,8 +58,12 @@ def test_every_dtype_learns_like_float32(tmp_path, data_dir):
         evals = read_metrics(out, 'eval')
         assert evals[-1]['val_loss'] < evals[0]['val_loss']
         final[dtype] = evals[-1]['val_loss']
+        first_norm[dtype] = read_metrics(out, 'train')[0]['grad_norm']
     assert abs(final['bfloat16'] - final['float32']) < 0.05 * final['float32'], final
     assert abs(final['float16'] - final['float32']) < 0.02 * final['float32'], final
+    # the same first step's gradient: float16's unscaled before it is clipped and logged (clipped
+    # scaled, it was 65,536 times larger, and AdamW learned on regardless)
+    assert first_norm['float16'] == pytest.approx(first_norm['float32'], rel=0.02), first_norm
 
 
 def test_float16_resume_is_exact(tmp_path, data_dir):

@@ -1124,3 +1124,34 @@ def test_an_acc_norm_of_0_at_the_first_evaluation_is_the_best_so_far():
     # best_acc_norm started at 0: no best.pt, and 'best acc_norm 0.0000 at iteration 0'
     progress = checkpoint.Progress(iter_num=5)
     assert progress.new_best(2.5, 0.0, 'acc_norm') and progress.best_iter == 5
+
+
+def test_a_file_is_synced_before_its_rename_and_the_folder_after(tmp_path, monkeypatch):
+    # SIGKILL loses nothing the kernel holds; a power cut loses what was never fsynced: no kill
+    # test sees a dropped fsync
+    calls, fsync, replace = [], os.fsync, os.replace
+
+    def synced(fd):
+        calls.append(('fsync', os.readlink(f'/proc/self/fd/{fd}')))  # the file or folder synced
+        fsync(fd)
+
+    def replaced(source, path):
+        calls.append(('replace', path))
+        replace(source, path)
+    monkeypatch.setattr(os, 'fsync', synced)
+    monkeypatch.setattr(os, 'replace', replaced)
+    path = str(tmp_path / 'last.pt')
+    checkpoint.atomic_write(path, lambda f: f.write(b'state'))
+    assert [kind for kind, _ in calls] == ['fsync', 'replace', 'fsync']
+    assert calls[0][1].endswith('.tmp') and calls[1][1] == path and calls[2][1] == str(tmp_path)
+
+
+def test_a_loaded_optimizers_groups_are_its_members_own():
+    # the scheduler sets rates on Optimizers.param_groups: after a load replaced the members'
+    # group dicts, stale copies took a resume's changed rate, which the first step then missed
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=16))
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'muon', muon_dtype='float32')
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    members = [group for member in opt.optimizers for group in member.param_groups]
+    assert len(opt.param_groups) == len(members) == 3  # AdamW decayed and not, Muon
+    assert all(a is b for a, b in zip(opt.param_groups, members))
