@@ -1155,3 +1155,20 @@ def test_a_loaded_optimizers_groups_are_its_members_own():
     members = [group for member in opt.optimizers for group in member.param_groups]
     assert len(opt.param_groups) == len(members) == 3  # AdamW decayed and not, Muon
     assert all(a is b for a, b in zip(opt.param_groups, members))
+
+
+def test_evaluation_runs_without_dropout_and_gives_the_model_back_training(token_file):
+    # in train mode heavy dropout makes the loss another each time; only bitwise resume noticed,
+    # through the random numbers it drew
+    windows = data.TokenWindows(token_file[0], 16)
+    loader = data.make_loader(windows, data.EvalSampler(windows.num_tokens, 16, 4), 0, 0, False)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=8,
+                          dropout=0.5))
+    losses = {evaluate.loss(model, loader, 'cpu', contextlib.nullcontext()) for _ in range(3)}
+    assert len(losses) == 1 and model.training
+    with torch.no_grad():  # by hand, dropout off
+        x = torch.stack([windows[s][0] for b in loader.batch_sampler for s in b if s >= 0])
+        y = torch.stack([windows[s][1] for b in loader.batch_sampler for s in b if s >= 0])
+        model.eval()
+        assert losses.pop() == pytest.approx(model(x, y).item(), rel=1e-5)
