@@ -233,13 +233,8 @@ def start(config, sources, defaults, model_config, resume, data_meta, dataset_id
               f"gradient_accumulation_steps), this command {asked}: use the run's, or a new "
               f"out_dir")
         # the val windows best.pt is chosen over: eval_iters batches of the command's, which may
-        # split a step otherwise (a checkpoint older than eval_windows lacks them)
+        # split a step otherwise (checked below; a checkpoint older than eval_windows lacks them)
         windows = c['eval_iters'] * c['batch_size']
-        evaluated = ckpt.get('eval_windows', windows)
-        check(evaluated == windows or c['best_by'] != 'val_loss',
-              f"{ckpt_path}'s run evaluated {evaluated} windows a split (eval_iters x batch_size), "
-              f"this command {windows}, and best.pt is chosen by val loss over them: use the "
-              f"run's batch_size and gradient_accumulation_steps")
         for key in ('batch_size', 'gradient_accumulation_steps'):
             config[key] = ckpt['config'][key]
             sources[key] = f"fit_batch, as the run in {ckpt_path} found it"
@@ -266,6 +261,11 @@ def start(config, sources, defaults, model_config, resume, data_meta, dataset_id
                   f"{ckpt_path}'s run found micro-batches of {config['batch_size']}, {found} a "
                   f"step (fit_batch), which {processes} processes cannot share: resume on a "
                   f"number of processes that divides {found}")
+            evaluated = ckpt.get('eval_windows', windows)
+            check(evaluated == windows or c['best_by'] != 'val_loss',
+                  f"{ckpt_path}'s run evaluated {evaluated} windows a split (eval_iters x "
+                  f"batch_size), this command {windows}, and best.pt is chosen by val loss over "
+                  f"them: use the run's batch_size and gradient_accumulation_steps")
         # auto, the command a scheduler repeats: run again on its finished run (at max_iters, or
         # out of patience), it redoes the end (the test split, the sample, the report) a kill may
         # have cut short
