@@ -361,6 +361,8 @@ def resume(ckpt, path, parts, rank, world_size, device, weights_only=False):
     load_weights(ckpt, path, parts['model'], None if weights_only else optimizer, parts.get('ema'))
     names = [field.name for field in dataclasses.fields(Progress)]
     progress = Progress(**{name: ckpt[name] for name in names if name in ckpt})
+    if progress.best_iter == 0:  # no best yet: older checkpoints held 0.0, which an acc_norm of 0
+        progress.best_acc_norm = -math.inf  # never beat
     if weights_only:
         return progress
     configured = scheduler.base_lrs

@@ -138,11 +138,13 @@ def configure(defaults, argv, choices=None, minimums=None):
                 exec(compile(tree, arg, 'exec'), namespace)
             except (Exception, SystemExit) as e:  # exit() too: else the script ended, silently
                 raise ConfigError(f"config file {arg} failed: {type(e).__name__}: {e}")
-            # the names its code assigns: a key it leaves alone keeps its value and its source
+            # the names its code assigns, and the keys it changed otherwise (exec of another file,
+            # import *): a key it leaves alone keeps its value and its source
             assigned = {node.id for node in ast.walk(tree)
                         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)}
             for key, value in namespace.items():
-                if key.startswith('_') or key in defaults and key not in assigned:
+                if key.startswith('_') or (key in defaults and key not in assigned
+                                           and value is config[key]):
                     continue
                 if key not in defaults:
                     if callable(value) or type(value).__name__ == 'module':

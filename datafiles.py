@@ -240,6 +240,14 @@ def head_fingerprint(path):
         return hashlib.sha256(f.read(4096)).hexdigest()[:16]
 
 
+def identity(key, value):
+    """A dataset id's entry as two runs' data compare: a ranks file by its sha256, not its path,
+    which a dataset moved or prepared again changes."""
+    if key == 'tokenizer' and isinstance(value, dict) and 'ranks_sha256' in value:
+        return {k: v for k, v in value.items() if k != 'encoding'}
+    return value
+
+
 def data_change(recorded, current, splits):
     """Why a checkpoint's data (its recorded dataset id) is not this run's ('was trained on other
     data (...)'), or '' when it is the same. splits: this run's TokenWindows by split, whose files
@@ -248,7 +256,8 @@ def data_change(recorded, current, splits):
     if 'shards' not in recorded:  # the same source prepared now puts other documents in train
         return ("was trained on a dataset prepared before shards, whose documents were split by an "
                 "older rule: no dataset this code prepares is that one")
-    differ = [k for k in recorded if k != 'shards' and recorded[k] != current.get(k)]
+    differ = [k for k in recorded
+              if k != 'shards' and identity(k, recorded[k]) != identity(k, current.get(k))]
     if differ:
         return f"was trained on other data (its {', '.join(differ)} differ)"
     paths = {os.path.basename(p): p for windows in splits.values() for p in windows.paths}

@@ -156,6 +156,7 @@ class Start:
     muon_dtype: str
     peak_flops: float  # per process, for MFU (NaN on ranks other than 0, which log nothing)
     session: dict  # what this session is, for meta.json and its first lines
+    eval_windows: int  # per split and evaluation (0: all), as the run that a resume continues had
 
 
 def resume_point(c):
@@ -226,15 +227,18 @@ def start(config, sources, defaults, model_config, resume, data_meta, dataset_id
     # the micro-batches its run found, not the command's: eval_only, which takes no step, may
     # evaluate in others
     fitted = c['fit_batch'] and not c['eval_only']
+    eval_windows = c['eval_iters'] * c['batch_size']
     if resuming and fitted:
         ran = ckpt['config']['batch_size'] * ckpt['config']['gradient_accumulation_steps']
         asked = c['batch_size'] * c['gradient_accumulation_steps']
         check(asked == ran, f"{ckpt_path} took {ran} windows a step (batch_size x "
               f"gradient_accumulation_steps), this command {asked}: use the run's, or a new "
               f"out_dir")
-        # the val windows best.pt is chosen over: eval_iters batches of the command's, which may
-        # split a step otherwise (checked below; a checkpoint older than eval_windows lacks them)
-        windows = c['eval_iters'] * c['batch_size']
+        # the val windows best.pt is chosen over: eval_iters batches of the batch_size its first
+        # command asked for, which this one may split otherwise, and verify.py's replay, taking
+        # the found one, does (a checkpoint older than eval_windows lacks them)
+        if ckpt.get('eval_windows') and ckpt['config']['eval_iters']:
+            eval_windows = c['eval_iters'] * (ckpt['eval_windows'] // ckpt['config']['eval_iters'])
         for key in ('batch_size', 'gradient_accumulation_steps'):
             config[key] = ckpt['config'][key]
             sources[key] = f"fit_batch, as the run in {ckpt_path} found it"
@@ -261,11 +265,6 @@ def start(config, sources, defaults, model_config, resume, data_meta, dataset_id
                   f"{ckpt_path}'s run found micro-batches of {config['batch_size']}, {found} a "
                   f"step (fit_batch), which {processes} processes cannot share: resume on a "
                   f"number of processes that divides {found}")
-            evaluated = ckpt.get('eval_windows', windows)
-            check(evaluated == windows or c['best_by'] != 'val_loss',
-                  f"{ckpt_path}'s run evaluated {evaluated} windows a split (eval_iters x "
-                  f"batch_size), this command {windows}, and best.pt is chosen by val loss over "
-                  f"them: use the run's batch_size and gradient_accumulation_steps")
         # auto, the command a scheduler repeats: run again on its finished run (at max_iters, or
         # out of patience), it redoes the end (the test split, the sample, the report) a kill may
         # have cut short
@@ -302,7 +301,7 @@ def start(config, sources, defaults, model_config, resume, data_meta, dataset_id
                              pretrained, settled)
     session['peak_flops'] = {'per_process': peak_flops, 'how': peak_how}
     return Start(tasks, pretrained, pretrained_state, model_config, dtype, muon_dtype, peak_flops,
-                 session)
+                 session, eval_windows)
 
 
 def check_out_dir(out_dir, may_hold_a_checkpoint, dataset_dir):

@@ -166,7 +166,8 @@ cpus = distributed.cpu_use()  # how busy other work keeps the machine, before th
 # micro-batches per optimizer step on this rank
 accum_steps = gradient_accumulation_steps // world_size
 global_batch = batch_size * gradient_accumulation_steps  # windows per optimizer step, all ranks
-# per split and evaluation (0: all), whatever micro-batches fit_batch splits them into
+# per split and evaluation (0: all), whatever micro-batches fit_batch splits them into (a resume:
+# the run's, from preflight)
 eval_windows = eval_iters * batch_size
 
 def samplers(batch_size):
@@ -199,6 +200,7 @@ init = preflight.start(config, config_sources, defaults, model_config,
                        (resuming, ckpt_path, ckpt), data_meta, dataset_id, splits, device, sharded,
                        cpus)
 model_config, dtype, muon_dtype = init.model_config, init.dtype, init.muon_dtype
+eval_windows = init.eval_windows  # a fit_batch run's, resumed with its steps split otherwise
 autocast = precision.autocast(device_type, dtype)
 
 # the shape GPT-2's weights may have set

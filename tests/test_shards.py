@@ -273,6 +273,14 @@ def test_data_change_names_the_shards():
             == other + '(shards removed d_train_000001.bin; changed d_val_000000.bin)')
     assert (datafiles.data_change(ident, {**ident, 'vocab_size': 10}, {})
             == other + '(its vocab_size differ)')
+    # a ranks file compares by its content, not its path: a dataset moved or prepared again
+    bpe = {**ident, 'tokenizer': {'kind': 'tiktoken', 'encoding': '/a/d.tiktoken',
+                                  'ranks_sha256': 'e3b0'}}
+    moved = {**bpe, 'tokenizer': {**bpe['tokenizer'], 'encoding': '/b/d.tiktoken'}}
+    assert datafiles.data_change(bpe, moved, {}) == ''
+    assert datafiles.data_change(bpe, {**moved, 'tokenizer': {**moved['tokenizer'],
+                                                              'ranks_sha256': 'ffff'}}, {}) == (
+        other + '(its tokenizer differ)')
     # a checkpoint of a dataset prepared before shards (the first of format 3): another split rule
     before_shards = {k: v for k, v in ident.items() if k != 'shards'}
     assert 'prepared before shards' in datafiles.data_change(before_shards, ident, {})

@@ -238,6 +238,10 @@ def test_configure_file_then_overrides(tmp_path):
         configure(DEFAULTS, [str(derived)])
     derived.write_text("compile = False\n")
     assert configure(DEFAULTS, [str(derived)])[1]['compile'] == str(derived)
+    # keys another file sets, run by this one (nanoGPT's configurator runs files so): they were lost
+    derived.write_text(f"exec(open({str(cfg)!r}).read())\ndevice = 'cpu'\n")
+    config, sources = configure(DEFAULTS, [str(derived)])
+    assert config['batch_size'] == 4 and sources['batch_size'] == str(derived)
 
 
 @pytest.mark.parametrize('argv, message', [
@@ -1124,6 +1128,12 @@ def test_an_acc_norm_of_0_at_the_first_evaluation_is_the_best_so_far():
     # best_acc_norm started at 0: no best.pt, and 'best acc_norm 0.0000 at iteration 0'
     progress = checkpoint.Progress(iter_num=5)
     assert progress.new_best(2.5, 0.0, 'acc_norm') and progress.best_iter == 5
+    # a checkpoint written before held 0.0, and a resume took it back: no best yet is -inf
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=16))
+    older = {'model': model.state_dict(), 'iter_num': 10, 'best_iter': 0, 'best_acc_norm': 0.0}
+    parts = {'model': model, 'optimizer': None, 'scheduler': None}
+    resumed = checkpoint.resume(older, 'last.pt', parts, 0, 1, 'cpu', weights_only=True)
+    assert resumed.best_acc_norm == -math.inf and resumed.iter_num == 10
 
 
 def test_a_file_is_synced_before_its_rename_and_the_folder_after(tmp_path, monkeypatch):
