@@ -236,8 +236,10 @@ def announce(session, config, resumed, num_params, flops_per_token):
     migrated of a checkpoint of an older format; what a resume on another number of processes
     cannot restore."""
     step = resumed[1]['iter_num'] if resumed else 0
+    # changed: the settings this session's command changed from the checkpoint's (verify.py)
     record({'kind': 'start', 'step': step, 'time': time.time(),
-            'world_size': session['world_size']})
+            'world_size': session['world_size'],
+            'changed': sorted(session['changed_on_resume'] or {})})
     pretrained, peak = session['pretrained'], session['peak_flops']
     start_point = f"resuming from {session['resumed_from']}" if resumed else \
         f"starting from {pretrained['weights'] if pretrained else 'scratch'}"

@@ -253,15 +253,20 @@ def main(config, sources):
               f"{', '.join(missing)}")
         sys.exit(1)
     # a state per process: the end's session's, which may have resumed start on another count; a
-    # session between them on another count cannot be replayed on the end's
+    # session between them on another count, or one that changed settings on resume (and a later
+    # one changed them back), cannot be replayed with the end's
     world_size = len(end_ckpt['rng'])
-    starts = [(r['step'], r.get('world_size', world_size))  # older runs' records lack the count
-              for r in records if r['kind'] == 'start']
-    for (step, count), (next_step, _) in zip(starts, starts[1:] + [(math.inf, None)]):
+    starts = [(r['step'], r.get('world_size', world_size),  # older runs' records lack both
+               sorted(set(r.get('changed', ())) - FREE)) for r in records if r['kind'] == 'start']
+    for (step, count, changed), (next_step, *_) in zip(starts, starts[1:] + [(math.inf,)]):
+        span = f"iterations {max(step, first) + 1}-{min(next_step, last)}"
         if step < last and next_step > first and count != world_size:
-            fail(f"iterations {max(step, first) + 1}-{min(next_step, last)} ran on {count} "
-                 f"process(es), the session that wrote {end_path} on {world_size}: name "
-                 f"checkpoints of sessions on one number of processes")
+            fail(f"{span} ran on {count} process(es), the session that wrote {end_path} on "
+                 f"{world_size}: name checkpoints of sessions on one number of processes")
+        if first <= step < last and changed:
+            fail(f"{span} ran in a session that changed {', '.join(changed)} on resume, which the "
+                 f"replay of {end_path}'s settings would not: name checkpoints of sessions with "
+                 f"one set of settings")
     replay_parent = os.path.dirname(os.path.abspath(run_dir))  # beside the run: /tmp may be small
     with tempfile.TemporaryDirectory(prefix='verify-', dir=replay_parent) as replay_dir:
         resume_from = start_path
