@@ -49,9 +49,13 @@ TRAINING_KEYS = ('max_iters', 'eval_interval', 'log_interval', 'always_save_chec
                  'activation_checkpointing')
 
 
-def unread(c):
-    """{key: (the setting that reads it, the flag that sets that)} of the keys c never reads."""
+def unread(c, ddp=True):
+    """{key: (the setting that reads it, the flag that sets that)} of the keys c never reads; ddp:
+    whether it runs under torchrun (a resume compares as if it did)."""
     keys = {}
+    if not ddp:  # one process: no process group, nothing to shard
+        keys |= dict.fromkeys(('parallel', 'backend'),
+                              ('torchrun', 'torchrun --standalone --nproc_per_node=N'))
     if c['eval_only']:
         keys |= dict.fromkeys(TRAINING_KEYS, ('training', '--eval_only=False'))
     if c['optimizer'] != 'muon':
@@ -136,7 +140,7 @@ def settings(defaults, argv, world_size, ddp):
     # a key typed on the command line that the run never reads: a sweep over muon_lr with
     # optimizer='adamw' trains one run again and again. Said, not refused: a command built from a
     # base list may carry one (and a config file may serve several settings: not said)
-    for key, (reader, flag) in unread(c).items():
+    for key, (reader, flag) in unread(c, ddp).items():
         if sources[key] == 'command line':
             log(f"warning: {key}={c[key]!r} is read only with {reader}, so this run ignores it: "
                 f"add {flag}, or leave {key} out")

@@ -387,14 +387,17 @@ def test_a_key_typed_that_the_run_never_reads_is_said_and_may_go_on_resume(tmp_p
     config.write_text("muon_lr = 0.05\nwsd_decay_frac = 0.5\n")
     out = str(tmp_path / 'run')
     result = run_train(out, data_dir, str(config), '--dtype=float32', '--init_scale=1024',
-                       '--muon_dtype=float32', '--max_iters=2', '--eval_interval=2')
+                       '--muon_dtype=float32', '--max_iters=2', '--eval_interval=2',
+                       '--backend=gloo')
     warnings = [line for line in result.stdout.splitlines() if line.startswith('warning:')]
     assert warnings == [
+        "warning: backend='gloo' is read only with torchrun, so this run ignores it: add torchrun "
+        "--standalone --nproc_per_node=N, or leave backend out",
         "warning: muon_dtype='float32' is read only with optimizer='muon', so this run ignores it: "
         "add --optimizer=muon, or leave muon_dtype out",
         "warning: init_scale=1024.0 is read only with dtype='float16', so this run ignores it: add "
         "--dtype=float16, or leave init_scale out"]
-    assert warnings[0] in open(os.path.join(out, 'train.log')).read()
+    assert warnings[1] in open(os.path.join(out, 'train.log')).read()
     # as the line says: left out, they change nothing, and the resume goes on
     run_train(out, data_dir, '--dtype=float32', '--init_from=resume', '--max_iters=4',
               '--eval_interval=2')
