@@ -90,13 +90,15 @@ def parse_line(line, where, encode, block_size, unknown):
     fits, and the characters of its texts that unknown(text) names (the vocabulary lacks)."""
     try:
         record = json.loads(line)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested past Python's stack
         raise TaskError(f"{where}: not valid JSON ({e}): write one JSON object per line") from None
     if not isinstance(record, dict) or not any(k in record for k in HELLASWAG + GENERIC):
         raise TaskError(f"{where}: neither HellaSwag's fields ({', '.join(HELLASWAG)}) nor the "
                         f"generic ones ({', '.join(GENERIC)}): write each line as a JSON object "
                         f"with one of these sets")
-    fields = HELLASWAG if any(k in record for k in HELLASWAG) else GENERIC
+    # a generic line may carry a 'label' of its own (sets converted from other formats do)
+    hellaswag = any(k in record for k in HELLASWAG) and not all(k in record for k in GENERIC)
+    fields = HELLASWAG if hellaswag else GENERIC
     name = 'HellaSwag' if fields is HELLASWAG else 'generic'
     missing = [k for k in fields if k not in record]
     if missing:

@@ -324,7 +324,8 @@ def process_batch(batch):
             key = kind[5:]
             try:
                 record = json.loads(decode_utf8(raw, doc_id))
-            except ValueError as e:  # cut short, or a byte-order mark
+            # cut short, a byte-order mark, or nested past Python's stack (RecursionError)
+            except (ValueError, RecursionError) as e:
                 raise PrepareError(f'{doc_id} is not valid JSON ({e}): fix or drop that '
                                    f'line') from None
             if not isinstance(record, dict) or key not in record:

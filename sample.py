@@ -162,7 +162,8 @@ if __name__ == '__main__':
 
     if start.startswith('FILE:'):
         try:
-            with open(start[len('FILE:'):], encoding='utf-8') as f:
+            # newline='': the file's line endings as they are (a CRLF corpus trains on them)
+            with open(start[len('FILE:'):], encoding='utf-8', newline='') as f:
                 start = f.read()
         except (OSError, UnicodeDecodeError) as e:
             fail(f"cannot read the prompt file ({e}): fix the path after FILE: or save it as UTF-8")

@@ -160,15 +160,19 @@ def test_rows_keep_the_ending_and_the_last_context_tokens(tmp_path):
         {'ctx': 'abcdefghij', 'endings': ['xy', 'z'], 'label': 1},  # HellaSwag: ' ' + ending
         # 7 tokens: 1 of context is left
         {'context': 'abcdefghij', 'choices': ['1234567', '12'], 'answer': 0},
+        # generic, with a label of its own: it was refused as a HellaSwag line without ctx
+        {'context': 'abcdefghij', 'choices': ['1234567', '12'], 'answer': 0, 'label': 'B'},
     ])
-    first, second = evaluate.read_task(path, encode, block_size=7)
+    first, second, third = evaluate.read_task(path, encode, block_size=7)
     assert first == evaluate.Example([encode('fghij xy'), encode('efghij z')], [3, 2], 1)
-    assert second == evaluate.Example([encode('j1234567'), encode('efghij12')], [7, 2], 0)
+    assert second == third == evaluate.Example([encode('j1234567'), encode('efghij12')], [7, 2], 0)
     assert len(evaluate.read_task(path, encode, block_size=100, max_examples=1)) == 1
 
 
 @pytest.mark.parametrize('line, message', [
     ('{"ctx": "a", "endings": ["b", "c"], "label": 0', "not valid JSON"),
+    # a traceback before
+    ('{"x": ' + '[' * 10**5 + ']' * 10**5 + '}', "not valid JSON (maximum recursion depth"),
     ('["a", "b"]',
      "neither HellaSwag's fields (ctx, endings, label) nor the generic ones (context, choices, "
                    "answer)"),

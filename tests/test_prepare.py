@@ -288,6 +288,7 @@ def test_gpt2_offline_fails_with_one_line_hint(tmp_path):
     (['x', '--input', 'cut.jsonl'],
      r"cut.jsonl:2 is not valid JSON \(.*\): fix or drop that line$"),
     (['x', '--input', 'bom.jsonl'], r"bom.jsonl:1 is not valid JSON \(Unexpected UTF-8 BOM"),
+    (['x', '--input', 'deep.jsonl'], r"deep.jsonl:1 is not valid JSON \(maximum recursion depth"),
     # train.py would read it as a glob
     (['web*', '--input', 'good.txt'], "dataset name 'web\\*' must be a plain folder name"),
     # a folder's file skipped, unsaid
@@ -339,6 +340,8 @@ def test_user_errors_exit_2_with_one_line(tmp_path, args, expected):
     (tmp_path / 'latin1.jsonl').write_bytes('{"text": "caf\u00e9"}\n'.encode('latin-1'))
     (tmp_path / 'cut.jsonl').write_text('{"text": "a"}\n{"text": "b\n')
     (tmp_path / 'bom.jsonl').write_text('\ufeff{"text": "a"}\n', encoding='utf-8')
+    # a traceback before
+    (tmp_path / 'deep.jsonl').write_text('{"text": "a", "x": ' + '[' * 10**5 + ']' * 10**5 + '}\n')
     (tmp_path / 'linked').mkdir()
     (tmp_path / 'linked' / 'a.txt').write_text('a document\n')
     (tmp_path / 'linked' / 'gone.txt').symlink_to(tmp_path / 'missing.txt')

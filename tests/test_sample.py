@@ -60,7 +60,7 @@ def test_top_k_1_is_greedy_with_a_prompt_file(run_dir, tmp_path):
     assert result.stdout == tok.decode(idx[0].tolist()) + '\n' + SEPARATOR
 
 
-def test_prompt_characters_the_vocabulary_lacks_are_refused_in_one_line(run_dir):
+def test_prompt_characters_the_vocabulary_lacks_are_refused_in_one_line(run_dir, tmp_path):
     # the corpus is lower-case: 13 characters unknown, the first ten named. They were sampled as
     # the unknown id 0, with a warning
     result = run_sample(f'--out_dir={run_dir}', '--start=€uro {€} ABCDEFGHIJ',
@@ -69,6 +69,13 @@ def test_prompt_characters_the_vocabulary_lacks_are_refused_in_one_line(run_dir)
     assert result.stderr == ("error: the prompt holds characters the vocabulary lacks: '€', '{', "
                              "'}', 'A', 'B', 'C', 'D', 'E', 'F', 'G' and 3 more: write it with the "
                              "dataset's characters (its meta.json's tokenizer 'chars')\n")
+    # a prompt file's line endings as they are: its '\r' was dropped, and the prompt sampled
+    prompt = tmp_path / 'crlf.txt'
+    prompt.write_bytes(b'the cat\r\n')
+    result = run_sample(f'--out_dir={run_dir}', f'--start=FILE:{prompt}', '--num_samples=1',
+                        '--max_new_tokens=1', '--device=cpu')
+    assert result.returncode == 2 and "the prompt holds characters the vocabulary lacks: '\\r'" \
+        in result.stderr, result.stderr
 
 
 def test_the_default_prompt_is_sampled_where_train_has_no_newline(run_dir, tmp_path):
