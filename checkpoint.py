@@ -304,9 +304,14 @@ def pad_vocabulary(ckpt):
 
 def changed_settings(ckpt, config, defaults):
     """{key: (the checkpoint's run's value, this config's)} of the settings that differ. A key the
-    checkpoint's code did not have yet was at its default there."""
-    return {k: (ckpt['config'].get(k, defaults[k]), config[k]) for k in config
-            if ckpt['config'].get(k, defaults[k]) != config[k]}
+    checkpoint's code did not have yet was at its default there. dtype and muon_dtype compare as
+    the checkpoint's run resolved them: 'auto' here keeps that (preflight.dtypes), and 'float32'
+    here continues a run whose 'auto' chose float32."""
+    def theirs(k):
+        if k in ('dtype', 'muon_dtype') and ckpt.get(k, 'auto') != 'auto':
+            return config[k] if config[k] == 'auto' else ckpt[k]
+        return ckpt['config'].get(k, defaults[k])
+    return {k: (theirs(k), config[k]) for k in config if theirs(k) != config[k]}
 
 
 def why_not_resume(ckpt, config, defaults, unread=()):

@@ -951,6 +951,20 @@ def test_what_chooses_best_pt_may_not_change_on_resume():
     assert checkpoint.why_not_resume(ckpt, {**by_tasks, 'eval_iters': 20}, defaults) == ''
 
 
+def test_a_dtype_compares_on_resume_as_the_checkpoints_run_resolved_it():
+    defaults = {'best_by': 'val_loss', 'eval_only': False, 'dtype': 'auto', 'muon_dtype': 'auto'}
+    # trained with --dtype=float32 (an AdamW run: muon_dtype never chosen), resumed without it:
+    # 'auto' keeps the checkpoint's dtype, and the resume was refused
+    ckpt = {'config': {**defaults, 'dtype': 'float32'}, 'dtype': 'float32', 'muon_dtype': 'auto'}
+    assert checkpoint.why_not_resume(ckpt, defaults, defaults) == ''
+    # trained with 'auto', which chose float32 and bfloat16: the same, set
+    ckpt = {'config': defaults, 'dtype': 'float32', 'muon_dtype': 'bfloat16'}
+    same = {**defaults, 'dtype': 'float32', 'muon_dtype': 'bfloat16'}
+    assert checkpoint.why_not_resume(ckpt, same, defaults) == ''
+    assert checkpoint.why_not_resume(ckpt, {**defaults, 'dtype': 'bfloat16'}, defaults) == (
+        "was trained with other settings (dtype='float32' there, 'bfloat16' here)")
+
+
 def test_a_resume_from_an_earlier_checkpoint_moves_the_continuation_it_replaces_aside(tmp_path):
     def save(path, iter_num, best_iter, best_val_loss, shards=None):
         torch.save({'iter_num': iter_num, 'best_iter': best_iter, 'best_val_loss': best_val_loss,
