@@ -190,18 +190,18 @@ def stop_at_once():
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def exit_on_signal(step, max_iters, world_size, writer, device):
+def exit_on_signal(step, ended, world_size, writer, device):
     """The run stops for a signal (on any rank) once last.pt holds step (writer: the run's
     checkpoint.Writer, whose write in flight ends first): a stop record, the line that says how to
-    resume (at max_iters, init_from=auto, which does the end a stop left), the report, and exit
-    code 128 + the signal's number."""
+    resume (where the training ended, ended: at max_iters or an early stop, init_from=auto, which
+    does the end a stop left), the report, and exit code 128 + the signal's number."""
     unsaved(writer.wait(), step, writer, device)
     signum = stop_signal or signal.SIGTERM  # a rank stopping for another's signal
     name = signal.Signals(signum).name
-    record({'kind': 'stop', 'step': step, 'time': time.time(), 'signal': name})
+    record({'kind': 'stop', 'step': step, 'time': time.time(), 'signal': name, 'ended': ended})
     if runlog.master:  # run_dir is rank 0's
         resume = report.resume_command({'command': sys.argv, 'world_size': world_size}, True,
-                                       ended=step == max_iters)
+                                       ended=ended)
         log(f"stopped by {name} at iteration {step}: {os.path.join(runlog.run_dir, 'last.pt')} "
             f"holds it; resume with: {resume}")
     finish()

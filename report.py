@@ -89,8 +89,9 @@ def status(records, max_iters):
                               f"{last_step}")
     if end['kind'] == 'abort':
         return 'aborted', f"at iteration {end['step']}: {end['message']}"
-    if end['kind'] == 'stop':
-        left = "its end (test split, sample) left" if end['step'] == max_iters else "resume it"
+    if end['kind'] == 'stop':  # ended: at max_iters or an early stop (older runs: max_iters)
+        ended = end.get('ended', end['step'] == max_iters)
+        left = "its end (test split, sample) left" if ended else "resume it"
         return 'stopped', (f"by {end['signal']} at iteration {end['step']} of {max_iters}: last.pt "
                            f"holds it, {left}")
     return ('early-stopped' if end['step'] < max_iters else 'finished',
@@ -187,8 +188,9 @@ def resume_command(meta, has_last, settings=None, ended=False):
     """train.py's command to continue the run: from out_dir's last.pt if there is one (whatever the
     run itself started from), else init_from=auto, which redoes the run from scratch or from its
     resume_from. settings ({key: value}) replace the command's own --key=... (a resumed run's
-    command holds those of its resume). ended: last.pt holds max_iters, which init_from=resume
-    refuses (nothing to train) and auto takes to do the end (test split, sample) a stop left."""
+    command holds those of its resume). ended: last.pt holds the training's end (max_iters or an
+    early stop), which init_from=resume refuses (nothing to train) and auto takes to do the end
+    (test split, sample) a stop left."""
     settings = settings or {}
     dropped = ['init_from', 'resume_from'] if has_last else ['init_from']
     args = [a for a in meta['command'][1:]
@@ -431,7 +433,8 @@ def write_report(out_dir):
         command = resume_command(meta, has_last, {'patience': 2 * config['patience']['value']})
         how = "Train on past the early stop (from the directory it was started in), more patient:"
     else:
-        ended = word == 'stopped' and last_event(records)['step'] == config['max_iters']['value']
+        end = last_event(records)
+        ended = word == 'stopped' and end.get('ended', end['step'] == config['max_iters']['value'])
         command = resume_command(meta, has_last, ended=ended)
         what = 'Resume the run' if has_last else 'No last.pt yet: redo the run'
         # a kill comes after the last save: the resume starts from there, not the last record

@@ -435,7 +435,7 @@ perf.reset_peak_memory(device)  # the loop's peak, not the smoke test's or the F
 t_start, eval_seconds, save_seconds, first_loss = time.time(), 0.0, 0.0, None
 if smoke_stopped:  # as the loop stops: last.pt (here the state before the first step), then exit
     save(['last.pt'], gather(checkpoint.rng_state(device)))
-    exits.exit_on_signal(progress.iter_num, max_iters, world_size, writer, device)
+    exits.exit_on_signal(progress.iter_num, False, world_size, writer, device)
 while progress.iter_num < max_iters and not progress.out_of_patience(patience):
     # the step
     step = progress.iter_num + 1  # the iteration under way
@@ -495,7 +495,8 @@ while progress.iter_num < max_iters and not progress.out_of_patience(patience):
 
     # stopping
     if stops:  # every rank saw the same count: all saved above and stop here
-        exits.exit_on_signal(progress.iter_num, max_iters, world_size, writer, device)
+        exits.exit_on_signal(progress.iter_num, progress.iter_num == max_iters or stopping_early,
+                             world_size, writer, device)
     if stopping_early:
         break
 
@@ -506,12 +507,12 @@ if progress.out_of_patience(patience):  # stopped now, or before the end init_fr
     log(f"early stop: no better {what} in {patience} evaluations since iteration "
         f"{progress.best_iter}")
 exits.unsaved(writer.wait(), progress.iter_num, writer, device)
-# a stop heard in this session's last evaluation or save leaves the end (test split, sample) to
-# init_from=auto; an early stop ends as it would have (auto would train on to the next evaluation)
-ran_to_max_iters = progress.iter_num == max_iters and start_iter < max_iters
+# a stop heard in this session's last evaluation or save (at max_iters or an early stop) leaves
+# the end (test split, sample) to init_from=auto, which does only that
+trained = progress.iter_num > start_iter
 exits.stop_at_once()  # a long sample or test split must not hold off a cluster's SIGTERM
-if ran_to_max_iters and distributed.any_rank(exits.stop_signal is not None, device):
-    exits.exit_on_signal(progress.iter_num, max_iters, world_size, writer, device)
+if trained and distributed.any_rank(exits.stop_signal is not None, device):
+    exits.exit_on_signal(progress.iter_num, True, world_size, writer, device)
 session_seconds = time.time() - t_start
 if overfit_one_batch and first_loss is not None:  # None: a finished run resumed, no step taken
     log(f"overfit one batch: loss {first_loss:.4f} -> {loss:.4f}"

@@ -226,21 +226,39 @@ def test_a_stop_during_the_end_ends_the_process_at_once(tmp_path, data_dir):
     assert proc.returncode == -signal.SIGTERM
 
 
-def test_a_stop_in_an_early_stops_evaluation_ends_the_run_as_an_early_stop(tmp_path, data_dir):
+def test_a_stop_at_an_early_stop_leaves_the_end_to_init_from_auto(tmp_path, data_dir):
     # learning_rate 0: the evaluation at 10 is no better than 5's, and patience=1 ends the run
-    # there; a SIGTERM while that save is held changes nothing (a resume would train on to the next
-    # evaluation): the run does its end and exits 0
+    # there. A SIGTERM while that save is held stops the run as at max_iters: its end (test split,
+    # sample) is init_from=auto's, which does only that. It went on to the end
     out = str(tmp_path / 'run')
     args = [*ARGS, '--max_iters=20', '--lr_decay_iters=20', '--eval_interval=5', '--patience=1',
-            '--learning_rate=0', '--test_eval=True']
+            '--learning_rate=0', '--test_eval=True', '--write_report=True']
     proc = start([PROBE, *train_cmd(out, data_dir, *args)],
                  env={**os.environ, 'PROBE_HOLD_SAVE': '2'})
     wait_for_stderr(proc, 'probe: holding the write of')
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 0 and 'early stop: no better val loss' in stdout, stderr
-    assert not read_metrics(out, 'stop') and len(read_metrics(out, 'test')) == 1
-    assert trajectory(out)[-1][0] == 10
+    assert proc.returncode == 143, stderr
+    assert [r['step'] for r in read_metrics(out, 'stop')] == [10] and not read_metrics(out, 'test')
+    assert stdout.split('resume with: ')[1].splitlines()[0].endswith(' --init_from=auto')
+    with forking():
+        end = start(train_cmd(out, data_dir, *args, '--init_from=auto'))
+    stdout, stderr = end.communicate(timeout=120)
+    assert end.returncode == 0 and 'early stop: no better val loss' in stdout, stderr
+    assert len(read_metrics(out, 'test')) == 1 and trajectory(out)[-1][0] == 10
+    # a SIGTERM in that step: the command printed, and report.md's, were init_from=resume's, which
+    # refuses a run out of patience
+    out = str(tmp_path / 'step')
+    proc = start([PROBE, *train_cmd(out, data_dir, *args)],
+                 env={**os.environ, 'PROBE_SLEEP': '10-10:3'})
+    wait_for_stderr(proc, 'probe: rank 0 sleeps in micro-batch 10')
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr
+    assert stdout.split('resume with: ')[1].splitlines()[0].endswith(' --init_from=auto')
+    report = open(os.path.join(out, 'report.md')).read()
+    assert 'last.pt holds it, its end (test split, sample) left' in report, report
+    assert report.split('\n    ')[-1].strip().endswith(' --init_from=auto'), report
 
 
 def test_two_ranks_stop_together_on_sigterm_and_resume_bitwise(tmp_path, data_dir):
