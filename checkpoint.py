@@ -469,14 +469,15 @@ def same_file(a, b):
 
 
 def branch(out_dir, path, ckpt):
-    """A resume from path, another checkpoint of out_dir than its last.pt (stable.pt, best.pt, a
-    kept one): out_dir's checkpoints of later iterations, and a best.pt not of path's best
-    evaluation, belong to the continuation this session replaces (its log records are cut, as on
-    every resume). They move, with the shards folders only they name, into out_dir/replaced-ITER/
-    (ITER: path's), out of the way of init_from=auto, sample.py and verify.py, and kept. last.pt
-    becomes a second name of path (a stop before the first save resumes it again), and best.pt of a
-    checkpoint of its best evaluation where one is kept. Returns the names moved, each with its
-    iteration, and that folder's name."""
+    """A resume from path, a checkpoint of out_dir (last.pt, stable.pt, best.pt, a kept one):
+    out_dir's checkpoints of later iterations, and a best.pt not of path's best evaluation, belong
+    to the continuation this session replaces (its log records are cut, as on every resume); after
+    a kill, a kept checkpoint an evaluation wrote without last.pt (always_save_checkpoint=False),
+    or stable.pt, may be past last.pt. They move, with the shards folders only they name, into
+    out_dir/replaced-ITER/ (ITER: path's), out of the way of init_from=auto, sample.py and
+    verify.py, and kept. last.pt becomes a second name of path (a stop before the first save
+    resumes it again), and best.pt of a checkpoint of its best evaluation where one is kept.
+    Returns the names moved, each with its iteration, and that folder's name."""
     def is_best(saved):  # the state at path's best evaluation: its iteration and its val loss
         return saved and (saved['iter_num'], saved['best_val_loss']) == (ckpt['best_iter'],
                                                                          ckpt['best_val_loss'])
@@ -498,8 +499,9 @@ def branch(out_dir, path, ckpt):
     for folder in {files[name]['shards'] for name in stale} - kept_shards - {None}:
         with contextlib.suppress(FileNotFoundError):  # moved by a move a kill cut short
             os.replace(os.path.join(out_dir, folder), os.path.join(out_dir, replaced, folder))
-    best = os.path.join(out_dir, 'best.pt')
-    link_file(path, os.path.join(out_dir, 'last.pt'))
+    best, last = os.path.join(out_dir, 'best.pt'), os.path.join(out_dir, 'last.pt')
+    if not same_file(path, last):
+        link_file(path, last)
     if ckpt['best_iter'] and not os.path.exists(best):
         for name in (os.path.basename(path), f"ckpt-{ckpt['best_iter']:06d}.pt", 'stable.pt'):
             if is_best(saved_state(os.path.join(out_dir, name))):

@@ -150,8 +150,8 @@ def open_run(out_dir, resumed, config, sources, session):
     been moved), the logs keep what it had logged and lose what came after, since those steps are
     redone; from one in another folder they stay whole; a new run cuts them all (one stopped here
     before its first checkpoint). Temp files a killed save left are dropped: never read, safe to
-    remove. Resumed from another checkpoint of out_dir than last.pt, checkpoint.branch makes its
-    checkpoints those of the run as it now goes on."""
+    remove. Resumed from a checkpoint of out_dir, checkpoint.branch makes its checkpoints those of
+    the run as it now goes on."""
     global run_dir, with_report, tensorboard, wandb
     run_dir, with_report = out_dir, config['write_report']
     here = resumed and os.path.realpath(os.path.dirname(resumed[0])) == os.path.realpath(out_dir)
@@ -161,7 +161,7 @@ def open_run(out_dir, resumed, config, sources, session):
         if not lock(out_dir):
             return (f"out_dir '{out_dir}' is in use: another run writes there now (it holds "
                     f"{os.path.join(out_dir, '.lock')}): let it end, or use another out_dir")
-        if here and not checkpoint.same_file(os.path.join(out_dir, 'last.pt'), resumed[0]):
+        if here:  # last.pt too: a kill may leave a kept checkpoint or stable.pt past it
             moved, replaced = checkpoint.branch(out_dir, *resumed)
             if moved:
                 log(f"moved {', '.join(moved)} into {os.path.join(out_dir, replaced)}: the "

@@ -249,7 +249,8 @@ def test_a_stop_at_an_early_stop_leaves_the_end_to_init_from_auto(tmp_path, data
     # a SIGTERM in that step: the command printed, and report.md's, were init_from=resume's, which
     # refuses a run out of patience
     out = str(tmp_path / 'step')
-    proc = start([PROBE, *train_cmd(out, data_dir, *args)],
+    # float32: 'auto' may time training forwards, which the probe would count
+    proc = start([PROBE, *train_cmd(out, data_dir, *args, '--dtype=float32')],
                  env={**os.environ, 'PROBE_SLEEP': '10-10:3'})
     wait_for_stderr(proc, 'probe: rank 0 sleeps in micro-batch 10')
     proc.send_signal(signal.SIGTERM)

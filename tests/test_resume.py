@@ -204,6 +204,30 @@ def test_a_run_folder_moved_after_a_kill_resumes_with_each_step_logged_once(tmp_
     assert [r['step'] for r in read_metrics(moved, 'train')] == list(range(1, 13))
 
 
+def test_a_resume_from_last_pt_moves_a_later_kept_checkpoint_aside(tmp_path, data_dir):
+    # always_save_checkpoint=False: the evaluation at 6, no better than 3's (learning rate 0),
+    # writes ckpt-000006.pt alone, and a kill at 7 leaves last.pt at 3. The resume, at another rate,
+    # replaces 4-6: that checkpoint stayed beside it, and a --resume_from of it mixed the two
+    # continuations in the logs
+    run = str(tmp_path / 'run')
+    # float32: 'auto' times training forwards, which the probe would count
+    args = ['--max_iters=12', '--lr_decay_iters=12', '--eval_interval=3', '--keep_checkpoints=4',
+            '--always_save_checkpoint=False', '--dtype=float32']
+    proc = forked.Process(PROBE, 'train.py', RUN_CONFIG, f'--data_dir={data_dir}',
+                          f'--out_dir={run}', *args, '--learning_rate=0',
+                          env={**os.environ, 'PROBE_SLEEP': '7-7:60'})
+    wait_for_stderr(proc, 'probe: rank 0 sleeps in micro-batch 7')
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert sorted(f for f in os.listdir(run) if f.endswith('.pt')) == [
+        'best.pt', 'ckpt-000003.pt', 'ckpt-000006.pt', 'last.pt']
+    result = run_train(run, data_dir, *args, '--init_from=resume')
+    assert (f"moved ckpt-000006.pt (6) into {run}/replaced-000003: the continuation after "
+            f"iteration 3 this session replaces") in result.stdout, result.stdout
+    assert os.listdir(os.path.join(run, 'replaced-000003')) == ['ckpt-000006.pt']
+    assert [r['step'] for r in read_metrics(run, 'train')] == list(range(1, 13))
+
+
 def test_a_resume_whose_best_weights_no_file_holds_tests_the_last_and_says_so(tmp_path, data_dir):
     out, source, branch = (str(tmp_path / name) for name in ('run', 'source', 'branch'))
     run_train(out, data_dir, '--max_iters=20', '--lr_decay_iters=20', '--eval_interval=10',
