@@ -314,14 +314,21 @@ def changed_settings(ckpt, config, defaults):
     return {k: (theirs(k), config[k]) for k in config if theirs(k) != config[k]}
 
 
-def why_not_resume(ckpt, config, defaults, unread=()):
+def why_not_resume(ckpt, config, defaults, unread=(), tasks=''):
     """Why this config may not resume the checkpoint ('was trained with other settings (...)'), or
     ''. unread: keys neither run reads (preflight.unread's), which may change. What measures the
-    best so far may not: eval_iters (the val windows) under best_by='val_loss', the tasks under
-    'acc_norm' (their mean): a best.pt chosen over two measures would be chosen by the change.
-    eval_only, which loads only the weights and evaluates them, may change all but WEIGHTS_KEYS."""
-    chooses_best = (('eval_tasks', 'eval_tasks_examples') if config['best_by'] == 'acc_norm'
-                    else ('eval_iters',))
+    best so far may not: eval_iters (the val windows) under best_by='val_loss', the examples the
+    tasks score under 'acc_norm' (tasks: evaluate.tasks_digest's; a checkpoint from before the
+    digest: eval_tasks' paths and eval_tasks_examples): a best.pt chosen over two measures would be
+    chosen by the change. eval_only, which loads only the weights and evaluates them, may change
+    all but WEIGHTS_KEYS."""
+    by_tasks = config['best_by'] == 'acc_norm'
+    if by_tasks and not config['eval_only'] and ckpt.get('tasks', tasks) != tasks:
+        return ("scored other task examples than eval_tasks does here (best_by='acc_norm' chose "
+                "its best.pt by them)")
+    chooses_best = ('eval_iters',)
+    if by_tasks:
+        chooses_best = () if 'tasks' in ckpt else ('eval_tasks', 'eval_tasks_examples')
 
     def fixed(key):
         if config['eval_only']:

@@ -19,6 +19,7 @@ character-level vocabulary lacks are scored as its unknown id 0, and a warning p
 Per task, stdout gets one line: the example count, acc and acc_norm with 95% intervals, and chance
 level. What was loaded, and how long it took, goes to stderr.
 """
+import hashlib
 import json
 import math
 import os
@@ -180,6 +181,14 @@ def read_tasks(paths, encode, block_size, max_examples=0, unknown=None):
             raise TaskError(f"two task files in tasks='{paths}' are named '{task_name(path)}': "
                             f"their scores would share one name; rename one, or name it once")
     return {path: read_task(path, encode, block_size, max_examples, unknown) for path in names}
+
+
+def tasks_digest(tasks):
+    """A digest of read_tasks' {path: examples}: each task's name, and its examples' token ids and
+    answers. Every checkpoint keeps it: best_by='acc_norm' chose best.pt by these examples, and a
+    resume that scores others is refused, whatever path names their files."""
+    scored = repr([(task_name(path), examples) for path, examples in tasks.items()])
+    return hashlib.sha256(scored.encode()).hexdigest()[:16]
 
 
 def task_name(path):

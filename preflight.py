@@ -249,7 +249,8 @@ def start(config, sources, defaults, model_config, resume, data_meta, dataset_id
     if resuming:
         # a key neither run reads (muon_dtype under AdamW) changes nothing: it may come or go
         unread_by_both = unread(config).keys() & unread(defaults | ckpt['config']).keys()
-        why = (checkpoint.why_not_resume(ckpt, config, defaults, unread_by_both)
+        why = (checkpoint.why_not_resume(ckpt, config, defaults, unread_by_both,
+                                         evaluate.tasks_digest(tasks))
                or datafiles.data_change(ckpt['dataset'], dataset_id, splits))
         check(not why,
               f"{ckpt_path} {why}: use the checkpoint's settings and data, or a new out_dir")

@@ -44,7 +44,7 @@ NOT_FIGURES = ('kind', 'step', 'time', 'seconds')
 # a checkpoint's entries that say where, when and by what code it was written, not what state it
 # holds (an older format's dataset record is shorter; the replay's resume checks the data itself)
 WHERE_AND_WHEN = ('config', 'eval_windows', 'log_bytes', 'train_seconds', 'shards', 'migrated',
-                  'dataset')
+                  'dataset', 'tasks')
 # what no kernel's order of addition can change: a difference there is no drift
 COUNTERS = ('iter_num', 'scheduler', 'scaler', 'sampler', 'rng')
 # the loop's counters an evaluation sets (checkpoint.Progress.new_best)

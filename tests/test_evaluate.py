@@ -4,6 +4,7 @@ bad task files stop with FILE:LINE; the command on a trained run and on a Huggin
 Nothing is downloaded: the BPE is made here."""
 import json
 import os
+import shutil
 import random
 from contextlib import nullcontext
 
@@ -440,6 +441,21 @@ def test_accuracy_in_the_loop_on_one_and_two_ranks(data_dir, tmp_path):
     # how many: evaluate.py scores all of a task's by default, eval_tasks_examples the first ones
     assert (f"toy_task acc_norm {evals[-1]['toy_task/acc_norm']:.4f} on 13 examples (chance 0.33)"
             in result.stdout)
+    # best.pt was chosen by these examples: a resume that scores others is refused (a file edited
+    # in place was resumed), one that names the same by another path goes on
+    (tmp_path / 'moved').mkdir()
+    moved = shutil.copy(task, tmp_path / 'moved' / 'toy_task.jsonl')
+    with open(task) as f:
+        lines = f.readlines()
+    with open(task, 'w') as f:
+        f.writelines(lines[:-1])
+    resume = [*args, '--max_iters=22', '--init_from=resume']
+    result = run_train(one, data_dir, *resume, check=False)
+    assert result.returncode == 2 and result.stderr.splitlines()[-1] + '\n' == (
+        f"error: {one}/last.pt scored other task examples than eval_tasks does here "
+        f"(best_by='acc_norm' chose its best.pt by them): use the checkpoint's settings and data, "
+        f"or a new out_dir\n"), result.stderr
+    run_train(one, data_dir, *resume, f'--eval_tasks={moved}')
 
 
 def test_a_bad_task_file_stops_the_run_before_anything_is_written(data_dir, tmp_path):

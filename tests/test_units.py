@@ -949,6 +949,16 @@ def test_what_chooses_best_pt_may_not_change_on_resume():
     assert checkpoint.why_not_resume(ckpt, {**by_tasks, 'eval_tasks_examples': 100}, defaults) == (
         "was trained with other settings (eval_tasks_examples=500 there, 100 here)")
     assert checkpoint.why_not_resume(ckpt, {**by_tasks, 'eval_iters': 20}, defaults) == ''
+    # a checkpoint that keeps the digest of the examples scored: their contents count, not the
+    # path (a task file edited in place was resumed, and best.pt chosen across the two)
+    ckpt = {'config': by_tasks, 'tasks': 'digest-a'}
+    moved = {**by_tasks, 'eval_tasks': '/elsewhere/a.jsonl'}
+    assert checkpoint.why_not_resume(ckpt, moved, defaults, tasks='digest-a') == ''
+    assert checkpoint.why_not_resume(ckpt, by_tasks, defaults, tasks='digest-b') == (
+        "scored other task examples than eval_tasks does here (best_by='acc_norm' chose its "
+        "best.pt by them)")
+    assert checkpoint.why_not_resume(ckpt, {**eval_only, 'best_by': 'acc_norm'}, defaults,
+                                     tasks='digest-b') == ''
 
 
 def test_a_dtype_compares_on_resume_as_the_checkpoints_run_resolved_it():
