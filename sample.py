@@ -8,7 +8,8 @@ Sample from a trained model with the run's own tokenizer:
 
 Samples go to stdout, each followed by a line of dashes; what was loaded goes to stderr. The same
 --seed gives the same samples. An empty prompt starts where documents start: a newline for a
-character tokenizer, end-of-text for a BPE one.
+character tokenizer, end-of-text for a BPE one, and a newline (nanoGPT's) for a dataset that has no
+end-of-text, one text cut into splits by position.
 """
 import os
 import re
@@ -115,13 +116,21 @@ def sample_pieces(model, tok, start, max_new_tokens, temperature, top_k, seed, d
     yield tok.decode(waiting)  # what a final U+FFFD held back
 
 
-def run_end_sample(model, weights, tokenizer_meta, new_tokens, seed, device, autocast, sharded):
+def empty_prompt(tok, dataset):
+    """The prompt of an empty start, where the documents of dataset (a checkpoint's record of it)
+    start: the tokenizer's (Tokenizer.start), or a newline, as nanoGPT's, where each split is one
+    document (prepare.py's cut of a single text by position), which ends in no end-of-text."""
+    documents = dataset.get('documents') or {}  # older checkpoints and llm.c's data: not known
+    return '\n' if documents and set(documents.values()) == {1} else tok.start
+
+
+def run_end_sample(model, weights, dataset, new_tokens, seed, device, autocast, sharded):
     """train.py's sample at a run's end from model (weights: the words that name them), logged as
     its tokens come. The tokenizer loads only now: GPT-2's is a one-time download, which an offline
     GPU node may lack, and then the run says so and ends as it would have. A sharded model's
     forward needs every rank: all sample, or none."""
     try:
-        tok, no_sample = tokenizer.load(tokenizer_meta), ''
+        tok, no_sample = tokenizer.load(dataset['tokenizer']), ''
     except tokenizer.TokenizerError as e:
         tok, no_sample = None, f"no sample: {e}"
     if sharded and distributed.any_rank(no_sample, device):
@@ -130,7 +139,8 @@ def run_end_sample(model, weights, tokenizer_meta, new_tokens, seed, device, aut
         return runlog.log(no_sample)
     runlog.log(f"a sample from {weights}:")
     with autocast:
-        runlog.log_pieces(sample_pieces(model, tok, tok.start, new_tokens, 0.8, 200, seed, device))
+        runlog.log_pieces(sample_pieces(model, tok, empty_prompt(tok, dataset), new_tokens, 0.8,
+                                        200, seed, device))
 
 
 if __name__ == '__main__':
@@ -223,7 +233,7 @@ if __name__ == '__main__':
         fail(f"the prompt holds characters the vocabulary lacks: "
              f"{', '.join(map(repr, unknown[:10]))}{more}: write it with the dataset's characters "
              f"(its meta.json's tokenizer 'chars')")
-    start = start or tok.start
+    start = start or empty_prompt(tok, saved['dataset'])
     # after every check: a mistake is one line
     if busy := distributed.busy_warning(torch.get_num_threads(), distributed.cpu_use()):
         print(busy, file=sys.stderr)

@@ -534,8 +534,8 @@ weights = runlog.done(progress, best_by, {
     'wall_seconds': session_seconds, 'eval_seconds': eval_seconds, 'save_seconds': save_seconds,
     'total_seconds': seconds_before + session_seconds}, start_iter)
 if sample_tokens and (master or sharded):  # a sharded model's forward needs every rank
-    sample.run_end_sample(best_model, weights, data_meta['tokenizer'], sample_tokens, seed, device,
-                          autocast, sharded)
+    sample.run_end_sample(best_model, weights, dataset_id, sample_tokens, seed, device, autocast,
+                          sharded)
 runlog.finish()
 # the interpreter's exit would run a full collection over every object left, torch's modules' among
 # them (0.6-0.8 s on a CPU): nothing there needs it (runlog closes the logs at exit)

@@ -1,6 +1,8 @@
 """sample.py on a finished tiny run: seeded, greedy at top_k=1, prompts from files, clean errors."""
+import json
 import os
 import pickle
+import types
 
 import pytest
 import torch
@@ -38,6 +40,21 @@ def test_seed_decides_the_samples(run_dir, device):
     assert seed_2.stdout == second + SEPARATOR and first != second
     # an empty prompt starts where documents do: a newline for a char tokenizer
     assert first.startswith('\n')
+
+
+def test_an_empty_prompt_starts_where_the_datasets_documents_do(run_dir, data_dir):
+    # a BPE dataset of one text cut by position holds no end-of-text: the sample started from that
+    # token, which the model never saw as input
+    ckpt = torch.load(os.path.join(run_dir, 'best.pt'), weights_only=True)
+    with open(os.path.join(data_dir, 'toy', 'meta.json')) as f:
+        splits = json.load(f)['splits']
+    assert ckpt['dataset']['documents'] == {s: v['documents'] for s, v in splits.items()}
+    assert min(ckpt['dataset']['documents'].values()) > 1
+    bpe = types.SimpleNamespace(start='<|endoftext|>')
+    assert sample.empty_prompt(bpe, ckpt['dataset']) == '<|endoftext|>'
+    one_text = {**ckpt['dataset'], 'documents': {'train': 1, 'val': 1, 'test': 1}}
+    assert sample.empty_prompt(bpe, one_text) == '\n'
+    assert sample.empty_prompt(bpe, {}) == '<|endoftext|>'  # older checkpoints, llm.c's data
 
 
 def test_top_k_1_is_greedy_with_a_prompt_file(run_dir, tmp_path):
