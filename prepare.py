@@ -22,6 +22,7 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -163,10 +164,17 @@ def parquet_texts(path, text_key):
         yield from (t or '' for t in batch.column(0).to_pylist())
 
 
+# before the last character of a whitespace run that a printable character follows: GPT-2's
+# pre-tokenizer (tokenizer.GPT2_PAT_STR) ends a piece there (the run's rest is one, that last space
+# goes with the word after it), so both sides of a cut there split as the whole text does; a cut
+# after a newline could split a piece ('\n   ' before indented code) in two
+CLEAN_CUT = re.compile(rb'.*(?=[ \t\n\r][\x21-\x7e])', re.DOTALL)
+
+
 def text_chunks(path, start, end, progress):
-    """The bytes [start, end) of a file as (offset, piece) of about BATCH_BYTES each, cut after a
-    newline (or, in a text without newlines, where a character starts), so no character is ever cut
-    in two."""
+    """The bytes [start, end) of a file as (offset, piece) of about BATCH_BYTES each, tokenized one
+    by one: cut where GPT-2's pre-tokenizer splits (CLEAN_CUT), or else after the last newline, or
+    else where a character starts, so no character is ever cut in two."""
     with open(path, 'rb') as f:
         f.seek(start)
         rest = b''
@@ -174,8 +182,9 @@ def text_chunks(path, start, end, progress):
             block = rest + f.read(min(BATCH_BYTES, end - start))
             start += len(block) - len(rest)
             # no character is longer than 4 bytes: one starts in the last 4
-            cut = (len(block) if start >= end
-                   else block.rfind(b'\n') + 1 or char_boundary(block, max(len(block) - 4, 0)))
+            clean = CLEAN_CUT.match(block)
+            cut = (len(block) if start >= end else clean and clean.end()
+                   or block.rfind(b'\n') + 1 or char_boundary(block, max(len(block) - 4, 0)))
             rest = block[cut:]
             progress.bytes_done = start - len(rest)
             if cut:

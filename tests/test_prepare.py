@@ -702,3 +702,19 @@ def test_pieces_of_a_text_without_newlines_cut_between_characters(tmp_path, monk
     pieces = [piece.decode('utf-8')
               for _, piece in prepare.text_chunks(tmp_path / 'in.txt', 0, size, progress)]
     assert ''.join(pieces) == text and len(pieces) > 100
+
+
+def test_pieces_of_a_text_split_into_gpt2s_pretokens_as_the_whole_text_does(tmp_path, monkeypatch):
+    # indented code: a cut after the newline split its whitespace run, and the shards were not the
+    # tokenizer's encoding of the text (over 1 MiB, BATCH_BYTES)
+    import regex  # tiktoken's
+    lines = ['    ' * (i % 3 + 1) + f'return self.value_{i}' + ' ' * (i % 2) for i in range(300)]
+    text = '\n'.join(lines) + '\n'
+    (tmp_path / 'in.txt').write_text(text)
+    monkeypatch.setattr(prepare, 'BATCH_BYTES', 200)
+    progress = prepare.Progress('test', 0)
+    pieces = [piece.decode() for _, piece in prepare.text_chunks(tmp_path / 'in.txt', 0, len(text),
+                                                                 progress)]
+    assert ''.join(pieces) == text and len(pieces) > 40
+    split = regex.compile(tokenizer.GPT2_PAT_STR).findall
+    assert [p for piece in pieces for p in split(piece)] == split(text)
