@@ -187,6 +187,8 @@ def resume_point(c):
     if not c['eval_only']:  # which writes nothing
         check_out_dir(c['out_dir'], (resuming or c['init_from'] == 'auto') and not elsewhere,
                       os.path.join(c['data_dir'], c['dataset']))
+        busy = runlog.in_use(c['out_dir'])  # runlog.start takes the lock, once all is built
+        check(not busy, busy)
     return resuming, ckpt_path, ckpt
 
 

@@ -159,8 +159,7 @@ def open_run(out_dir, resumed, config, sources, session):
     try:
         os.makedirs(out_dir, exist_ok=True)
         if not lock(out_dir):
-            return (f"out_dir '{out_dir}' is in use: another run writes there now (it holds "
-                    f"{os.path.join(out_dir, '.lock')}): let it end, or use another out_dir")
+            return in_use(out_dir)
         if here:  # last.pt too: a kill may leave a kept checkpoint or stable.pt past it
             moved, replaced = checkpoint.branch(out_dir, *resumed)
             if moved:
@@ -197,8 +196,28 @@ def lock(out_dir):
     global lock_file
     lock_file = open(os.path.join(out_dir, '.lock'), 'a')
     atexit.register(lock_file.close)  # at exit, after the logs (registered before them)
+    return lock_taken(lock_file)
+
+
+def in_use(out_dir):
+    """The line that says another process holds out_dir's lock (lock's), or ''. Looked at before
+    anything is built (preflight), so that a scheduler's second start is one line; lock() takes it
+    for good. Opened without creating it: a run refused later leaves no file."""
     try:
-        fcntl.lockf(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = os.open(os.path.join(out_dir, '.lock'), os.O_WRONLY)
+    except OSError:  # none yet (or out_dir is no folder: preflight says so)
+        return ''
+    with os.fdopen(fd, 'w') as f:  # closed: the lock taken to look is let go
+        if lock_taken(f):
+            return ''
+    return (f"out_dir '{out_dir}' is in use: another run writes there now (it holds "
+            f"{os.path.join(out_dir, '.lock')}): let it end, or use another out_dir")
+
+
+def lock_taken(f):
+    """Whether this process now holds the POSIX lock of the open file f."""
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:  # held by another process; a filesystem without locks holds none
         return e.errno not in (errno.EACCES, errno.EAGAIN)
     return True

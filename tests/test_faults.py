@@ -169,6 +169,7 @@ def test_a_second_run_into_an_out_dir_in_use_is_refused_in_one_line(tmp_path, da
         assert result.returncode == 2 and result.stderr == (
             f"error: out_dir '{out}' is in use: another run writes there now (it holds "
             f"{out}/.lock): let it end, or use another out_dir\n")
+        assert 'building the model' not in result.stdout, result.stdout  # refused before it
         assert open(os.path.join(out, 'metrics.jsonl')).read() == logged
     # let go (as when that run ends, however it ends): auto redoes the end
     result = run_train(out, data_dir, *ARGS, '--init_from=auto')
