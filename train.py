@@ -315,7 +315,8 @@ def split_loss(split, model):
     except data.DataError as e:  # every rank raises it, having met in evaluate.loss's all-reduce
         exits.data_fault(progress.iter_num, e, writer)
 
-if eval_only:  # nanoGPT's: the weights as they start, evaluated once and printed; Ctrl-C ends it
+if eval_only:  # nanoGPT's: the weights as they start, evaluated once and printed
+    exits.stop_at_once()  # nothing to save: Ctrl-C ends it at once, without a traceback
     losses = {split: split_loss(split, eval_model) for split in ('train', 'val')}
     ema_loss = ''
     if ema:  # what chose best.pt

@@ -226,6 +226,21 @@ def test_a_stop_during_the_end_ends_the_process_at_once(tmp_path, data_dir):
     assert proc.returncode == -signal.SIGTERM
 
 
+def test_ctrl_c_ends_an_eval_only_run_at_once(tmp_path, data_dir):
+    # nothing to save: the process ends as Ctrl-C ends a program (it printed a KeyboardInterrupt
+    # traceback of 50 lines)
+    out = str(tmp_path / 'run')
+    with forking():
+        ok(forked.run(*train_cmd(out, data_dir, *ARGS, '--max_iters=2', '--eval_interval=2')))
+    proc = start([PROBE, *train_cmd(out, data_dir, *ARGS, '--eval_only=True',
+                                    '--init_from=resume')],
+                 env={**os.environ, 'PROBE_SLEEP_EVAL': '60'})
+    wait_for_stderr(proc, 'probe: rank 0 sleeps in an evaluation')
+    proc.send_signal(signal.SIGINT, group=True)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGINT and 'Traceback' not in stderr, stderr
+
+
 def test_a_stop_at_an_early_stop_leaves_the_end_to_init_from_auto(tmp_path, data_dir):
     # learning_rate 0: the evaluation at 10 is no better than 5's, and patience=1 ends the run
     # there. A SIGTERM while that save is held stops the run as at max_iters: its end (test split,
