@@ -148,14 +148,15 @@ def open_run(out_dir, resumed, config, sources, session):
     """Rank 0's part of start(): returns None, or the line that says out_dir cannot be written.
     Resumed from a checkpoint in out_dir (wherever the folder was when it was written: it may have
     been moved), the logs keep what it had logged and lose what came after, since those steps are
-    redone; from one in another folder they stay whole; a new run cuts them all (one stopped here
-    before its first checkpoint). Temp files a killed save left are dropped: never read, safe to
+    redone; otherwise they are cut whole: out_dir holds no checkpoint then (preflight refuses one
+    of another folder into a used out_dir), so they are of a run stopped before its first one (a
+    smoke test that failed), which this one is not. Temp files a killed save left are dropped: never read, safe to
     remove. Resumed from a checkpoint of out_dir, checkpoint.branch makes its checkpoints those of
     the run as it now goes on."""
     global run_dir, with_report, tensorboard, wandb
     run_dir, with_report = out_dir, config['write_report']
     here = resumed and os.path.realpath(os.path.dirname(resumed[0])) == os.path.realpath(out_dir)
-    keep_bytes = resumed[1]['log_bytes'] if here else None if resumed else {}
+    keep_bytes = resumed[1]['log_bytes'] if here else {}
     try:
         os.makedirs(out_dir, exist_ok=True)
         if not lock(out_dir):
@@ -224,19 +225,11 @@ def lock_taken(f):
 
 
 def cut_logs(out_dir, keep_bytes):
-    """Cuts each log in out_dir to keep_bytes[name] bytes (0 where it names none), or with
-    keep_bytes None keeps it whole but for a last line without its newline: a kill mid-write left
-    it, it never happened, and a record appended to it would be unreadable."""
+    """Cuts each log in out_dir to keep_bytes[name] bytes (0 where it names none)."""
     for name in LOGS:
         path = os.path.join(out_dir, name)
-        if not os.path.exists(path):
-            continue
-        if keep_bytes is not None:
+        if os.path.exists(path):
             os.truncate(path, min(os.path.getsize(path), keep_bytes.get(name, 0)))
-            continue
-        with open(path, 'rb') as f:
-            kept = f.read()
-        os.truncate(path, kept.rfind(b'\n') + 1)
 
 
 def close_logs():

@@ -176,20 +176,6 @@ def test_a_run_whose_metrics_are_damaged_ends_without_a_report_in_one_line(tmp_p
     assert not (tmp_path / 'report.md').exists()
 
 
-def test_logs_kept_whole_lose_a_line_a_kill_cut_short(tmp_path):
-    # a resume from another folder's checkpoint keeps out_dir's logs: appended to a cut line, its
-    # first record would be unreadable
-    import runlog
-    (tmp_path / 'metrics.jsonl').write_bytes(b'{"kind": "start"}\n{"kind": "train", "st')
-    (tmp_path / 'train.log').write_bytes(b'starting\n')
-    runlog.cut_logs(str(tmp_path), None)
-    assert (tmp_path / 'metrics.jsonl').read_bytes() == b'{"kind": "start"}\n'
-    assert (tmp_path / 'train.log').read_bytes() == b'starting\n'
-    runlog.cut_logs(str(tmp_path), {'metrics.jsonl': 5})  # a resume here: the checkpoint's sizes
-    assert ((tmp_path / 'metrics.jsonl').read_bytes() == b'{"kin'
-            and (tmp_path / 'train.log').read_bytes() == b'')
-
-
 @pytest.mark.parametrize('step, left, init_from', [
     (10, 'resume it', 'resume'),
     # after the last step: resume refuses a run at max_iters, auto does the end it left
