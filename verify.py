@@ -240,8 +240,10 @@ def main(config, sources):
         fail(f"{start_path} (iteration {first}) is not before {end_path} (iteration {last}): "
              f"name an earlier start")
     settings = end_ckpt['config']  # the settings of the session that wrote end, not the latest's
-    changed = sorted(k for k in settings
-                     if k not in FREE and start_ckpt['config'].get(k) != settings[k])
+    # as a resume compares them (dtype: as the run resolved it); a key start's code lacked differs
+    changed = sorted(k for k in checkpoint.changed_settings(start_ckpt, settings,
+                                                             dict.fromkeys(settings))
+                     if k not in FREE)
     if changed:
         fail(f"{start_path} and {end_path} come from sessions with other settings "
              f"({', '.join(changed)}): name two checkpoints of one session")

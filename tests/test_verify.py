@@ -174,11 +174,15 @@ def test_a_two_rank_run_verifies_under_torchrun(tmp_path, data_dir):
 
 def test_a_span_over_a_session_that_changed_a_setting_is_refused(tmp_path, data_dir):
     run = str(tmp_path / 'run')
-    kept = ['--checkpoint_interval=5', '--keep_checkpoints=4']
-    run_train(run, data_dir, *ARGS, *kept, '--max_iters=10')
-    run_train(run, data_dir, *ARGS, *kept, '--max_iters=15', '--init_from=resume',
-              '--learning_rate=1e-2')
-    run_train(run, data_dir, *ARGS, *kept, '--init_from=resume')  # the first rate again
+    kept = [*ARGS, '--checkpoint_interval=5', '--keep_checkpoints=4']
+    run_train(run, data_dir, *kept, '--max_iters=5', '--dtype=float32')
+    # dtype left out: 'auto' keeps the run's float32, as a resume does (verify.py refused it)
+    run_train(run, data_dir, *kept, '--max_iters=10', '--init_from=resume')
+    result = forked.run('verify.py', f'--start={run}/ckpt-000005.pt', f'--end={run}/ckpt-000010.pt')
+    assert result.returncode == 0 and result.stdout.startswith('reproduced: iterations 6-10'), \
+        result.stdout + result.stderr
+    run_train(run, data_dir, *kept, '--max_iters=15', '--init_from=resume', '--learning_rate=1e-2')
+    run_train(run, data_dir, *kept, '--init_from=resume')  # the first rate again
     # start's and end's settings are alike, 11-15 ran otherwise: the replay 'diverged' at 11
     end = f'{run}/ckpt-000020.pt'
     result = forked.run('verify.py', f'--start={run}/ckpt-000010.pt', f'--end={end}')
@@ -186,6 +190,10 @@ def test_a_span_over_a_session_that_changed_a_setting_is_refused(tmp_path, data_
         f"error: iterations 11-15 ran in a session that changed learning_rate on resume, which "
         f"the replay of {end}'s settings would not: name checkpoints of sessions with one set of "
         f"settings\n"), result.stderr
+    result = forked.run('verify.py', f'--start={run}/ckpt-000015.pt', f'--end={end}')
+    assert result.returncode == 2 and result.stderr == (
+        f"error: {run}/ckpt-000015.pt and {end} come from sessions with other settings "
+        f"(learning_rate): name two checkpoints of one session\n"), result.stderr
 
 
 def test_too_few_kept_checkpoints_is_one_line(tmp_path, data_dir):
