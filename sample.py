@@ -170,7 +170,8 @@ if __name__ == '__main__':
     except ValueError as e:
         fail(e)
 
-    if start.startswith('FILE:'):
+    prompt_file = start.startswith('FILE:')
+    if prompt_file:
         try:
             # newline='': the file's line endings as they are (a CRLF corpus trains on them)
             with open(start[len('FILE:'):], encoding='utf-8', newline='') as f:
@@ -220,6 +221,10 @@ if __name__ == '__main__':
         tok = tokenizer.load(saved['dataset']['tokenizer'])
     except tokenizer.TokenizerError as e:
         fail(e)
+    # a prompt file saved with CRLF line endings, for a vocabulary without '\r' (an LF corpus's; a
+    # BPE's is taken as one): '\n', as Python reads text. A char corpus with them keeps them
+    if prompt_file and (tok.eot_id is not None or tok.unknown('\r')):
+        start = start.replace('\r\n', '\n')
     try:  # train.py's rule, for this model's shape on this device
         dtype = precision.resolve_dtype(
             dtype, device, {**saved['model_args'], 'dropout': 0.0}, 1)[0]

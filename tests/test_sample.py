@@ -86,13 +86,28 @@ def test_prompt_characters_the_vocabulary_lacks_are_refused_in_one_line(run_dir,
     assert result.stderr == ("error: the prompt holds characters the vocabulary lacks: '€', '{', "
                              "'}', 'A', 'B', 'C', 'D', 'E', 'F', 'G' and 3 more: write it with the "
                              "dataset's characters (its meta.json's tokenizer 'chars')\n")
-    # a prompt file's line endings as they are: its '\r' was dropped, and the prompt sampled
+    # a prompt file's CRLF line endings are '\n' for a vocabulary without '\r' (a lone '\r' is no
+    # line ending here: it was read as one), and kept for one with it (a CRLF corpus's: dropped)
     prompt = tmp_path / 'crlf.txt'
     prompt.write_bytes(b'the cat\r\n')
     result = run_sample(f'--out_dir={run_dir}', f'--start=FILE:{prompt}', '--num_samples=1',
                         '--max_new_tokens=1', '--device=cpu')
+    assert result.returncode == 0 and result.stdout.startswith('the cat\n'), result.stderr
+    prompt.write_bytes(b'the\rcat\n')
+    result = run_sample(f'--out_dir={run_dir}', f'--start=FILE:{prompt}', '--num_samples=1',
+                        '--max_new_tokens=1', '--device=cpu')
     assert result.returncode == 2 and "the prompt holds characters the vocabulary lacks: '\\r'" \
         in result.stderr, result.stderr
+    # a vocabulary with '\r' and no '\n': read as '\n', the '\r' was refused
+    ckpt = torch.load(os.path.join(run_dir, 'best.pt'), weights_only=True)
+    chars = ckpt['dataset']['tokenizer']['chars']
+    swapped = {next(c for c in chars if c not in 'the cat\n'): '\r', '\n': '\x01'}
+    ckpt['dataset']['tokenizer']['chars'] = [swapped.get(c, c) for c in chars]
+    torch.save(ckpt, tmp_path / 'crlf.pt')
+    prompt.write_bytes(b'the cat\r')
+    result = run_sample(f'--ckpt={tmp_path / "crlf.pt"}', f'--start=FILE:{prompt}',
+                        '--num_samples=1', '--max_new_tokens=1', '--device=cpu')
+    assert result.returncode == 0, result.stderr
 
 
 def test_the_default_prompt_is_sampled_where_train_has_no_newline(run_dir, tmp_path):
