@@ -53,9 +53,8 @@ def unread(c, ddp=True):
     """{key: (the setting that reads it, the flag that sets that)} of the keys c never reads; ddp:
     whether it runs under torchrun (a resume compares as if it did)."""
     keys = {}
-    if not ddp:  # one process: no process group, nothing to shard
-        keys |= dict.fromkeys(('parallel', 'backend'),
-                              ('torchrun', 'torchrun --standalone --nproc_per_node=N'))
+    if not ddp:  # one process: no process group (parallel, which a resume compares, is kept)
+        keys['backend'] = ('torchrun', 'torchrun --standalone --nproc_per_node=N')
     if c['eval_only']:
         keys |= dict.fromkeys(TRAINING_KEYS, ('training', '--eval_only=False'))
     if c['optimizer'] != 'muon':
@@ -187,7 +186,9 @@ def resume_point(c):
     if not c['eval_only']:  # which writes nothing
         check_out_dir(c['out_dir'], (resuming or c['init_from'] == 'auto') and not elsewhere,
                       os.path.join(c['data_dir'], c['dataset']))
-        busy = runlog.in_use(c['out_dir'])  # runlog.start takes the lock, once all is built
+        # rank 0's, whose runlog.start takes the lock once all is built (ranks looking at once
+        # would each see the others' look)
+        busy = runlog.in_use(c['out_dir']) if runlog.master else ''
         check(not busy, busy)
     return resuming, ckpt_path, ckpt
 

@@ -160,7 +160,7 @@ def open_run(out_dir, resumed, config, sources, session):
     try:
         os.makedirs(out_dir, exist_ok=True)
         if not lock(out_dir):
-            return in_use(out_dir)
+            return held_by_another(out_dir)
         if here:  # last.pt too: a kill may leave a kept checkpoint or stable.pt past it
             moved, replaced = checkpoint.branch(out_dir, *resumed)
             if moved:
@@ -209,8 +209,10 @@ def in_use(out_dir):
     except OSError:  # none yet (or out_dir is no folder: preflight says so)
         return ''
     with os.fdopen(fd, 'w') as f:  # closed: the lock taken to look is let go
-        if lock_taken(f):
-            return ''
+        return '' if lock_taken(f) else held_by_another(out_dir)
+
+
+def held_by_another(out_dir):
     return (f"out_dir '{out_dir}' is in use: another run writes there now (it holds "
             f"{os.path.join(out_dir, '.lock')}): let it end, or use another out_dir")
 

@@ -176,6 +176,18 @@ def test_a_second_run_into_an_out_dir_in_use_is_refused_in_one_line(tmp_path, da
     assert 'done: no iterations left' in result.stdout
 
 
+def test_a_lock_another_run_held_is_said_after_that_run_ends(tmp_path, monkeypatch):
+    # the lock was held when the run tried it and let go before the line was made: the run went
+    # on without it, writing no logs
+    import runlog
+    for name in ('run_dir', 'with_report'):  # open_run sets them
+        monkeypatch.setattr(runlog, name, getattr(runlog, name))
+    monkeypatch.setattr(runlog, 'lock', lambda out_dir: False)
+    assert runlog.open_run(str(tmp_path), None, {'write_report': False}, {}, {}) == (
+        f"out_dir '{tmp_path}' is in use: another run writes there now (it holds "
+        f"{tmp_path}/.lock): let it end, or use another out_dir")
+
+
 def test_an_out_dir_that_is_a_file_is_refused_before_anything_is_built(tmp_path, data_dir):
     out = tmp_path / 'notes'
     out.write_text('mine')
