@@ -164,11 +164,14 @@ def parquet_texts(path, text_key):
         yield from (t or '' for t in batch.column(0).to_pylist())
 
 
-# before the last character of a whitespace run that a printable character follows: GPT-2's
-# pre-tokenizer (tokenizer.GPT2_PAT_STR) ends a piece there (the run's rest is one, that last space
-# goes with the word after it), so both sides of a cut there split as the whole text does; a cut
-# after a newline could split a piece ('\n   ' before indented code) in two
-CLEAN_CUT = re.compile(rb'.*(?=[ \t\n\r][\x21-\x7e])', re.DOTALL)
+# Unicode's White_Space: what GPT-2's pre-tokenizer (tokenizer.GPT2_PAT_STR, Rust's regex) calls
+# \s, which Python's re widens (to '\x1c'-'\x1f')
+WHITE_SPACE = '\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000'
+# before the last character of a whitespace run that another character follows: the pre-tokenizer
+# ends a piece there (the run's rest is one, that last character goes alone or, a space, with the
+# word after it), so both sides of a cut there split as the whole text does; a cut after a newline
+# could split a piece ('\n   ' before indented code, '\n\n') in two
+CLEAN_CUT = re.compile(f'.*(?=[{WHITE_SPACE}][^{WHITE_SPACE}])', re.DOTALL)
 
 
 def text_chunks(path, start, end, progress):
@@ -181,14 +184,22 @@ def text_chunks(path, start, end, progress):
         while start < end:
             block = rest + f.read(min(BATCH_BYTES, end - start))
             start += len(block) - len(rest)
-            # no character is longer than 4 bytes: one starts in the last 4
-            clean = CLEAN_CUT.match(block)
-            cut = (len(block) if start >= end else clean and clean.end()
-                   or block.rfind(b'\n') + 1 or char_boundary(block, max(len(block) - 4, 0)))
+            cut = len(block) if start >= end else clean_cut(block)
             rest = block[cut:]
             progress.bytes_done = start - len(rest)
             if cut:
                 yield progress.bytes_done - cut, block[:cut]
+
+
+def clean_cut(block):
+    """Where text_chunks cuts a block of bytes: CLEAN_CUT's place, or else after its last newline,
+    or else where a character starts (no character is longer than 4 bytes: one starts in the last
+    4). surrogateescape: a byte that is no UTF-8 comes back as it was, for decode_utf8 to name."""
+    text = block[:char_boundary(block, max(len(block) - 4, 0))].decode('utf-8', 'surrogateescape')
+    clean = CLEAN_CUT.match(text)
+    if clean and clean.end():
+        return len(text[:clean.end()].encode('utf-8', 'surrogateescape'))
+    return block.rfind(b'\n') + 1 or char_boundary(block, max(len(block) - 4, 0))
 
 
 def char_boundary(raw, i):
