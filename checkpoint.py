@@ -302,19 +302,23 @@ def pad_vocabulary(ckpt):
             f"moments")
 
 
-def changed_settings(ckpt, config, defaults):
+def changed_settings(ckpt, config, defaults, tasks=None):
     """{key: (the checkpoint's run's value, this config's)} of the settings that differ. A key the
     checkpoint's code did not have yet was at its default there. dtype and muon_dtype compare as
     the checkpoint's run resolved them: 'auto' here keeps that (preflight.dtypes), and 'float32'
-    here continues a run whose 'auto' chose float32."""
+    here continues a run whose 'auto' chose float32. eval_tasks and eval_tasks_examples do not
+    differ where they score the examples the checkpoint's run did (tasks: evaluate.tasks_digest's
+    here): a task file moved."""
     def theirs(k):
         if k in ('dtype', 'muon_dtype') and ckpt.get(k, 'auto') != 'auto':
             return config[k] if config[k] == 'auto' else ckpt[k]
+        if k in ('eval_tasks', 'eval_tasks_examples') and tasks and ckpt.get('tasks') == tasks:
+            return config[k]
         return ckpt['config'].get(k, defaults[k])
     return {k: (theirs(k), config[k]) for k in config if theirs(k) != config[k]}
 
 
-def why_not_resume(ckpt, config, defaults, unread=(), tasks=''):
+def why_not_resume(ckpt, config, defaults, unread=(), tasks=None):
     """Why this config may not resume the checkpoint ('was trained with other settings (...)'), or
     ''. unread: keys neither run reads (preflight.unread's), which may change. What measures the
     best so far may not: eval_iters (the val windows) under best_by='val_loss', the examples the
@@ -323,19 +327,17 @@ def why_not_resume(ckpt, config, defaults, unread=(), tasks=''):
     chosen by the change. eval_only, which loads only the weights and evaluates them, may change
     all but WEIGHTS_KEYS."""
     by_tasks = config['best_by'] == 'acc_norm'
-    if by_tasks and not config['eval_only'] and ckpt.get('tasks', tasks) != tasks:
+    if by_tasks and not config['eval_only'] and tasks and ckpt.get('tasks', tasks) != tasks:
         return ("scored other task examples than eval_tasks does here (best_by='acc_norm' chose "
                 "its best.pt by them)")
-    chooses_best = ('eval_iters',)
-    if by_tasks:
-        chooses_best = () if 'tasks' in ckpt else ('eval_tasks', 'eval_tasks_examples')
+    chooses_best = ('eval_tasks', 'eval_tasks_examples') if by_tasks else ('eval_iters',)
 
     def fixed(key):
         if config['eval_only']:
             return key in WEIGHTS_KEYS
         return key not in RESUMABLE or key in chooses_best
     changed = [f"{k}={old!r} there, {new!r} here"
-               for k, (old, new) in changed_settings(ckpt, config, defaults).items()
+               for k, (old, new) in changed_settings(ckpt, config, defaults, tasks).items()
                if fixed(k) and k not in unread]
     return f"was trained with other settings ({'; '.join(changed)})" if changed else ''
 

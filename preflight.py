@@ -306,7 +306,7 @@ def start(config, sources, defaults, model_config, resume, data_meta, dataset_id
             announce=lambda: log("measuring this machine's peak FLOP/s for MFU (once per machine "
                                  "and dtype: cached)"))
     session = session_record(c, sources, defaults, (data_meta, dataset_id), device, cpus, resumed,
-                             pretrained, settled)
+                             pretrained, settled, evaluate.tasks_digest(tasks))
     session['peak_flops'] = {'per_process': peak_flops, 'how': peak_how}
     return Start(tasks, pretrained, pretrained_state, model_config, dtype, muon_dtype, peak_flops,
                  session, eval_windows)
@@ -372,11 +372,13 @@ def check_fits(model_config, device, sharded):
           f"{model_config.vocab_size})")
 
 
-def session_record(config, sources, defaults, data, device, cpus, resumed, pretrained, settled):
+def session_record(config, sources, defaults, data, device, cpus, resumed, pretrained, settled,
+                   tasks):
     """What this session is, for meta.json and its first lines: its seed, dtypes (settled: dtypes()'
     four, each with how 'auto' chose it), device, processes and CPUs (cpus: distributed.cpu_use's),
     its start (GPT-2's weights; the checkpoint resumed, resumed: (path, checkpoint), and the
-    settings the command changes) and its data (data: the dataset's meta and id)."""
+    settings the command changes; tasks: evaluate.tasks_digest's) and its data (data: the
+    dataset's meta and id)."""
     c, (data_meta, dataset_id) = config, data
     dtype, dtype_how, muon_dtype, muon_dtype_how = settled
     ddp = torch.distributed.is_initialized()
@@ -389,7 +391,8 @@ def session_record(config, sources, defaults, data, device, cpus, resumed, pretr
         'resumed_from': f"{resumed[0]} at iteration {resumed[1]['iter_num']}" if resumed else None,
         # a resume says what it changes: a key left out of the command can change the schedule
         'changed_on_resume': {k: [old, new, sources[k]] for k, (old, new)
-                              in checkpoint.changed_settings(resumed[1], config, defaults).items()
+                              in checkpoint.changed_settings(resumed[1], config, defaults,
+                                                             tasks).items()
                               if k not in ('init_from', 'resume_from')} if resumed else None,
         'dataset': {**dataset_id, 'tokenizer': data_meta['tokenizer']['kind'],
                     'dir': c['data_dir'], 'split_rule': data_meta.get('split_rule', '')}}

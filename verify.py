@@ -242,7 +242,8 @@ def main(config, sources):
     settings = end_ckpt['config']  # the settings of the session that wrote end, not the latest's
     # as a resume compares them (dtype: as the run resolved it); a key start's code lacked differs
     changed = sorted(k for k in checkpoint.changed_settings(start_ckpt, settings,
-                                                             dict.fromkeys(settings))
+                                                             dict.fromkeys(settings),
+                                                             end_ckpt.get('tasks'))
                      if k not in FREE)
     if changed:
         fail(f"{start_path} and {end_path} come from sessions with other settings "
