@@ -77,9 +77,14 @@ def agree(step, loss_sum, accum, grad_norm, fault, writer, device):
     return loss, grad_norm, stops
 
 
-def non_finite(step, loss, grad_norm, lr, starts):
-    """The line a non-finite loss or gradient norm ends the run with: the values, and the batches'
-    windows (start positions in the train split) that produced them."""
+def non_finite(step, loss, grad_norm, lr, rank_loss, starts):
+    """The line a non-finite loss or gradient norm ends the run with: the values, and the windows
+    (start positions in the train split) of the batches that produced them: of the ranks whose own
+    loss (rank_loss, over their micro-batches, whose windows are starts) is not finite, else every
+    rank's. Every rank calls it: a gather."""
+    ranks = gather((math.isfinite(rank_loss.item()), starts))
+    culprits = [s for finite, windows in ranks if not finite for s in windows]
+    starts = culprits or [s for _, windows in ranks for s in windows]
     what = 'loss' if not math.isfinite(loss) else 'gradient norm'
     return (f"non-finite {what} at iteration {step}: loss {loss}, lr {lr:.3e}, grad norm "
             f"{grad_norm}, batch windows (start positions in the train split) "

@@ -448,7 +448,7 @@ while progress.iter_num < max_iters and not progress.out_of_patience(patience):
                                          batches.fault, writer, device)
     skipped = scaler.is_enabled() and not math.isfinite(grad_norm)  # float16: the scaler skips it
     if not math.isfinite(loss) or not (math.isfinite(grad_norm) or skipped):
-        abort(step, exits.non_finite(step, loss, grad_norm, lr, starts))
+        abort(step, exits.non_finite(step, loss, grad_norm, lr, loss_sum, starts))
     first_loss = loss if first_loss is None else first_loss  # for overfit_one_batch's last line
     scale = scaler.get_scale() if scaler.is_enabled() else 1.0
     with record_function('optimizer'):

@@ -9,6 +9,7 @@ import socket
 import pytest
 import torch
 
+import data
 import forked
 import sample
 from conftest import (DEVICES, REPO, RUN_CONFIG, ok, read_metrics, run_train, torchrun,
@@ -147,6 +148,12 @@ def test_nan_on_one_rank_ends_both_promptly(tmp_path, data_dir):
     # rank 0's record: the loss summed over the ranks (else rank 0 saw only the gradient's norm)
     [abort] = read_metrics(out, 'abort')
     assert abort['step'] == 7 and abort['message'].startswith('non-finite loss at iteration 7')
+    # the windows of rank 1's micro-batches 13 and 14, which made it (rank 0's were named)
+    with open(os.path.join(data_dir, 'toy', 'meta.json')) as f:
+        train_tokens = json.load(f)['splits']['train']['tokens']
+    rank_1 = iter(data.TrainSampler(train_tokens, 32, 8, 32, 1337, rank=1, world_size=2))
+    windows = [w for _, batch in zip(range(14), rank_1) for w in batch][-16:]
+    assert f"batch windows (start positions in the train split) {windows};" in abort['message']
 
 
 def test_readme_s_multi_process_command_runs_as_written(tmp_path, data_dir):
