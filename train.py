@@ -303,9 +303,11 @@ if not eval_only:
                               raw_model.flops_per_token())
     check(not unwritable, unwritable)
 del ckpt  # restored: kept, its weights (on a GPU its optimizer state too) would be held twice
-# out of memory anywhere, or another rank lost: one line instead of a traceback (exit code 1)
-sys.excepthook = lambda *exc: exits.explain_failure(exc, progress.iter_num + 1, batch_size,
-                                                    block_size, dtype, device)
+# out of memory anywhere, or another rank lost: one line instead of a traceback (exit code 1),
+# naming the iteration under way (the loop sets it: its step, then its evaluation and saves)
+step = progress.iter_num + 1
+sys.excepthook = lambda *exc: exits.explain_failure(exc, step, batch_size, block_size, dtype,
+                                                    device)
 
 def split_loss(split, model):
     """model's mean loss over a split's evaluation windows. A shard changed under the run ends the
@@ -334,8 +336,10 @@ exits.catch_stop_signals()  # Ctrl-C or SIGTERM: save last.pt after the step und
 batches = data.TrainBatches(splits['train'], train_sampler, num_workers, seed + rank,
                             device_type == 'cuda')
 micro_batches = batches
-if overfit_one_batch:  # one batch, taken without moving the sampler: a resume takes it again
-    micro_batches = itertools.repeat(data.next_batch(splits['train'], train_sampler))
+if overfit_one_batch:  # one batch, one process's first on every rank (so any count is the same
+    # run), taken without moving the run's sampler: a resume takes it again
+    first = data.TrainSampler(splits['train'].num_tokens, block_size, batch_size, global_batch, seed)
+    micro_batches = itertools.repeat(data.next_batch(splits['train'], first))
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 speed = perf.Speedometer(progress.iter_num, max_iters, accum_steps, tokens_per_iter,
                          raw_model.flops_per_token(), init.peak_flops, world_size, device,

@@ -27,6 +27,7 @@ PROBE_LOGGERS=FILE   stands in for wandb and TensorBoard (the tensorboard packag
 PROBE_SLEEP=A-B:S    sleeps S seconds in training micro-batches A to B (as compilation or a busy
                      machine would), and says so on stderr as each sleep begins
 PROBE_SLEEP_EVAL=S   sleeps S seconds in each evaluation forward, and says so on stderr
+PROBE_KILL_EVAL=R    SIGKILLs rank R at its first evaluation forward
 PROBE_DATA=R:N:HOW:PATH  at rank R's N-th micro-batch, truncates the file PATH to half its size
                      (HOW=truncate) or rotates the tokens of its second half by 4 bytes, keeping its
                      size and every id in the vocabulary (HOW=rewrite), as a job re-preparing the
@@ -294,13 +295,16 @@ def probed_cross_entropy(*args, **kwargs):
     elif 'PROBE_SLEEP_EVAL' in os.environ:
         print(f"probe: rank {rank} sleeps in an evaluation", file=sys.stderr, flush=True)
         time.sleep(float(os.environ['PROBE_SLEEP_EVAL']))
+    elif os.environ.get('PROBE_KILL_EVAL') == str(rank):
+        os.kill(os.getpid(), signal.SIGKILL)
     return loss
 
 
 # only when asked: torch.compile traces the loss (in GPT.forward), and it cannot guard on a function
 # of this script, whose module train.py's replaces as __main__
 if any(name in os.environ
-       for name in ('PROBE_NAN', 'PROBE_KILL', 'PROBE_DATA', 'PROBE_SLEEP', 'PROBE_SLEEP_EVAL')):
+       for name in ('PROBE_NAN', 'PROBE_KILL', 'PROBE_DATA', 'PROBE_SLEEP', 'PROBE_SLEEP_EVAL',
+                    'PROBE_KILL_EVAL')):
     F.cross_entropy = probed_cross_entropy
 sys.argv = sys.argv[1:]
 # as if train.py were run directly

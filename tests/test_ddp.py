@@ -91,6 +91,17 @@ def test_one_process_under_torchrun_is_the_run_without_it(tmp_path, data_dir, pa
         assert 'shards' in torch.load(os.path.join(under, 'last.pt'), weights_only=True)
 
 
+def test_overfit_one_batch_on_two_ranks_is_one_processs_run(tmp_path, data_dir):
+    # each rank took its own first micro-batch: two ranks trained on other windows than one process
+    one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
+    args = [*SAME, '--overfit_one_batch=True', '--max_iters=3', '--eval_interval=3']
+    run_train(one, data_dir, *args)
+    ok(torchrun(two, data_dir, *args))
+    steps1, steps2 = read_metrics(one, 'train'), read_metrics(two, 'train')
+    assert len(steps1) == len(steps2) == 3
+    assert all(close(s1['loss'], s2['loss']) for s1, s2 in zip(steps1, steps2)), (steps1, steps2)
+
+
 def test_two_nodes_on_loopback(tmp_path, data_dir):
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
@@ -154,6 +165,14 @@ def test_nan_on_one_rank_ends_both_promptly(tmp_path, data_dir):
     rank_1 = iter(data.TrainSampler(train_tokens, 32, 8, 32, 1337, rank=1, world_size=2))
     windows = [w for _, batch in zip(range(14), rank_1) for w in batch][-16:]
     assert f"batch windows (start positions in the train split) {windows};" in abort['message']
+
+
+def test_a_rank_lost_in_an_evaluation_is_named_with_its_iteration(tmp_path, data_dir):
+    # rank 1 dies in the evaluation at 10: rank 0 said iteration 11
+    result = torchrun(str(tmp_path / 'run'), data_dir, *SAME, '--max_iters=10', probe=True,
+                      env_extra={'PROBE_KILL_EVAL': '1'}, timeout=300)
+    assert result.returncode != 0
+    assert 'error: rank 0 lost another rank at iteration 10 (' in result.stderr, result.stderr
 
 
 def test_readme_s_multi_process_command_runs_as_written(tmp_path, data_dir):
