@@ -150,9 +150,9 @@ def open_run(out_dir, resumed, config, sources, session):
     been moved), the logs keep what it had logged and lose what came after, since those steps are
     redone; otherwise they are cut whole: out_dir holds no checkpoint then (preflight refuses one
     of another folder into a used out_dir), so they are of a run stopped before its first one (a
-    smoke test that failed), which this one is not. Temp files a killed save left are dropped: never read, safe to
-    remove. Resumed from a checkpoint of out_dir, checkpoint.branch makes its checkpoints those of
-    the run as it now goes on."""
+    smoke test that failed), which this one is not. Temp files a killed save left are dropped:
+    never read, safe to remove. Resumed from a checkpoint of out_dir, checkpoint.branch makes its
+    checkpoints those of the run as it now goes on."""
     global run_dir, with_report, tensorboard, wandb
     run_dir, with_report = out_dir, config['write_report']
     here = resumed and os.path.realpath(os.path.dirname(resumed[0])) == os.path.realpath(out_dir)

@@ -338,8 +338,9 @@ batches = data.TrainBatches(splits['train'], train_sampler, num_workers, seed + 
 micro_batches = batches
 if overfit_one_batch:  # one batch, one process's first on every rank (so any count is the same
     # run), taken without moving the run's sampler: a resume takes it again
-    first = data.TrainSampler(splits['train'].num_tokens, block_size, batch_size, global_batch, seed)
-    micro_batches = itertools.repeat(data.next_batch(splits['train'], first))
+    one_process = data.TrainSampler(splits['train'].num_tokens, block_size, batch_size,
+                                    global_batch, seed)
+    micro_batches = itertools.repeat(data.next_batch(splits['train'], one_process))
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 speed = perf.Speedometer(progress.iter_num, max_iters, accum_steps, tokens_per_iter,
                          raw_model.flops_per_token(), init.peak_flops, world_size, device,
