@@ -306,14 +306,17 @@ def changed_settings(ckpt, config, defaults, tasks=None):
     """{key: (the checkpoint's run's value, this config's)} of the settings that differ. A key the
     checkpoint's code did not have yet was at its default there. dtype and muon_dtype compare as
     the checkpoint's run resolved them: 'auto' here keeps that (preflight.dtypes), and 'float32'
-    here continues a run whose 'auto' chose float32. eval_tasks and eval_tasks_examples do not
-    differ where they score the examples the checkpoint's run did (tasks: evaluate.tasks_digest's
-    here): a task file moved."""
+    here continues a run whose 'auto' chose float32. eval_tasks and eval_tasks_examples compare
+    as the examples they score where the checkpoint keeps their digest (tasks: this config's,
+    evaluate.tasks_digest's): a task file moved is no change, one edited in place is."""
     def theirs(k):
         if k in ('dtype', 'muon_dtype') and ckpt.get(k, 'auto') != 'auto':
             return config[k] if config[k] == 'auto' else ckpt[k]
-        if k in ('eval_tasks', 'eval_tasks_examples') and tasks and ckpt.get('tasks') == tasks:
-            return config[k]
+        if k in ('eval_tasks', 'eval_tasks_examples') and tasks and 'tasks' in ckpt:
+            if ckpt['tasks'] == tasks:
+                return config[k]
+            if k == 'eval_tasks' and ckpt['config'].get(k) == config[k]:
+                return f"{config[k]} (other examples then)"
         return ckpt['config'].get(k, defaults[k])
     return {k: (theirs(k), config[k]) for k in config if theirs(k) != config[k]}
 

@@ -221,9 +221,9 @@ if __name__ == '__main__':
         tok = tokenizer.load(saved['dataset']['tokenizer'])
     except tokenizer.TokenizerError as e:
         fail(e)
-    # a prompt file saved with CRLF line endings, for a vocabulary without '\r' (an LF corpus's; a
-    # BPE's is taken as one): '\n', as Python reads text. A char corpus with them keeps them
-    if prompt_file and (tok.eot_id is not None or tok.unknown('\r')):
+    # a prompt file as written, but for a vocabulary that cannot spell '\r' (an LF char corpus's),
+    # whose CRLF line endings are '\n', as Python reads text (refused, they would be its unknown)
+    if prompt_file and tok.unknown('\r'):
         start = start.replace('\r\n', '\n')
     try:  # train.py's rule, for this model's shape on this device
         dtype = precision.resolve_dtype(

@@ -304,8 +304,8 @@ if not eval_only:
     check(not unwritable, unwritable)
 del ckpt  # restored: kept, its weights (on a GPU its optimizer state too) would be held twice
 # out of memory anywhere, or another rank lost: one line instead of a traceback (exit code 1),
-# naming the iteration under way (the loop sets it: its step, then its evaluation and saves)
-step = progress.iter_num + 1
+# naming the iteration under way: the loop's step, then its evaluation and saves; else the last
+step = progress.iter_num
 sys.excepthook = lambda *exc: exits.explain_failure(exc, step, batch_size, block_size, dtype,
                                                     device)
 

@@ -168,11 +168,16 @@ def test_nan_on_one_rank_ends_both_promptly(tmp_path, data_dir):
 
 
 def test_a_rank_lost_in_an_evaluation_is_named_with_its_iteration(tmp_path, data_dir):
-    # rank 1 dies in the evaluation at 10: rank 0 said iteration 11
-    result = torchrun(str(tmp_path / 'run'), data_dir, *SAME, '--max_iters=10', probe=True,
-                      env_extra={'PROBE_KILL_EVAL': '1'}, timeout=300)
-    assert result.returncode != 0
-    assert 'error: rank 0 lost another rank at iteration 10 (' in result.stderr, result.stderr
+    # rank 1 dies in the evaluation at 20, or in eval_only's of the checkpoint at 10: rank 0 said
+    # iteration 21, 11
+    out = str(tmp_path / 'run')
+    ok(torchrun(out, data_dir, *SAME, '--max_iters=10'))
+    for more, iteration in ((['--max_iters=20'], 20), (['--eval_only=True'], 10)):
+        result = torchrun(out, data_dir, *SAME, '--init_from=resume', *more, probe=True,
+                          env_extra={'PROBE_KILL_EVAL': '1'}, timeout=300)
+        assert result.returncode != 0
+        assert f'error: rank 0 lost another rank at iteration {iteration} (' in result.stderr, \
+            result.stderr
 
 
 def test_readme_s_multi_process_command_runs_as_written(tmp_path, data_dir):

@@ -955,6 +955,8 @@ def test_what_chooses_best_pt_may_not_change_on_resume():
     moved = {**by_tasks, 'eval_tasks': '/elsewhere/a.jsonl'}
     assert checkpoint.why_not_resume(ckpt, moved, defaults, tasks='digest-a') == ''
     assert checkpoint.changed_settings(ckpt, moved, defaults, 'digest-a') == {}  # nor said changed
+    assert checkpoint.changed_settings(ckpt, by_tasks, defaults, 'digest-b') == {  # edited in place
+        'eval_tasks': ('a.jsonl (other examples then)', 'a.jsonl')}
     assert checkpoint.why_not_resume(ckpt, by_tasks, defaults, tasks='digest-b') == (
         "scored other task examples than eval_tasks does here (best_by='acc_norm' chose its "
         "best.pt by them)")
