@@ -152,6 +152,7 @@ def settings(defaults, argv, world_size, ddp):
 class Start:
     """Where a run starts, and what it settled on the way."""
     tasks: dict  # evaluate.read_tasks' of eval_tasks
+    tasks_digest: str  # evaluate.tasks_digest's of them: every checkpoint keeps it
     pretrained: dict | None  # {'init_from', 'weights', 'sha256'} of a GPT-2 start, on resume too
     pretrained_state: dict | None  # GPT-2's weights, for a start from them
     model_config: GPTConfig  # the vocabulary's size, and the shape GPT-2's weights set
@@ -212,6 +213,7 @@ def start(config, sources, defaults, model_config, resume, data_meta, dataset_id
                                         c['eval_tasks_examples'], tok.unknown)
     except (evaluate.TaskError, tokenizer.TokenizerError) as e:
         check(False, e)
+    tasks_digest = evaluate.tasks_digest(tasks)
     resuming, ckpt_path, ckpt = resume
     pretrained = ckpt['pretrained'] if resuming else None
     pretrained_state = None
@@ -252,8 +254,7 @@ def start(config, sources, defaults, model_config, resume, data_meta, dataset_id
     if resuming:
         # a key neither run reads (muon_dtype under AdamW) changes nothing: it may come or go
         unread_by_both = unread(config).keys() & unread(defaults | ckpt['config']).keys()
-        why = (checkpoint.why_not_resume(ckpt, config, defaults, unread_by_both,
-                                         evaluate.tasks_digest(tasks))
+        why = (checkpoint.why_not_resume(ckpt, config, defaults, unread_by_both, tasks_digest)
                or datafiles.data_change(ckpt['dataset'], dataset_id, splits))
         check(not why,
               f"{ckpt_path} {why}: use the checkpoint's settings and data, or a new out_dir")
@@ -306,10 +307,10 @@ def start(config, sources, defaults, model_config, resume, data_meta, dataset_id
             announce=lambda: log("measuring this machine's peak FLOP/s for MFU (once per machine "
                                  "and dtype: cached)"))
     session = session_record(c, sources, defaults, (data_meta, dataset_id), device, cpus, resumed,
-                             pretrained, settled, evaluate.tasks_digest(tasks))
+                             pretrained, settled, tasks_digest)
     session['peak_flops'] = {'per_process': peak_flops, 'how': peak_how}
-    return Start(tasks, pretrained, pretrained_state, model_config, dtype, muon_dtype, peak_flops,
-                 session, eval_windows)
+    return Start(tasks, tasks_digest, pretrained, pretrained_state, model_config, dtype,
+                 muon_dtype, peak_flops, session, eval_windows)
 
 
 def check_out_dir(out_dir, may_hold_a_checkpoint, dataset_dir):

@@ -294,7 +294,7 @@ if ddp and not sharded:  # buffers (rope's tables) are not broadcast in every fo
 run_record = {'config': config, 'model_args': dataclasses.asdict(model_config),
               'dataset': dataset_id, 'pretrained': init.pretrained, 'dtype': dtype,
               'muon_dtype': muon_dtype, 'eval_windows': eval_windows,
-              'tasks': evaluate.tasks_digest(init.tasks)}  # in every checkpoint
+              'tasks': init.tasks_digest}  # in every checkpoint
 # the run folder: created only now that the config, data and checkpoint are known to be good; an
 # out_dir that cannot be written stops every rank here
 if not eval_only:
