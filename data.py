@@ -57,8 +57,10 @@ def open_splits(data_dir, dataset, block_size, first_on_node=True):
     agree(problem)
     identity = {'name': meta['name'], 'source_sha256': meta.get('source_sha256'),
                 'vocab_size': meta['vocab_size'], 'tokenizer': meta['tokenizer'],
-                # prepare.py's count per split (sample.empty_prompt); llm.c's data: unknown
-                'documents': {s: v['documents'] for s, v in meta.get('splits', {}).items()},
+                # the documents of each split of prepare.py's (sample.empty_prompt); of a
+                # hand-written meta.json's (llm.c's shards): unknown
+                'documents': ({s: v.get('documents') for s, v in meta['splits'].items()}
+                              if 'source_sha256' in meta else {}),
                 'shards': [shard for s in splits.values() for shard in s.shards]}
     return meta, splits, identity
 

@@ -79,6 +79,10 @@ def test_llmc_shards_with_a_written_meta_are_a_dataset(tmp_path):
     with pytest.raises(data.DataError,
                        match=r'has no val shards .*: widen the glob, or add them$'):
         datafiles.open_dataset(str(tmp_path), 'fineweb10B/fineweb_train_*.bin')
+    # a key of its own in a written meta.json is no prepare.py record (a KeyError at start)
+    (folder / 'meta.json').write_text(json.dumps({'vocab_size': 50257, 'tokenizer': 'gpt2',
+                                                  'splits': {'train': {'tokens': 1000}}}))
+    assert data.open_splits(str(tmp_path), 'fineweb10B', 64)[2]['documents'] == {}
     # llm.c's one-shard datasets, named without an index, were refused; a glob of every file met
     # meta.json and fingerprints.json, and was refused
     folder = tmp_path / 'tinyshakespeare'
